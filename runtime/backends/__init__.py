@@ -1,0 +1,27 @@
+"""Tensor backends: the only place (with graph capture) that imports a framework.
+
+Owns: choosing and constructing an ``Ops`` object for a ``RuntimeConfig``.
+Each backend module imports its framework lazily, so a Torch worker never
+loads Paddle and vice versa (they live in separate processes).
+"""
+
+from __future__ import annotations
+
+from runtime.backends.base import Ops
+from runtime.config import RuntimeConfig
+
+
+def make_ops(cfg: RuntimeConfig) -> Ops:
+    """Build the ops layer for ``cfg.backend`` on ``cfg.device``."""
+    if cfg.backend == "paddle":
+        from runtime.backends.paddle_ops import PaddleOps
+
+        return PaddleOps(cfg.device, cfg.dtype)
+    if cfg.backend == "torch":
+        from runtime.backends.torch_ops import TorchOps
+
+        return TorchOps(cfg.device, cfg.dtype)
+    raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
+
+
+__all__ = ["Ops", "make_ops"]

@@ -1,0 +1,70 @@
+"""The per-framework ops layer the model family is written against.
+
+Owns: the list of tensor operations the Llama target and the MTP head need,
+with their shapes and semantics. Paddle and Torch implement it in
+``paddle_ops.py`` and ``torch_ops.py``; the model code (``runtime/model.py``)
+calls only these methods, so both frameworks run the same model definition.
+
+Must not know: models, requests, gRPC. Every method is shape-static given
+its inputs' shapes (no host synchronisation), so the same calls can be
+captured into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+Tensor = Any  # a paddle.Tensor or torch.Tensor, opaque to callers
+
+
+class Ops(Protocol):
+    name: str          # "paddle" | "torch"
+    device: str        # "cpu" | "cuda:N"
+    dtype: str         # compute dtype of weights/activations: float32 | float16 | bfloat16
+
+    # --- host <-> device ---------------------------------------------------
+    def from_numpy(self, arr: np.ndarray, dtype: str | None = None) -> Tensor:
+        """Copy a numpy array to the device. dtype None keeps int arrays as int64
+        and casts float arrays to the compute dtype."""
+    def to_numpy(self, x: Tensor) -> np.ndarray:
+        """Copy to host; floating tensors come back as float32."""
+    def zeros(self, shape: tuple[int, ...], dtype: str | None = None) -> Tensor: ...
+    def arange(self, n: int) -> Tensor:
+        """int64 [n] = 0..n-1"""
+    def copy_(self, dst: Tensor, src: Tensor) -> None:
+        """In-place copy (dst keeps its address). Shapes must match."""
+    def data_ptr(self, x: Tensor) -> int: ...
+    def cast(self, x: Tensor, dtype: str) -> Tensor: ...
+    def dtype_name(self, x: Tensor) -> str: ...
+    def shape(self, x: Tensor) -> tuple[int, ...]: ...
+
+    # --- math ----------------------------------------------------------------
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [..., in] @ w[out, in]^T -> [..., out]"""
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """x * rsqrt(mean(x^2, -1) + eps) * w, computed in float32, returned in x's dtype"""
+    def silu(self, x: Tensor) -> Tensor: ...
+    def embedding(self, w: Tensor, ids: Tensor) -> Tensor:
+        """w [V, d], ids int64 [...] -> [..., d]"""
+    def cat(self, xs: list[Tensor], axis: int) -> Tensor: ...
+    def reshape(self, x: Tensor, shape: tuple[int, ...]) -> Tensor: ...
+    def transpose(self, x: Tensor, perm: tuple[int, ...]) -> Tensor: ...
+    def index_select(self, x: Tensor, index: Tensor, axis: int) -> Tensor: ...
+    def scatter_rows_(self, dst: Tensor, index: Tensor, src: Tensor) -> None:
+        """dst[index[i]] = src[i] along axis 0, in place. index int64 [N]."""
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """q [B, T, H, D], k/v [B, L, KVH, D] (H % KVH == 0), mask bool [B, T, L]
+        (True = may attend) -> [B, T, H, D]. Softmax in float32."""
+    def less_equal(self, a: Tensor, b: Tensor) -> Tensor: ...
+    def argmax(self, x: Tensor, axis: int) -> Tensor: ...
+    def clip(self, x: Tensor, lo: int, hi: int) -> Tensor: ...
+
+    # --- memory / device ---------------------------------------------------
+    def synchronize(self) -> None: ...
+    def memory_allocated(self) -> int:
+        """Bytes held by the framework allocator on this device (0 on CPU)."""
+    def empty_cache(self) -> None: ...
+    def no_grad(self) -> Any:
+        """Context manager disabling autograd."""

@@ -1,0 +1,159 @@
+"""Paddle implementation of the ops layer (see ``base.py`` for semantics).
+
+Owns: every ``paddle`` call the model family makes, and undoing Paddle's
+import-time side effects (it sets the root logger to INFO). Plain ops only:
+Paddle's fused CPU kernels (``fused_rms_norm``) die with SIGILL on some CPUs;
+``matmul(..., transpose_y=True)`` is used instead of ``.T``.
+
+Must not know models, requests or gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+_root_level = logging.getLogger().level
+import paddle  # noqa: E402
+import paddle.nn.functional as F  # noqa: E402
+
+# NOTE: restore the root logger after the import; Paddle raises it to INFO,
+# which would make every library's debug chatter appear in service logs.
+logging.getLogger().setLevel(_root_level)
+
+_DTYPES = {"float32": paddle.float32, "float16": paddle.float16, "bfloat16": paddle.bfloat16,
+           "int64": paddle.int64, "int32": paddle.int32, "bool": paddle.bool}
+
+
+def _dtype_name(dt) -> str:
+    for k, v in _DTYPES.items():
+        if dt == v:
+            return k
+    raise ValueError(f"unsupported paddle dtype {dt}")
+
+
+class PaddleOps:
+    name = "paddle"
+
+    def __init__(self, device: str, dtype: str) -> None:
+        if device.startswith("cuda"):
+            if not paddle.device.is_compiled_with_cuda():
+                raise RuntimeError(f"runtime.device={device!r} but this Paddle build has no CUDA")
+            self._place = paddle.CUDAPlace(int(device.split(":")[1]))
+            paddle.device.set_device(device.replace("cuda", "gpu"))
+        else:
+            self._place = paddle.CPUPlace()
+            paddle.device.set_device("cpu")
+        self.device = device
+        self.dtype = dtype
+
+    # --- host <-> device ---------------------------------------------------
+    def from_numpy(self, arr, dtype=None):
+        arr = np.ascontiguousarray(arr)
+        if dtype is None:
+            dtype = "int64" if arr.dtype.kind in "iu" else ("bool" if arr.dtype.kind == "b" else self.dtype)
+        if arr.dtype.kind in "iu":
+            arr = arr.astype(np.int64)
+        t = paddle.to_tensor(arr, place=self._place)
+        return t if t.dtype == _DTYPES[dtype] else t.astype(_DTYPES[dtype])
+
+    def to_numpy(self, x):
+        if x.dtype in (paddle.float16, paddle.bfloat16):
+            x = x.astype(paddle.float32)
+        return x.numpy()
+
+    def zeros(self, shape, dtype=None):
+        return paddle.zeros(list(shape), dtype=_DTYPES[dtype or self.dtype])
+
+    def arange(self, n):
+        return paddle.arange(n, dtype="int64")
+
+    def copy_(self, dst, src):
+        paddle.assign(src.astype(dst.dtype) if src.dtype != dst.dtype else src, output=dst)
+
+    def data_ptr(self, x):
+        return int(x.data_ptr())
+
+    def cast(self, x, dtype):
+        return x.astype(_DTYPES[dtype])
+
+    def dtype_name(self, x):
+        return _dtype_name(x.dtype)
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    # --- math ----------------------------------------------------------------
+    def linear(self, x, w):
+        return paddle.matmul(x, w, transpose_y=True)
+
+    def rms_norm(self, x, w, eps):
+        xf = x.astype(paddle.float32)
+        xf = xf * paddle.rsqrt(paddle.mean(xf * xf, axis=-1, keepdim=True) + eps)
+        return (xf * w.astype(paddle.float32)).astype(x.dtype)
+
+    def silu(self, x):
+        return F.silu(x)
+
+    def embedding(self, w, ids):
+        return F.embedding(ids, w)
+
+    def cat(self, xs, axis):
+        return paddle.concat(xs, axis=axis)
+
+    def reshape(self, x, shape):
+        return paddle.reshape(x, list(shape))
+
+    def transpose(self, x, perm):
+        return paddle.transpose(x, list(perm))
+
+    def index_select(self, x, index, axis):
+        return paddle.index_select(x, index, axis=axis)
+
+    def scatter_rows_(self, dst, index, src):
+        paddle.scatter_(dst, index, src.astype(dst.dtype), overwrite=True)
+
+    def attention(self, q, k, v, mask):
+        b, t, h, d = q.shape
+        kvh = k.shape[2]
+        g = h // kvh
+        L = k.shape[1]
+        # [B, KVH, G*T, D] x [B, KVH, L, D]^T: every query head of a group shares one K/V head.
+        qg = paddle.reshape(paddle.transpose(paddle.reshape(q, [b, t, kvh, g, d]), [0, 2, 3, 1, 4]), [b, kvh, g * t, d])
+        kt = paddle.transpose(k, [0, 2, 1, 3]).astype(paddle.float32)   # [B, KVH, L, D]
+        scores = paddle.matmul(qg.astype(paddle.float32), kt, transpose_y=True) / math.sqrt(d)
+        m = paddle.expand(mask.unsqueeze(1).unsqueeze(1), [b, kvh, g, t, L])
+        m = paddle.reshape(m, [b, kvh, g * t, L])
+        scores = paddle.where(m, scores, paddle.full_like(scores, float("-inf")))
+        probs = F.softmax(scores, axis=-1)
+        out = paddle.matmul(probs, paddle.transpose(v, [0, 2, 1, 3]).astype(paddle.float32))
+        out = paddle.transpose(paddle.reshape(out, [b, kvh, g, t, d]), [0, 3, 1, 2, 4])
+        return paddle.reshape(out, [b, t, h, d]).astype(q.dtype)
+
+    def less_equal(self, a, b):
+        return paddle.less_equal(a, b)
+
+    def argmax(self, x, axis):
+        return paddle.argmax(x, axis=axis)
+
+    def clip(self, x, lo, hi):
+        return paddle.clip(x, lo, hi)
+
+    # --- memory / device ---------------------------------------------------
+    def synchronize(self):
+        if self.device.startswith("cuda"):
+            paddle.device.synchronize()
+
+    def memory_allocated(self):
+        if self.device.startswith("cuda"):
+            return int(paddle.device.cuda.memory_allocated(self._place.get_device_id()))
+        return 0
+
+    def empty_cache(self):
+        if self.device.startswith("cuda"):
+            paddle.device.cuda.empty_cache()
+
+    def no_grad(self):
+        return paddle.no_grad()

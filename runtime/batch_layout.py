@@ -1,0 +1,65 @@
+"""Host-side layout of a ragged batch onto fixed [B, T] arrays.
+
+Owns: turning per-request (slot, start position, tokens) rows into the
+padded int64 arrays the step functions take, and the attention span an eager
+run needs. Padding positions write to the scratch slot, so they can never
+touch a live request's KV rows.
+
+Must not know: frameworks, models, gRPC. numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+ATTEND_ALIGN = 64  # eager attention spans are rounded up to this (fewer distinct shapes)
+
+
+@dataclass(frozen=True)
+class Row:
+    slot: int
+    start: int              # position of the row's first token
+    tokens: np.ndarray      # int64 [m], m >= 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    tokens: np.ndarray       # int64 [B, T]
+    write_slots: np.ndarray  # int64 [B, T]   scratch slot on padding
+    positions: np.ndarray    # int64 [B, T]
+    read_slots: np.ndarray   # int64 [B]
+    last_index: np.ndarray   # int64 [B]      flat index (b*T + m_b - 1) of each row's last real token
+    lengths: np.ndarray      # int64 [B]      m_b
+
+
+def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) -> Layout:
+    """Pack rows into [B, width]; every row must have 1 <= m <= width tokens."""
+    b = len(rows)
+    tokens = np.zeros((b, width), dtype=np.int64)
+    # Padding: scratch slot, positions 0..width-1 (distinct, always in range).
+    write_slots = np.full((b, width), scratch_slot, dtype=np.int64)
+    positions = np.tile(np.arange(width, dtype=np.int64) % max_len, (b, 1))
+    read_slots = np.empty(b, dtype=np.int64)
+    lengths = np.empty(b, dtype=np.int64)
+    for i, r in enumerate(rows):
+        m = len(r.tokens)
+        if not 1 <= m <= width:
+            raise ValueError(f"row {i} has {m} tokens; expected 1..{width}")
+        tokens[i, :m] = r.tokens
+        write_slots[i, :m] = r.slot
+        positions[i, :m] = np.arange(r.start, r.start + m)
+        # Padding queries of a live row sit at the row's last position: their
+        # (ignored) outputs stay finite and they read only that row's rows.
+        positions[i, m:] = r.start + m - 1
+        read_slots[i] = r.slot
+        lengths[i] = m
+    last_index = np.arange(b, dtype=np.int64) * width + lengths - 1
+    return Layout(tokens, write_slots, positions, read_slots, last_index, lengths)
+
+
+def attend_span(positions: np.ndarray, max_len: int) -> int:
+    """Cache rows an eager step must read: max position + 1, rounded up."""
+    need = int(positions.max()) + 1 if positions.size else 1
+    return min(max_len, -(-need // ATTEND_ALIGN) * ATTEND_ALIGN)

@@ -1,0 +1,210 @@
+"""Configuration tree for specsplit: frozen dataclasses, validated on construction.
+
+Owns: the shape of every setting (model architecture read from a Hugging Face
+``config.json``, speculation, sampling, cache limits, backend/device choice)
+and the rules for valid values. Invalid values raise ``ConfigError`` naming
+the field and the allowed range.
+
+Must not know: where values come from (flags, TOML, env vars are parsed only
+in ``__main__`` modules) or any framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+BACKENDS = ("paddle", "torch")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+def _check(cond: bool, name: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-architecture target (and the MTP layer that shares its sizes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, f"model.{name}", "an integer >= 1", v)
+        _check(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+               f"divisible by num_attention_heads={self.num_attention_heads}", self.hidden_size)
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+               f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+        _check(self.head_dim % 2 == 0, "model.head_dim", "even (RoPE rotates pairs)", self.head_dim)
+        _check(0 < self.rms_norm_eps < 1, "model.rms_norm_eps", "in (0, 1)", self.rms_norm_eps)
+        _check(self.rope_theta > 0, "model.rope_theta", "> 0", self.rope_theta)
+        _check(self.torch_dtype in DTYPES, "model.torch_dtype", f"one of {DTYPES}", self.torch_dtype)
+        for name in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            _check(v is None or 0 <= v < self.vocab_size, f"model.{name}",
+                   f"None or in [0, {self.vocab_size})", v)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Read the keys specsplit uses from a Hugging Face Llama ``config.json``."""
+        arch = raw.get("model_type", "llama")
+        _check(arch == "llama", "model.model_type", "'llama'", arch)
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        for name in required:
+            if name not in raw:
+                raise ConfigError(f"config.json is missing required key {name!r}")
+        scaling = raw.get("rope_scaling")
+        _check(scaling is None, "model.rope_scaling", "absent (RoPE scaling is not supported)", scaling)
+        eos = raw.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=raw.get("torch_dtype", "float32") or "float32",
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+        return cls.from_hf_dict(raw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
+        return out
+
+    def compatible_with(self, other: "ModelConfig") -> list[str]:
+        """Field names whose values differ (used to refuse incompatible reloads)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings of a worker: the largest k any request may use."""
+
+    max_k: int = 3
+    default_k: int = 3
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_k, int) and 0 <= self.max_k <= 16, "spec.max_k", "an integer in [0, 16]", self.max_k)
+        _check(isinstance(self.default_k, int) and 0 <= self.default_k <= self.max_k, "spec.default_k",
+               f"an integer in [0, max_k={self.max_k}]", self.default_k)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    draft_sampling: bool = False  # True: the draft samples from q and sends q (probabilistic draft)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]", self.temperature)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
+        _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1] (1 = off)", self.top_p)
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "None or in [0, 2^63)", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Static KV-cache capacity: ``max_slots`` requests of up to ``max_len`` positions."""
+
+    max_slots: int = 32
+    max_len: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_slots, int) and 1 <= self.max_slots <= 4096, "cache.max_slots", "an integer in [1, 4096]", self.max_slots)
+        _check(isinstance(self.max_len, int) and 8 <= self.max_len <= 1 << 20, "cache.max_len", "an integer in [8, 1048576]", self.max_len)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA-graph settings: batch buckets (ascending) and whether to capture at all."""
+
+    enabled: bool = True
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+
+    def __post_init__(self) -> None:
+        b = self.batch_buckets
+        _check(len(b) >= 1 and all(isinstance(x, int) and x >= 1 for x in b) and list(b) == sorted(set(b)),
+               "graphs.batch_buckets", "a non-empty strictly ascending tuple of integers >= 1", b)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how a worker computes."""
+
+    backend: str = "paddle"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, "runtime.backend", f"one of {BACKENDS}", self.backend)
+        _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+               "runtime.device", "'cpu' or 'cuda:N'", self.device)
+        _check(self.dtype in DTYPES, "runtime.dtype", f"one of {DTYPES}", self.dtype)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an in-process engine (target + draft) needs."""
+
+    target_path: str
+    draft_path: str | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)

@@ -1,0 +1,184 @@
+"""Draft-side work: the MTP head's catch-up pass and k-1 single-token substeps.
+
+Owns: the MTP weights plus the draft's own copy of the target's embedding,
+final norm and output head; the draft KV cache; per-request draft state
+(pairs written, sampling params, seeded RNG); the two step kinds the graph
+registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1).
+
+Must not know: gRPC, lifecycle states, scheduling, the target's layers.
+
+Positions: the pair (h_i, t_{i+1}) lives at draft position i. A request has
+``pairs`` correctly written positions 0..pairs-1 (true target hidden states).
+Substep s of a round writes position pairs+s-1 from a guessed hidden state;
+the next catch-up overwrites it (DESIGN § The speculative round, steps 1-2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime import sampling
+from runtime.backends.base import Ops
+from runtime.batch_layout import Row, attend_span, layout_rows
+from runtime.config import CacheConfig, ModelConfig, SamplingParams
+from runtime.graphs import GraphRegistry, InputSpec, StepKind
+from runtime.kv_cache import CapacityError, KVCache
+from runtime.model import Params, Rope, build_attn_meta, lm_head, mtp_forward
+from runtime.target_engine import request_rng
+from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
+
+SUBSTEP = "substep"
+
+
+@dataclass
+class _DraftRequest:
+    params: SamplingParams
+    rng: np.random.Generator
+
+
+class DraftEngine:
+    def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
+                 max_k: int, registry: GraphRegistry) -> None:
+        self.ops, self.cfg, self.params = ops, cfg, params
+        self.max_k = max_k
+        self.cache = KVCache(ops, 1, cfg.num_key_value_heads, cfg.head_dim, cache_cfg.max_slots, cache_cfg.max_len)
+        self.rope = Rope(ops, cfg, cache_cfg.max_len)
+        self.requests: dict[str, _DraftRequest] = {}
+        self.registry = registry
+        self.catchup_width = max_k + 1
+        self._catchup_kind = f"catchup{self.catchup_width}"
+        for name, width in ((self._catchup_kind, self.catchup_width), (SUBSTEP, 1)):
+            registry.register(self._kind(name, width))
+
+    def _kind(self, name: str, width: int) -> StepKind:
+        scratch = self.cache.scratch_slot
+        return StepKind(
+            name=name,
+            fn=self._step,
+            inputs=(InputSpec("prev_hidden", (width, self.cfg.hidden_size), "compute", 0.0),
+                    InputSpec("tokens", (width,), "int64", 0),
+                    InputSpec("write_slots", (width,), "int64", scratch),
+                    InputSpec("positions", (width,), "int64", 0),
+                    InputSpec("read_slots", (), "int64", scratch),
+                    InputSpec("last_index", (), "int64", 0)),
+            eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
+        )
+
+    # --- the captured step ---------------------------------------------------
+    def _step(self, prev_hidden, tokens, write_slots, positions, read_slots, last_index, attend_len=None):
+        """prev_hidden [B, T, d], tokens/write_slots/positions [B, T], read_slots/last_index [B]
+        -> g_last [B, d] (MTP output hidden at each row's last real pair), logits_last [B, V]."""
+        b, t = self.ops.shape(tokens)
+        meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
+                               self.cache.max_len, attend_len or self.cache.max_len)
+        g = mtp_forward(self.ops, self.params, self.cfg, prev_hidden, tokens, meta, self.cache.layers[0])
+        g_last = self.ops.index_select(self.ops.reshape(g, (b * t, self.cfg.hidden_size)), last_index, 0)
+        return g_last, lm_head(self.ops, self.params, self.cfg, g_last)
+
+    def _run_rows(self, kind: str | None, rows: list[Row], hidden: np.ndarray, width: int):
+        lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
+        inputs = {"prev_hidden": hidden, "tokens": lay.tokens, "write_slots": lay.write_slots,
+                  "positions": lay.positions, "read_slots": lay.read_slots, "last_index": lay.last_index}
+        if kind is None:  # wider than any captured kind (prefill, recovery): eager
+            t = {k: self.ops.from_numpy(v, None if k == "prev_hidden" else "int64") for k, v in inputs.items()}
+            with self.ops.no_grad():
+                return self._step(**t, attend_len=attend_span(lay.positions, self.cache.max_len))
+        return self.registry.run(kind, inputs)[0]
+
+    # --- requests --------------------------------------------------------------
+    def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
+        """Allocate each request and write its prompt pairs (h_0,t_1)..(h_{m-1},t_m)."""
+        for r in reqs:
+            if self.cache.has(r.request_id):
+                raise ValueError(f"request_id {r.request_id!r} is already active")
+            self.cache.check_fits(r.request_id, len(r.tokens) + self.max_k + 1)
+            if r.hidden.shape != (len(r.tokens), self.cfg.hidden_size):
+                raise ValueError(f"hidden: shape {list(r.hidden.shape)} != [{len(r.tokens)}, {self.cfg.hidden_size}]")
+        if self.cache.free_slots < len(reqs):
+            raise CapacityError(f"draft KV cache full: {len(reqs)} requests need slots, {self.cache.free_slots} free")
+        states = {r.request_id: self.cache.allocate(r.request_id) for r in reqs}
+        for r in reqs:
+            self.requests[r.request_id] = _DraftRequest(r.params, request_rng(r.params.seed, 1))
+        body = [r for r in reqs if len(r.tokens) > 0]
+        if body:
+            try:
+                self._catch_up(body, [0] * len(body), [states[r.request_id].slot for r in body])
+            except Exception:
+                for r in reqs:
+                    self.release(r.request_id)
+                raise
+        for r in body:
+            states[r.request_id].length = len(r.tokens)
+
+    def _catch_up(self, reqs, starts: list[int], slots: list[int]):
+        longest = max(len(r.tokens) for r in reqs)
+        kind = self._catchup_kind if longest <= self.catchup_width else None
+        width = self.catchup_width if kind else longest
+        rows = [Row(slot, start, np.asarray(r.tokens, dtype=np.int64)) for r, start, slot in zip(reqs, starts, slots)]
+        hidden = np.zeros((len(reqs), width, self.cfg.hidden_size), dtype=np.float32)   # [B, W, d]
+        for i, r in enumerate(reqs):
+            hidden[i, : len(r.tokens)] = r.hidden
+        return self._run_rows(kind, rows, hidden, width)
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
+        """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state."""
+        slots = []
+        for r in reqs:
+            state = self.cache.get(r.request_id)
+            if r.start_position != state.length:
+                raise ValueError(f"start_position: {r.start_position} != {state.length} pairs held "
+                                 f"for request {r.request_id!r}")
+            if not 1 <= r.k <= self.max_k:
+                raise ValueError(f"k: {r.k} is out of range [1, {self.max_k}]")
+            if len(r.tokens) < 1 or r.hidden.shape != (len(r.tokens), self.cfg.hidden_size):
+                raise ValueError(f"hidden: shape {list(r.hidden.shape)} does not match {len(r.tokens)} new tokens "
+                                 f"of width {self.cfg.hidden_size}")
+            self.cache.check_fits(r.request_id, state.length + len(r.tokens) + r.k)
+            slots.append(state.slot)
+        g, logits = self._catch_up(reqs, [self.cache.get(r.request_id).length for r in reqs], slots)
+        for r in reqs:
+            self.cache.get(r.request_id).length += len(r.tokens)
+        drafts = [[] for _ in reqs]
+        probs: list[list[np.ndarray]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))                                  # rows of g/logits -> request index
+        for s in range(1, max(r.k for r in reqs) + 1):
+            logits_np = self.ops.to_numpy(logits)                        # [A, V]
+            for row, i in enumerate(active):
+                tok, q = self._draw(logits_np[row], self.requests[reqs[i].request_id])
+                drafts[i].append(tok)
+                if q is not None:
+                    probs[i].append(q)
+            keep = [row for row, i in enumerate(active) if reqs[i].k > s]
+            if not keep:
+                break
+            if len(keep) != len(active):
+                g = self.ops.index_select(g, self.ops.from_numpy(np.asarray(keep, dtype=np.int64), "int64"), 0)
+            active = [active[row] for row in keep]
+            # Substep s: pair (g_s, d_s) at position pairs + s - 1.
+            rows = [Row(slots[i], self.cache.get(reqs[i].request_id).length + s - 1,
+                        np.asarray([drafts[i][-1]], dtype=np.int64)) for i in active]
+            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
+            (g, logits), _ = self.registry.run(SUBSTEP, {
+                "prev_hidden": self.ops.reshape(g, (len(active), 1, self.cfg.hidden_size)),
+                "tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                "read_slots": lay.read_slots, "last_index": lay.last_index})
+        return [Proposal(r.request_id, np.asarray(drafts[i], dtype=np.int64),
+                         np.stack(probs[i]).astype(np.float32) if probs[i] else None)
+                for i, r in enumerate(reqs)]
+
+    def _draw(self, logits: np.ndarray, req: _DraftRequest) -> tuple[int, np.ndarray | None]:
+        """Greedy draft (q one-hot, nothing sent) or a sample from q (q sent for rejection sampling)."""
+        p = req.params
+        if p.greedy or not p.draft_sampling:
+            return sampling.greedy_token(logits), None
+        q = sampling.process_logits(logits, p.temperature, p.top_k, p.top_p)
+        return sampling.sample_token(q, req.rng), q
+
+    def release(self, request_id: str) -> bool:
+        self.requests.pop(request_id, None)
+        return self.cache.free(request_id)
+
+    def pairs(self, request_id: str) -> int:
+        return self.cache.get(request_id).length

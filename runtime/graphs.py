@@ -1,0 +1,279 @@
+"""CUDA-graph registry: the only owner of a worker's graphs, static buffers and pool.
+
+Owns: step kinds (a step function plus its per-row input specs), batch
+buckets, the static input buffers (allocated once at the largest bucket;
+smaller buckets use leading views of them), capture order (largest bucket
+first so smaller graphs reuse its pool), padding/unpadding, replay vs eager
+accounting and teardown.
+
+Must not know: models, requests, gRPC. The step functions are opaque
+callables over framework tensors.
+
+On a device without CUDA graphs (CPU, or Paddle built without CUDA) the
+registry runs the *same* code path with an eager stand-in for the graph
+object: capture allocates the same buffers, replay re-runs the step on them.
+So bucket choice, padding, capture order and clear are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from runtime.backends.base import Ops, Tensor
+
+StepFn = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a step: per-row shape (after the batch dim), dtype and pad value."""
+
+    name: str
+    row_shape: tuple[int, ...]
+    dtype: str            # "int64" or "compute" (the worker's compute dtype)
+    pad: float | int = 0
+
+
+@dataclass
+class StepKind:
+    name: str
+    fn: StepFn
+    inputs: tuple[InputSpec, ...]
+    # Extra keyword arguments for eager runs only, computed from the numpy
+    # inputs (e.g. a shorter attention span than the graphs' static one).
+    eager_kwargs: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
+
+
+@dataclass
+class _Captured:
+    graph: Any                      # framework graph object or _EagerGraph
+    inputs: dict[str, Tensor]       # views of the static input buffers, [bucket, ...]
+    outputs: tuple                  # static outputs, [bucket, ...]
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0
+    eager_runs: int = 0
+    captures: int = 0
+    clears: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+class _EagerGraph:
+    """Stand-in for a CUDA graph on devices without one: replay re-runs the step."""
+
+    def __init__(self, ops: Ops, fn: StepFn, inputs: dict[str, Tensor], outputs: tuple) -> None:
+        self.ops, self.fn, self.inputs, self.outputs = ops, fn, inputs, outputs
+
+    def replay(self) -> None:
+        fresh = self.fn(**self.inputs)
+        for dst, src in zip(self.outputs, fresh):
+            self.ops.copy_(dst, src)
+
+    def reset(self) -> None:
+        self.fn = None
+
+
+def graph_backend_name(ops: Ops) -> str:
+    """What 'capture' means for this ops object (reported by GetStatus)."""
+    if not ops.device.startswith("cuda"):
+        return "eager (cpu)"
+    return "cuda"
+
+
+class GraphRegistry:
+    def __init__(self, ops: Ops, buckets: tuple[int, ...], log: Callable[[str], None] | None = None) -> None:
+        self.ops = ops
+        self.buckets = tuple(sorted(buckets))
+        self.kinds: dict[str, StepKind] = {}
+        self._captured: dict[tuple[int, str], _Captured] = {}
+        self._static: dict[str, dict[str, Tensor]] = {}   # kind -> name -> [max_bucket, ...]
+        self._pool: Any = None
+        self.stats = GraphStats()
+        self._log = log or (lambda msg: None)
+        self._lock = threading.RLock()
+
+    # --- registration ----------------------------------------------------
+    def register(self, kind: StepKind) -> None:
+        with self._lock:
+            if self.live:
+                raise RuntimeError("cannot register a step kind while graphs are live")
+            self.kinds[kind.name] = kind
+
+    def unregister_all(self) -> None:
+        with self._lock:
+            if self.live:
+                raise RuntimeError("clear graphs before dropping the step functions they read")
+            self.kinds.clear()
+
+    @property
+    def live(self) -> bool:
+        return bool(self._captured)
+
+    def keys(self) -> list[tuple[int, str]]:
+        return sorted(self._captured, key=lambda k: (k[1], k[0]))
+
+    def bucket_for(self, batch: int) -> int | None:
+        """Smallest bucket >= batch, or None above the largest bucket (run eagerly)."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    # --- capture / clear -------------------------------------------------
+    def capture_all(self, warmup: int = 2) -> None:
+        """Capture every registered kind at every bucket, largest bucket first."""
+        with self._lock:
+            if self.live:
+                return  # idempotent
+            try:
+                self._pool = self._new_pool()
+                max_b = self.buckets[-1]
+                for kind in self.kinds.values():
+                    self._static[kind.name] = {
+                        s.name: self._filled((max_b, *s.row_shape), s) for s in kind.inputs
+                    }
+                # NOTE: largest bucket first, so the smaller graphs' allocations
+                # fit inside the pool memory the largest one already reserved.
+                for bucket in sorted(self.buckets, reverse=True):
+                    for kind in self.kinds.values():
+                        self._capture_one(kind, bucket, warmup)
+            except Exception:
+                self.clear()
+                raise
+
+    def _filled(self, shape: tuple[int, ...], spec: InputSpec) -> Tensor:
+        dtype = "int64" if spec.dtype == "int64" else None
+        arr = np.full(shape, spec.pad, dtype=np.int64 if dtype else np.float32)
+        return self.ops.from_numpy(arr, dtype)
+
+    def _capture_one(self, kind: StepKind, bucket: int, warmup: int) -> None:
+        views = {name: buf[:bucket] for name, buf in self._static[kind.name].items()}
+        with self.ops.no_grad():
+            # NOTE: warm-up runs before capture: lazy framework initialisation
+            # (kernel selection, workspace allocation) must not happen inside
+            # the captured region.
+            for _ in range(warmup):
+                self.kinds[kind.name].fn(**views)
+            graph, outputs = self._record(kind.fn, views)
+        self._captured[(bucket, kind.name)] = _Captured(graph, views, outputs)
+        self.stats.captures += 1
+        self.stats.events.append(f"capture {kind.name}@{bucket}")
+        self._log(f"captured {kind.name} bucket={bucket}")
+
+    def _new_pool(self) -> Any:
+        if self.ops.device.startswith("cuda") and self.ops.name == "torch":
+            import torch
+
+            return torch.cuda.graph_pool_handle()
+        if self.ops.device.startswith("cuda") and self.ops.name == "paddle":
+            from paddle.base import core
+
+            return core.CUDAGraph.gen_new_memory_pool_id()
+        return None
+
+    def _record(self, fn: StepFn, views: dict[str, Tensor]) -> tuple[Any, tuple]:
+        if self.ops.device.startswith("cuda") and self.ops.name == "torch":
+            import torch
+
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = tuple(fn(**views))
+            return graph, outputs
+        if self.ops.device.startswith("cuda") and self.ops.name == "paddle":
+            import paddle
+            from paddle.device.cuda.graphs import CUDAGraph
+
+            paddle.device.synchronize()
+            graph = CUDAGraph(pool_id=self._pool)
+            graph.capture_begin()
+            outputs = tuple(fn(**views))
+            graph.capture_end()
+            return graph, outputs
+        outputs = tuple(fn(**views))
+        return _EagerGraph(self.ops, fn, views, outputs), outputs
+
+    def clear(self) -> None:
+        """Destroy every graph, drop static buffers and the pool, empty the framework cache."""
+        with self._lock:
+            had = bool(self._captured)
+            for cap in self._captured.values():
+                reset = getattr(cap.graph, "reset", None)
+                if reset is not None:
+                    reset()
+            self._captured.clear()
+            self._static.clear()
+            self._pool = None
+            gc.collect()
+            self.ops.synchronize()
+            self.ops.empty_cache()
+            if had:
+                self.stats.clears += 1
+                self.stats.events.append("clear")
+                self._log("graphs cleared")
+
+    # --- execution -------------------------------------------------------
+    def run(self, kind_name: str, inputs: dict[str, Any]) -> tuple[tuple, bool]:
+        """Run a step for a batch of B rows. inputs: name -> numpy [B, ...] or a
+        device tensor [B, ...] (e.g. a hidden state produced by the previous step).
+
+        Returns (outputs sliced to [B, ...], replayed?). With graphs live and
+        B within a bucket, rows are padded to the bucket with each input's pad
+        value, copied in place into the static buffers, and the graph replays.
+        Otherwise the step runs eagerly on the given rows.
+        """
+        kind = self.kinds[kind_name]
+        first = next(iter(inputs.values()))
+        b = first.shape[0] if isinstance(first, np.ndarray) else self.ops.shape(first)[0]
+        with self._lock:
+            bucket = self.bucket_for(b)
+            cap = self._captured.get((bucket, kind_name)) if bucket is not None else None
+            if cap is not None:
+                for spec in kind.inputs:
+                    value = inputs[spec.name]
+                    dst = cap.inputs[spec.name]
+                    # NOTE: copy *into* the static buffer; never rebind it. The
+                    # graph reads that address: a new tensor would be freed memory.
+                    if isinstance(value, np.ndarray):
+                        if value.shape[1:] != spec.row_shape:
+                            raise ValueError(f"{kind_name}.{spec.name}: row shape {value.shape[1:]} != {spec.row_shape}")
+                        padded = np.full((bucket, *spec.row_shape), spec.pad, dtype=value.dtype)
+                        padded[:b] = value
+                        self.ops.copy_(dst, self.ops.from_numpy(padded, "int64" if spec.dtype == "int64" else None))
+                    else:
+                        # Device rows: rows past b keep finite values from earlier
+                        # steps; their outputs are sliced away below.
+                        self.ops.copy_(dst[:b], value)
+                cap.graph.replay()
+                self.stats.replays += 1
+                return tuple(o[:b] for o in cap.outputs), True
+            tensors = {}
+            for s in kind.inputs:
+                value = inputs[s.name]
+                if isinstance(value, np.ndarray):
+                    value = self.ops.from_numpy(value, "int64" if s.dtype == "int64" else None)
+                tensors[s.name] = value
+            np_inputs = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
+            extra = kind.eager_kwargs(np_inputs) if kind.eager_kwargs is not None else {}
+            with self.ops.no_grad():
+                outputs = kind.fn(**tensors, **extra)
+            self.stats.eager_runs += 1
+            return tuple(outputs), False
+
+    def static_addresses(self) -> dict[str, int]:
+        """Addresses of every static input buffer and captured output (for leak/rebind tests)."""
+        out = {}
+        for kind, bufs in self._static.items():
+            for name, t in bufs.items():
+                out[f"{kind}.{name}"] = self.ops.data_ptr(t)
+        for (bucket, kind), cap in self._captured.items():
+            for i, o in enumerate(cap.outputs):
+                out[f"{kind}@{bucket}.out{i}"] = self.ops.data_ptr(o)
+        return out

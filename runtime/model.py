@@ -1,0 +1,243 @@
+"""The model family: a Llama target and a DeepSeek-V3-style MTP draft layer.
+
+Owns: the forward math (RMSNorm, RoPE, grouped-query attention, SwiGLU), the
+tensor names of both checkpoints, and the attention metadata that maps a
+batch of (slot, position) pairs onto the static KV cache.
+
+Must not know: requests, scheduling, sampling, gRPC or which framework runs
+it. Every op goes through ``Ops`` (``runtime/backends``), so Paddle and Torch
+execute this one definition. All shapes are static given the input shapes:
+the same calls are captured into CUDA graphs by ``runtime/graphs.py``.
+
+Conventions (see DESIGN § The speculative round):
+- ``h_i`` (target hidden) = residual stream after the last decoder layer at
+  position i, i.e. the input of the shared final norm + output head.
+- The MTP pair ``(h_i, t_{i+1})`` sits at draft position i and predicts
+  ``t_{i+2}``; its output hidden ``g`` (pre-final-norm) feeds the next substep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.backends.base import Ops, Tensor
+from runtime.config import ModelConfig
+
+Params = dict[str, Tensor]
+
+# ---------------------------------------------------------------------------
+# Tensor names
+# ---------------------------------------------------------------------------
+
+_LAYER_TENSORS = (
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+MTP_PREFIX = "mtp."
+MTP_LAYER_PREFIX = "mtp.layer."
+# Tensors the draft copies from the target checkpoint (its own embed/norm/head).
+SHARED_FROM_TARGET = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hd = cfg.hidden_size, cfg.head_dim
+    return {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, d),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, d),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, d),
+        "self_attn.o_proj.weight": (d, cfg.num_attention_heads * hd),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+        "mlp.up_proj.weight": (cfg.intermediate_size, d),
+        "mlp.down_proj.weight": (d, cfg.intermediate_size),
+    }
+
+
+def target_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Llama checkpoint in Hugging Face naming, with its shape."""
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+                                       "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for i in range(cfg.num_hidden_layers):
+        for name, shape in _layer_shapes(cfg).items():
+            out[f"model.layers.{i}.{name}"] = shape
+    return out
+
+
+def mtp_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensors of the MTP file (``mtp.safetensors``).
+
+    - ``mtp.hnorm.weight`` [d]: RMSNorm of the previous hidden state
+    - ``mtp.enorm.weight`` [d]: RMSNorm of the token embedding
+    - ``mtp.eh_proj.weight`` [d, 2d]: projection of ``[hnorm(h); enorm(e)]``
+    - ``mtp.layer.<llama decoder layer tensor>``: the one decoder block
+    """
+    d = cfg.hidden_size
+    out = {"mtp.hnorm.weight": (d,), "mtp.enorm.weight": (d,), "mtp.eh_proj.weight": (d, 2 * d)}
+    for name, shape in _layer_shapes(cfg).items():
+        out[MTP_LAYER_PREFIX + name] = shape
+    return out
+
+
+def head_weight_name(cfg: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+# ---------------------------------------------------------------------------
+# RoPE and attention metadata
+# ---------------------------------------------------------------------------
+
+
+class Rope:
+    """Precomputed cos/sin tables ([max_pos, head_dim], HF rotate-half layout)."""
+
+    def __init__(self, ops: Ops, cfg: ModelConfig, max_pos: int) -> None:
+        half = cfg.head_dim // 2
+        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) / half))
+        freqs = np.outer(np.arange(max_pos, dtype=np.float64), inv_freq)      # [P, D/2]
+        emb = np.concatenate([freqs, freqs], axis=-1)                          # [P, D]
+        self.cos = ops.from_numpy(np.cos(emb).astype(np.float32), "float32")
+        self.sin = ops.from_numpy(np.sin(emb).astype(np.float32), "float32")
+        self.max_pos = max_pos
+
+    def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions int64 [B, T] -> cos, sin [B, T, 1, D] (float32)."""
+        b, t = ops.shape(positions)
+        flat = ops.reshape(positions, (b * t,))
+        d = ops.shape(self.cos)[1]
+        cos = ops.reshape(ops.index_select(self.cos, flat, 0), (b, t, 1, d))
+        sin = ops.reshape(ops.index_select(self.sin, flat, 0), (b, t, 1, d))
+        return cos, sin
+
+
+def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin."""
+    half = ops.shape(x)[-1] // 2
+    xf = ops.cast(x, "float32")
+    rotated = ops.cat([-xf[..., half:], xf[..., :half]], axis=-1)
+    return ops.cast(xf * cos + rotated * sin, ops.dtype_name(x))
+
+
+@dataclass
+class AttnMeta:
+    """Where a forward's tokens live in the KV cache and what they may attend to.
+
+    write_index int64 [B*T]   flat cache row each new token's K/V is written to
+    read_index  int64 [B*La]  flat cache rows each batch row reads (La = attend length)
+    mask        bool  [B, T, La]  key position j visible to query at position p iff j <= p
+    cos, sin    float32 [B, T, 1, D]
+    """
+
+    write_index: Tensor
+    read_index: Tensor
+    mask: Tensor
+    cos: Tensor
+    sin: Tensor
+    attend_len: int
+
+
+def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
+                    read_slots: Tensor, max_len: int, attend_len: int) -> AttnMeta:
+    """write_slots/positions int64 [B, T], read_slots int64 [B] -> AttnMeta.
+
+    Padding tokens carry the scratch slot in ``write_slots`` so their writes
+    never touch a live request's cache rows. Cache rows are flat:
+    row = slot * max_len + position.
+    """
+    b, t = ops.shape(positions)
+    write_index = ops.reshape(write_slots * max_len + positions, (b * t,))
+    key_pos = ops.arange(attend_len)                                           # [La]
+    read_index = ops.reshape(ops.reshape(read_slots, (b, 1)) * max_len + ops.reshape(key_pos, (1, attend_len)),
+                             (b * attend_len,))
+    mask = ops.less_equal(ops.reshape(key_pos, (1, 1, attend_len)), ops.reshape(positions, (b, t, 1)))
+    cos, sin = rope.tables(ops, positions)
+    return AttnMeta(write_index, read_index, mask, cos, sin, attend_len)
+
+
+# ---------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------
+
+
+def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
+                  meta: AttnMeta | None, cache: tuple[Tensor, Tensor] | None,
+                  train_mask: Tensor | None = None, cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """One Llama decoder block. x [B, T, d] -> [B, T, d].
+
+    With ``meta``/``cache``: K/V are written into the cache rows then read back
+    for attention (decode/verify/prefill). Without (training): causal attention
+    over the chunk itself using ``train_mask`` [B, T, T] and ``cos_sin``.
+    """
+    b, t, d = ops.shape(x)
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
+    q = ops.reshape(ops.linear(hn, p[prefix + "self_attn.q_proj.weight"]), (b, t, h, hd))
+    k = ops.reshape(ops.linear(hn, p[prefix + "self_attn.k_proj.weight"]), (b, t, kvh, hd))
+    v = ops.reshape(ops.linear(hn, p[prefix + "self_attn.v_proj.weight"]), (b, t, kvh, hd))
+    cos, sin = (meta.cos, meta.sin) if meta is not None else cos_sin
+    q = apply_rope(ops, q, cos, sin)
+    k = apply_rope(ops, k, cos, sin)
+    if meta is not None:
+        k_cache, v_cache = cache                                               # [(S+1)*L, KVH, D]
+        # NOTE: write before read, so tokens of this forward see each other.
+        ops.scatter_rows_(k_cache, meta.write_index, ops.reshape(k, (b * t, kvh, hd)))
+        ops.scatter_rows_(v_cache, meta.write_index, ops.reshape(v, (b * t, kvh, hd)))
+        la = meta.attend_len
+        k_all = ops.reshape(ops.index_select(k_cache, meta.read_index, 0), (b, la, kvh, hd))
+        v_all = ops.reshape(ops.index_select(v_cache, meta.read_index, 0), (b, la, kvh, hd))
+        attn = ops.attention(q, k_all, v_all, meta.mask)
+    else:
+        attn = ops.attention(q, k, v, train_mask)
+    x = x + ops.linear(ops.reshape(attn, (b, t, h * hd)), p[prefix + "self_attn.o_proj.weight"])
+    hn = ops.rms_norm(x, p[prefix + "post_attention_layernorm.weight"], eps)
+    mlp = ops.silu(ops.linear(hn, p[prefix + "mlp.gate_proj.weight"])) * ops.linear(hn, p[prefix + "mlp.up_proj.weight"])
+    return x + ops.linear(mlp, p[prefix + "mlp.down_proj.weight"])
+
+
+def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
+    """hidden [..., d] (pre-norm) -> logits [..., V] in float32."""
+    normed = ops.rms_norm(hidden, p["model.norm.weight"], cfg.rms_norm_eps)
+    return ops.cast(ops.linear(normed, p[head_weight_name(cfg)]), "float32")
+
+
+def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: AttnMeta | None,
+                   caches: list[tuple[Tensor, Tensor]] | None, **train: Any) -> Tensor:
+    """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer)."""
+    x = ops.embedding(p["model.embed_tokens.weight"], tokens)
+    for i in range(cfg.num_hidden_layers):
+        x = decoder_layer(ops, p, f"model.layers.{i}.", cfg, x, meta,
+                          caches[i] if caches is not None else None, **train)
+    return x
+
+
+def mtp_forward(ops: Ops, p: Params, cfg: ModelConfig, prev_hidden: Tensor, tokens: Tensor,
+                meta: AttnMeta | None, cache: tuple[Tensor, Tensor] | None, **train: Any) -> Tensor:
+    """The MTP layer: x = W_proj [hnorm(prev_hidden); enorm(embed(tokens))], one block.
+
+    prev_hidden [B, T, d], tokens int64 [B, T] -> g [B, T, d] (pre-final-norm).
+    """
+    eps = cfg.rms_norm_eps
+    e = ops.embedding(p["model.embed_tokens.weight"], tokens)
+    h = ops.cast(prev_hidden, ops.dtype_name(e))
+    x = ops.cat([ops.rms_norm(h, p["mtp.hnorm.weight"], eps), ops.rms_norm(e, p["mtp.enorm.weight"], eps)], axis=-1)
+    x = ops.linear(x, p["mtp.eh_proj.weight"])                                 # [B, T, d]
+    return decoder_layer(ops, p, MTP_LAYER_PREFIX, cfg, x, meta, cache, **train)
+
+
+def init_params(cfg: ModelConfig, seed: int, names: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Random float32 weights (norms = 1, projections ~ N(0, 0.02)) for tests and timing."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in names.items():
+        if len(shape) == 1:
+            out[name] = np.ones(shape, dtype=np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    return out

@@ -1,0 +1,70 @@
+"""Plain request/response records exchanged between the round driver and the workers.
+
+Owns: the framework-free data shapes of prefill, propose and verify (numpy
+arrays for tokens, hidden states and draft distributions). The gRPC layer
+converts these to and from protobuf; the in-process engine passes them as is.
+
+Must not know: frameworks, gRPC, models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt: np.ndarray                 # int64 [n]: t_0..t_{n-1}
+    params: SamplingParams
+    resume_token: int | None = None    # known t_n (re-prefill after reload/recovery): not sampled
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int                   # t_n
+    hidden: np.ndarray                 # float32 [n, d]: h_0..h_{n-1}
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    request_id: str
+    drafts: np.ndarray                 # int64 [k] (k may be 0: target-only step)
+    draft_probs: np.ndarray | None     # float [k, V] for a probabilistic draft, None for greedy (q one-hot)
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    request_id: str
+    num_accepted: int                  # a
+    tokens: tuple[int, ...]            # a accepted drafts + 1 bonus: t_{n+1}..t_{n+a+1}
+    hidden: np.ndarray                 # float32 [a+1, d]: h_n..h_{n+a}
+
+
+@dataclass(frozen=True)
+class DraftPrefillRequest:
+    request_id: str
+    tokens: np.ndarray                 # int64 [m]: t_1..t_m  (pairs (h_{i-1}, t_i))
+    hidden: np.ndarray                 # float32 [m, d]: h_0..h_{m-1}
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    request_id: str
+    start_position: int                # draft position of the first new pair (must equal the draft's count)
+    tokens: np.ndarray                 # int64 [m], m >= 1: tokens of the new pairs
+    hidden: np.ndarray                 # float32 [m, d]: target hidden states of the new pairs
+    k: int                             # drafts wanted (>= 1)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    request_id: str
+    drafts: np.ndarray                 # int64 [k]
+    draft_probs: np.ndarray | None     # float32 [k, V] when the request samples its draft

@@ -1,0 +1,92 @@
+"""Putting checkpoints on the device: validate, load, update in place.
+
+Owns: turning a target directory / MTP file into device ``Params`` for the
+target and for the draft (MTP tensors + the draft's own copy of the target's
+embedding, final norm and head), full validation before anything is read,
+and in-place updates that keep every tensor's address (graphs stay valid).
+
+Must not know: gRPC, lifecycle, requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime import checkpoint
+from runtime.backends.base import Ops
+from runtime.checkpoint import CheckpointError, TensorInfo
+from runtime.config import ModelConfig
+from runtime.model import Params, head_weight_name, mtp_tensor_shapes, target_tensor_shapes
+
+MTP_FILE = "mtp.safetensors"
+
+
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """A checkpoint whose headers were fully validated; data not read yet."""
+
+    cfg: ModelConfig
+    infos: dict[str, TensorInfo]
+    names: tuple[str, ...]
+
+
+def resolve_draft_path(target_path: str | Path, draft_path: str | Path | None) -> Path:
+    """The MTP file: given explicitly, or ``mtp.safetensors`` next to the target."""
+    return Path(draft_path) if draft_path else Path(target_path) / MTP_FILE
+
+
+def check_target(path: str | Path, running: ModelConfig | None = None) -> CheckedCheckpoint:
+    """Validate a target directory (config + every tensor's name/shape/dtype)."""
+    cfg = ModelConfig.from_json_file(Path(path) / "config.json")
+    if running is not None:
+        diff = running.compatible_with(cfg)
+        diff = [d for d in diff if d not in ("torch_dtype",)]
+        if diff:
+            raise CheckpointError(f"{path}: config differs from the running model in {diff}")
+    infos = checkpoint.index_checkpoint(path)
+    shapes = target_tensor_shapes(cfg)
+    checkpoint.validate(infos, shapes, f"target {path}")
+    return CheckedCheckpoint(cfg, infos, tuple(shapes))
+
+
+def check_draft(target: CheckedCheckpoint, draft_path: str | Path) -> CheckedCheckpoint:
+    """Validate the MTP file against the target's sizes; the draft also takes the
+    target's embedding, final norm and head (from ``target.infos``)."""
+    infos = checkpoint.index_checkpoint(draft_path)
+    shapes = mtp_tensor_shapes(target.cfg)
+    checkpoint.validate(infos, shapes, f"draft {draft_path}")
+    shared = {n: target.infos[n] for n in _shared_names(target.cfg)}
+    return CheckedCheckpoint(target.cfg, {**infos, **shared}, tuple(shapes) + tuple(shared))
+
+
+def _shared_names(cfg: ModelConfig) -> tuple[str, ...]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if head_weight_name(cfg) not in names:
+        names.append(head_weight_name(cfg))
+    return tuple(names)
+
+
+def read_arrays(checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
+    return checkpoint.load_tensors(checked.infos, list(checked.names))
+
+
+def to_device(ops: Ops, arrays: dict[str, np.ndarray]) -> Params:
+    return {name: ops.from_numpy(arr) for name, arr in arrays.items()}
+
+
+def copy_in_place(ops: Ops, params: Params, arrays: dict[str, np.ndarray]) -> None:
+    """Overwrite existing parameter tensors (addresses unchanged, graphs stay valid).
+
+    Refuses before touching anything if a name is missing or a shape differs.
+    """
+    for name, tensor in params.items():
+        if name not in arrays:
+            raise CheckpointError(f"in-place update: tensor {name!r} missing from the new weights")
+        if tuple(arrays[name].shape) != ops.shape(tensor):
+            raise CheckpointError(f"in-place update: tensor {name!r} has shape {list(arrays[name].shape)}, "
+                                  f"running shape is {list(ops.shape(tensor))}")
+    for name, tensor in params.items():
+        ops.copy_(tensor, ops.from_numpy(arrays[name]))
