@@ -208,3 +208,88 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """TLS / admin-token settings of one service (all optional)."""
+
+    tls_cert: str | None = None          # server certificate (PEM path); enables TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None     # require client certificates signed by this CA (mTLS)
+    admin_token: str | None = None       # required in `authorization: Bearer <token>` for admin RPCs
+    checkpoint_roots: tuple[str, ...] = ()  # checkpoint paths must resolve under one of these (empty = any)
+
+    def __post_init__(self) -> None:
+        _check((self.tls_cert is None) == (self.tls_key is None), "security.tls_cert/tls_key",
+               "both set or both unset", (self.tls_cert, self.tls_key))
+        _check(self.tls_client_ca is None or self.tls_cert is not None, "security.tls_client_ca",
+               "used only together with tls_cert/tls_key", self.tls_client_ca)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where a service listens and its transport limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 0                        # 0 = pick a free port
+    metrics_port: int | None = None      # Prometheus HTTP port; None = no metrics endpoint, 0 = pick
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_workers: int = 16                # gRPC thread pool size
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.port, int) and 0 <= self.port <= 65535, "server.port", "an integer in [0, 65535]", self.port)
+        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "server.metrics_port",
+               "None or an integer in [0, 65535]", self.metrics_port)
+        _check(1024 <= self.max_message_bytes <= 2**31 - 1, "server.max_message_bytes", "in [1024, 2^31-1]", self.max_message_bytes)
+        _check(1 <= self.max_workers <= 1024, "server.max_workers", "in [1, 1024]", self.max_workers)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A draft or target worker service."""
+
+    role: str                            # "draft" | "target"
+    target_path: str | None              # load at start when set (else start EMPTY)
+    draft_path: str | None = None
+    weights_version: str = ""
+    capture_on_start: bool = False       # capture graphs after the start-up load
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The client-facing orchestrator."""
+
+    draft_address: str | None            # host:port; None = target-only serving
+    target_address: str = "127.0.0.1:50052"
+    default_k: int = 3
+    max_k: int = 3
+    max_batch: int = 16                  # sequences per round
+    max_queue: int = 64                  # waiting requests before RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
+    max_prompt_tokens: int = 4096
+    worker_timeout_s: float = 30.0       # deadline of every call to a worker
+    tokenizer: str = "byte"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    tls_ca: str | None = None            # CA to verify the workers' certificates (TLS to workers)
+    worker_admin_token: str | None = None  # token the orchestrator presents to the workers' admin RPCs
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.max_k <= 16, "max_k", "in [0, 16]", self.max_k)
+        _check(0 <= self.default_k <= self.max_k, "default_k", f"in [0, max_k={self.max_k}]", self.default_k)
+        _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
+        _check(0 <= self.max_queue <= 100000, "max_queue", "in [0, 100000]", self.max_queue)
+        _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)
+        _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
+        _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)
+        _check(self.tokenizer == "byte", "tokenizer", "'byte'", self.tokenizer)
