@@ -193,6 +193,11 @@ class WorkerStatus(_message.Message):
     EAGER_RUNS_FIELD_NUMBER: _builtins.int
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     ACTIVE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_LEN_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LIFECYCLE_EVENTS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"draft" or "target"."""
     state: Global___LifecycleState.ValueType
@@ -215,6 +220,12 @@ class WorkerStatus(_message.Message):
     eager_runs: _builtins.int
     device_memory_bytes: _builtins.int
     """Device memory held by the framework allocator (0 on CPU)."""
+    vocab_size: _builtins.int
+    """Model facts the orchestrator validates requests against (0 / unset when EMPTY)."""
+    hidden_size: _builtins.int
+    max_len: _builtins.int
+    """Cache positions per request (prompt + generated tokens + k must fit)."""
+    eos_token_id: _builtins.int
     @_builtins.property
     def graph_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Captured graph keys, e.g. "verify4@8" (step kind @ batch bucket)."""
@@ -222,6 +233,12 @@ class WorkerStatus(_message.Message):
     @_builtins.property
     def active_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Request ids holding cache slots (for operators and tests)."""
+
+    @_builtins.property
+    def lifecycle_events(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Graph / weight lifecycle events in order, e.g. "clear_graphs", "release_weights"
+        (the last 256), for tests and operators checking teardown order.
+        """
 
     def __init__(
         self,
@@ -241,12 +258,19 @@ class WorkerStatus(_message.Message):
         eager_runs: _builtins.int = ...,
         device_memory_bytes: _builtins.int = ...,
         active_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        vocab_size: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
+        max_len: _builtins.int = ...,
+        eos_token_id: _builtins.int | None = ...,
+        lifecycle_events: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_request_ids", b"active_request_ids", "backend", b"backend", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "max_k", b"max_k", "role", b"role", "state", b"state", "used_slots", b"used_slots", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "active_request_ids", b"active_request_ids", "backend", b"backend", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "eos_token_id", b"eos_token_id", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "hidden_size", b"hidden_size", "lifecycle_events", b"lifecycle_events", "max_k", b"max_k", "max_len", b"max_len", "role", b"role", "state", b"state", "used_slots", b"used_slots", "vocab_size", b"vocab_size", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
+    _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
 
 Global___WorkerStatus: _TypeAlias = WorkerStatus  # noqa: Y015
 
