@@ -1,0 +1,32 @@
+"""``specsplit bench ...``: benchmarks that print ratios measured side by side in one run.
+
+Owns: the bench subcommand's arguments and dispatch; each benchmark lives in
+its own module and is imported only when run (so the CLI stays light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "engine": "bench.engine",      # in-process spec vs target-only (issue 2)
+    "services": "bench.services",  # through the gRPC services (issue 3)
+    "graphs": "bench.graphs",      # CUDA graphs vs eager vs bare floor (issue 4)
+}
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=sorted(BENCHES))
+    p.add_argument("--backend", default="paddle", choices=("paddle", "torch"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="target dir (default: the bundled tiny model)")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts to decode")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--batch", type=int, nargs="*", default=None, help="batch sizes (services bench)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return importlib.import_module(BENCHES[args.which]).main(args)

@@ -1,0 +1,485 @@
+"""Continuous batching of generation requests over the speculative round.
+
+Owns: the bounded admission queue, the live batch, the one scheduler thread,
+each request's event queue, cancellation at round boundaries, per-request
+failures, and the per-round time split (draft compute, target compute,
+everything else). The round itself is ``runtime.round_driver`` (admit,
+run_round, release); this module only decides *who* is in each round.
+
+Must not know: gRPC, protobuf, tensor frameworks. It drives any
+``TargetPort``/``DraftPort``: the gRPC stream clients in the service, the
+in-process engines in tests. Ports report failures through the small error
+contract below (``RequestError``, ``WorkerUnavailable``, ``ItemFailures``).
+
+Threads: ``submit``/``cancel``/``snapshot`` are called from gRPC handler
+threads; everything else (ports, sequences) is touched only by the
+scheduler thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import structlog
+
+from runtime.config import SamplingParams
+from runtime.kv_cache import CapacityError
+from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, release,
+                                  run_round)
+from runtime.types import PrefillResult, Proposal, VerifyResult
+
+log = structlog.get_logger("orchestrator.scheduler")
+
+FINISH_CANCELLED = "cancelled"
+
+
+# --- the port error contract ---------------------------------------------------
+class RequestError(Exception):
+    """One request failed. ``code`` is a gRPC status code name, e.g. "INVALID_ARGUMENT"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class WorkerUnavailable(RequestError):
+    """A whole call to a worker failed (stream broken, deadline passed, worker down)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
+
+
+class ItemFailures(Exception):
+    """Some items of a batched call failed on the worker; the others succeeded.
+
+    ``results`` has one entry per request of the call, ``None`` where
+    ``errors`` (request id -> RequestError) says why that item failed.
+    """
+
+    def __init__(self, results: list[Any], errors: dict[str, RequestError]) -> None:
+        super().__init__("; ".join(f"{rid}: {e}" for rid, e in errors.items()))
+        self.results, self.errors = results, errors
+
+
+def error_of(exc: BaseException) -> RequestError:
+    """The status a whole-call exception gives every request of that call."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, CapacityError):
+        return RequestError("RESOURCE_EXHAUSTED", str(exc))
+    if isinstance(exc, (ValueError, KeyError)):
+        return RequestError("INVALID_ARGUMENT", str(exc))
+    return RequestError("INTERNAL", f"{type(exc).__name__}: {exc}")
+
+
+# --- what a request sees ---------------------------------------------------------
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: tuple[int, ...]          # t_0..t_{n-1}, validated by the caller
+    params: SamplingParams
+    k: int                           # drafts per round; 0 = target-only
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    tokens: tuple[int, ...]
+    round: int
+    num_accepted: int
+    num_drafted: int
+    weights_version: str
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: str               # "stop" | "length" | "cancelled"
+    output: tuple[int, ...]
+    prompt_tokens: int
+    stats: SeqStats
+    weights_version: str
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: str                        # gRPC status code name
+    message: str
+    output: tuple[int, ...]          # what was streamed before the failure
+
+
+Event = TokensEvent | FinalEvent | ErrorEvent
+
+
+class QueueFull(Exception):
+    """The admission queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class RequestHandle:
+    """A submitted request: read its events; ``cancel`` from any thread."""
+
+    def __init__(self, req: GenerationRequest, wake: Callable[[], None]) -> None:
+        self.request = req
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._wake = wake
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def next_event(self, timeout: float) -> Event | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def cancel(self) -> None:
+        """Mark cancelled; the scheduler frees its slots at the next round boundary."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+# --- timing and observation ------------------------------------------------------
+@dataclass(frozen=True)
+class RoundTiming:
+    round: int
+    batch: int
+    draft_s: float                   # draft compute (worker-reported, else call wall time)
+    target_s: float                  # target compute
+    overhead_s: float                # round wall time - draft_s - target_s
+    wall_s: float
+
+
+@dataclass
+class TimingTotals:
+    rounds: int = 0
+    batch_sum: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    overhead_s: float = 0.0
+    wall_s: float = 0.0
+
+    def add(self, t: RoundTiming) -> None:
+        self.rounds += 1
+        self.batch_sum += t.batch
+        self.draft_s += t.draft_s
+        self.target_s += t.target_s
+        self.overhead_s += t.overhead_s
+        self.wall_s += t.wall_s
+
+
+class Observer(Protocol):
+    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None: ...
+    def on_outcome(self, finish_reason: str | None, code: str) -> None: ...
+    def on_load(self, active: int, queued: int) -> None: ...
+
+
+class NullObserver:
+    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None: ...
+    def on_outcome(self, finish_reason: str | None, code: str) -> None: ...
+    def on_load(self, active: int, queued: int) -> None: ...
+
+
+class _Guard:
+    """Wraps a port: times each call and turns ``ItemFailures`` into placeholder
+    results plus entries in ``failed`` so the round driver runs on for the others."""
+
+    def __init__(self, port: Any, failed: dict[str, RequestError]) -> None:
+        self.port, self.failed = port, failed
+        self.compute_s = 0.0
+
+    def _call(self, fn: Callable[[list], Any], reqs: list, placeholder: Callable[[Any], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            out = fn(reqs)
+        except ItemFailures as exc:
+            self.failed.update(exc.errors)
+            out = [r if r is not None else placeholder(q) for q, r in zip(reqs, exc.results)]
+        finally:
+            reported = getattr(self.port, "last_compute_seconds", None)
+            self.compute_s += reported if reported is not None else time.perf_counter() - t0
+        return out
+
+    def release(self, request_id: str) -> bool:
+        return self.port.release(request_id)
+
+
+class _GuardedTarget(_Guard):
+    def prefill(self, reqs):
+        # A failed item emits a dummy token into a sequence that is about to end with its error.
+        return self._call(self.port.prefill, reqs,
+                          lambda q: PrefillResult(q.request_id, 0, np.zeros((len(q.prompt), 0), np.float32)))
+
+    def verify(self, reqs):
+        return self._call(self.port.verify, reqs,
+                          lambda q: VerifyResult(q.request_id, 0, (), np.zeros((0, 0), np.float32)))
+
+
+class _GuardedDraft(_Guard):
+    def prefill(self, reqs):
+        return self._call(self.port.prefill, reqs, lambda q: None)
+
+    def propose(self, reqs):
+        # A failed item verifies no drafts this round (a target-only step), then ends with its error.
+        return self._call(self.port.propose, reqs,
+                          lambda q: Proposal(q.request_id, np.zeros(0, np.int64), None))
+
+
+# --- the scheduler -----------------------------------------------------------------
+@dataclass
+class _Live:
+    handle: RequestHandle
+    seq: Sequence
+    streamed: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """One thread running rounds over up to ``max_batch`` live sequences."""
+
+    def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
+                 eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None) -> None:
+        self.target, self.draft = target, draft
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.eos_token_id = eos_token_id
+        self.weights_version = weights_version
+        self.observer: Observer = observer or NullObserver()
+        self.timing = TimingTotals()
+        self.round = 0
+        self._cv = threading.Condition()
+        self._waiting: list[RequestHandle] = []
+        self._running: list[_Live] = []
+        self._n_running = 0                          # len(_running), readable under _cv
+        self._controls: list[tuple[Callable[[], Any], Future]] = []
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="specsplit-scheduler", daemon=True)
+
+    # --- called from handler threads ---------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    @property
+    def speculation_available(self) -> bool:
+        return self.draft is not None
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ``QueueFull`` when max_batch live + max_queue waiting are taken."""
+        handle = RequestHandle(req, self._wake)
+        with self._cv:
+            if self._stopping:
+                raise WorkerUnavailable("the orchestrator is shutting down")
+            if len(self._waiting) + self._n_running >= self.max_batch + self.max_queue:
+                raise QueueFull(f"admission queue full: {self._n_running} requests running, "
+                                f"{len(self._waiting)} waiting (max_queue={self.max_queue})")
+            self._waiting.append(handle)
+            self._cv.notify()
+        return handle
+
+    def snapshot(self) -> tuple[int, int]:
+        """(active, queued) request counts."""
+        with self._cv:
+            return self._n_running, len(self._waiting)
+
+    def at_round_boundary(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between two rounds (no round in flight);
+        the future holds its result. Lifecycle work (reload, recovery) goes through here."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(WorkerUnavailable("the orchestrator is shutting down"))
+                return fut
+            self._controls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; waiting and live requests end with UNAVAILABLE and are released."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # --- the scheduler thread ------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._waiting or self._running or self._controls):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                controls, self._controls = self._controls, []
+            # NOTE: control work first: it must see no round in flight and may
+            # change the ports or the live set before anyone new joins.
+            for fn, fut in controls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            try:
+                self._step()
+            except Exception as exc:  # noqa: BLE001 - the thread must survive anything
+                log.exception("scheduler_step_failed", round=self.round)
+                for live in list(self._running):
+                    self._end_error(live, error_of(exc))
+        self._shutdown()
+
+    def _step(self) -> None:
+        # NOTE: cancellations are honoured before admission so a cancelled
+        # request's slots are free for the requests joining this boundary.
+        for live in [x for x in self._running if x.handle.cancelled]:
+            self._end(live, FinalEvent(FINISH_CANCELLED, tuple(live.seq.output), len(live.seq.prompt),
+                                       live.seq.stats, self.weights_version), code="CANCELLED")
+        with self._cv:
+            dropped = [h for h in self._waiting if h.cancelled]
+            self._waiting = [h for h in self._waiting if not h.cancelled]
+            room = max(self.max_batch - len(self._running), 0)
+            joining, self._waiting = self._waiting[:room], self._waiting[room:]
+            self._n_running = len(self._running) + len(joining)
+        for h in dropped:
+            h.events.put(FinalEvent(FINISH_CANCELLED, (), len(h.request.prompt), SeqStats(), self.weights_version))
+            self.observer.on_outcome(FINISH_CANCELLED, "CANCELLED")
+        if joining:
+            self._admit(joining)
+        live = [x for x in self._running if x.seq.finish_reason is None]
+        if live:
+            self._run_round(live)
+        self._retire()
+        with self._cv:
+            self._n_running = len(self._running)
+            active, queued = self._n_running, len(self._waiting)
+        self.observer.on_load(active, queued)
+
+    def _new_sequence(self, h: RequestHandle) -> Sequence:
+        r = h.request
+        k = r.k if self.draft is not None else 0
+        return Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id)
+
+    def _admit(self, joining: list[RequestHandle]) -> None:
+        lives = [_Live(h, self._new_sequence(h)) for h in joining]
+        seqs = [x.seq for x in lives]
+        failed: dict[str, RequestError] = {}
+        target = _GuardedTarget(self.target, failed)
+        try:
+            # NOTE: target first, then the draft: the draft's prompt pairs are
+            # the target's prefill hidden states. Items the target failed never
+            # reach the draft.
+            emitted = admit(target, None, seqs)
+        except Exception as exc:  # noqa: BLE001 - the whole prefill call failed: only the joiners end
+            err = error_of(exc)
+            log.warning("prefill_failed", round=self.round, error=str(err), requests=len(seqs))
+            for x in lives:
+                self._running.append(x)
+                self._end_error(x, err)
+            return
+        self._running.extend(lives)
+        if self.draft is not None:
+            drafting = [s for s in seqs if s.k > 0 and s.finish_reason is None and s.request_id not in failed]
+            try:
+                attach_draft(_GuardedDraft(self.draft, failed), drafting)
+            except Exception as exc:  # noqa: BLE001
+                err = error_of(exc)
+                for s in drafting:
+                    failed.setdefault(s.request_id, err)
+        for x in lives:
+            rid = x.seq.request_id
+            if rid in failed:
+                self._end_error(x, failed[rid])
+            else:
+                log.info("admitted", request_id=rid, round=self.round, prompt_tokens=len(x.seq.prompt), k=x.seq.k)
+                self._push_tokens(x, emitted.get(rid, []), 0, 0)
+
+    def _run_round(self, live: list[_Live]) -> None:
+        self.round += 1
+        failed: dict[str, RequestError] = {}
+        target = _GuardedTarget(self.target, failed)
+        draft = _GuardedDraft(self.draft, failed) if self.draft is not None else None
+        before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
+        t0 = time.perf_counter()
+        try:
+            emitted = run_round(target, draft, [x.seq for x in live])
+        except Exception as exc:  # noqa: BLE001 - the round's worker state is unknown: all of it ends
+            err = error_of(exc)
+            log.warning("round_failed", round=self.round, error=str(err), batch=len(live))
+            for x in live:
+                self._end_error(x, err)
+            return
+        wall = time.perf_counter() - t0
+        draft_s = draft.compute_s if draft is not None else 0.0
+        timing = RoundTiming(self.round, len(live), draft_s, target.compute_s,
+                             max(wall - draft_s - target.compute_s, 0.0), wall)
+        self.timing.add(timing)
+        ks_acc = []
+        for x in live:
+            rid = x.seq.request_id
+            if rid in failed:
+                self._end_error(x, failed[rid])
+                continue
+            d0, a0 = before[rid]
+            nd, na = x.seq.stats.drafted - d0, x.seq.stats.accepted - a0
+            ks_acc.append((nd, na))
+            self._push_tokens(x, emitted.get(rid, []), na, nd)
+        self.observer.on_round(timing, ks_acc)
+
+    def _push_tokens(self, live: _Live, tokens: list[int], accepted: int, drafted: int) -> None:
+        if tokens:
+            live.streamed.extend(tokens)
+            live.handle.events.put(TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version))
+
+    def _retire(self) -> None:
+        for live in [x for x in self._running if x.seq.finish_reason is not None]:
+            s = live.seq
+            self._end(live, FinalEvent(s.finish_reason, tuple(s.output), len(s.prompt), s.stats,
+                                       self.weights_version), code="OK")
+
+    # --- leaving the batch ---------------------------------------------------------------
+    def _release(self, live: _Live) -> None:
+        try:
+            release(self.target, self.draft, live.seq)
+        except Exception as exc:  # noqa: BLE001 - a dead worker's slots are gone anyway
+            log.warning("release_failed", request_id=live.seq.request_id, round=self.round, error=str(exc))
+
+    def _end(self, live: _Live, event: Event, code: str) -> None:
+        # NOTE: free the workers' slots before telling the client, so a client
+        # that sees its stream end can rely on the slots being free.
+        self._release(live)
+        if live in self._running:
+            self._running.remove(live)
+        live.handle.events.put(event)
+        reason = event.finish_reason if isinstance(event, FinalEvent) else None
+        self.observer.on_outcome(reason, code)
+        log.info("finished", request_id=live.seq.request_id, round=self.round, finish_reason=reason, code=code,
+                 completion_tokens=len(live.seq.output), rounds=live.seq.stats.rounds)
+
+    def _end_error(self, live: _Live, err: RequestError) -> None:
+        log.warning("request_failed", request_id=live.seq.request_id, round=self.round, code=err.code,
+                    error=err.message)
+        self._end(live, ErrorEvent(err.code, err.message, tuple(live.streamed)), code=err.code)
+
+    def _shutdown(self) -> None:
+        err = WorkerUnavailable("the orchestrator is shutting down")
+        for live in list(self._running):
+            self._end_error(live, err)
+        with self._cv:
+            waiting, self._waiting = self._waiting, []
+            controls, self._controls = self._controls, []
+            self._n_running = 0
+        for h in waiting:
+            h.events.put(ErrorEvent(err.code, err.message, ()))
+        for _fn, fut in controls:
+            fut.set_exception(err)

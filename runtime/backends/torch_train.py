@@ -1,0 +1,525 @@
+"""Training the target and its MTP draft head (``specsplit train``), with Torch autograd.
+
+Owns: the training recipe of the bundled tiny model — parameter init, the
+next-token loss of the target, the *unrolled* MTP loss (the head trained on
+its own output hidden states for k substeps, exactly as the draft engine runs
+it), AdamW with warmup + cosine, a time budget, checkpoint export in the
+serving layout, and an optional held-out acceptance check through the real
+inference path (``runtime.engine.SpecEngine``).
+
+Every forward goes through ``runtime/model.py`` over ``TorchOps``: what is
+trained is exactly what is served. Must not know: gRPC, services, Paddle,
+structlog (this runs on machines that have neither).
+
+The unrolled MTP loss (DESIGN § Training the MTP for k substeps). Tokens
+``t_0..t_T``, frozen target hidden ``h_0..h_{T-1}``. Pass s = 1..N over
+anchors j = 0..M-1 (M = T - N):
+
+    pass 1:  (h_j,         t_{j+1})   at position j        predicts t_{j+2}
+    pass s:  (g^{(s-1)}_j, t_{j+s})   at position j+s-1    predicts t_{j+s+1}
+
+where ``g^{(s)}`` is the MTP's own output hidden state (pre-final-norm). The
+attention of pass s >= 2 matches inference exactly: at anchor j the draft
+cache holds *true* pairs at positions 0..j (pass 1) and the guessed pairs of
+this round at positions j+1..j+s-1 (passes 2..s at the same anchor). So pass
+s runs over the concatenation [pass 1; ...; pass s] (length s*M) with the mask
+
+    query (s, j) sees key (1, i) for i <= j, and key (s', j) for 2 <= s' <= s
+
+(the first s-1 segments reproduce the earlier passes bit for bit), and the
+loss is taken on the last, N-segment forward. N = 1 is the naive one-step head.
+Each pass's label is mixed from the data token (hard) and the target's own
+next-token distribution at that position (soft, ``--mtp-distill``): greedy
+acceptance rewards agreeing with the target, not with the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime import checkpoint
+from runtime.backends.torch_ops import TorchOps
+from runtime.config import ModelConfig
+from runtime.corpus import BatchSampler, Corpus, heldout_prompts, load_corpus
+from runtime.model import (Rope, init_params, lm_head, mtp_forward, mtp_tensor_shapes, target_forward,
+                           target_tensor_shapes)
+from runtime.tokenizer import ByteTokenizer
+
+try:  # optional: plain prints without it (the GPU image may lack it)
+    from tqdm import tqdm as _tqdm
+except ImportError:  # pragma: no cover
+    _tqdm = None
+
+MTP_NAIVE_FILE = "mtp_naive.safetensors"
+PROMPTS_FILE = "heldout_prompts.json"
+LOG_FILE = "train_log.json"
+
+
+# ---------------------------------------------------------------------------
+# Model construction
+# ---------------------------------------------------------------------------
+
+
+def tiny_config(hidden_size: int = 256, num_hidden_layers: int = 8, num_attention_heads: int = 4,
+                num_key_value_heads: int = 2, intermediate_size: int = 704) -> ModelConfig:
+    """The bundled default: byte vocabulary, Llama architecture, untied head, fp32."""
+    tok = ByteTokenizer()
+    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                       num_key_value_heads=num_key_value_heads, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32",
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+
+def make_params(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], seed: int, device: str,
+                n_residual_layers: int) -> dict[str, torch.nn.Parameter]:
+    """Trainable params: norms 1, projections N(0, 0.02); the projections that write
+    into the residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * layers)."""
+    arrays = init_params(cfg, seed, shapes)
+    scale = 1.0 / math.sqrt(2.0 * n_residual_layers)
+    out = {}
+    for name, arr in arrays.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            arr = arr * scale
+        out[name] = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(arr)).to(device))
+    return out
+
+
+def to_arrays(params: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {n: t.detach().float().cpu().numpy() for n, t in params.items()}
+
+
+def causal_mask(t: int, device: torch.device | str) -> torch.Tensor:
+    """bool [1, T, T]: key j visible to query i iff j <= i."""
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None]
+
+
+def unroll_layout(n: int, m: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask bool [1, n*m, n*m] and positions int64 [1, n*m] of ``n`` concatenated
+    passes over ``m`` anchors (see the module docstring). Segment order makes the
+    top-left (s*m x s*m) block the layout of the first s passes."""
+    s = torch.arange(n, device=device).repeat_interleave(m)          # 0-based pass of each row
+    j = torch.arange(m, device=device).repeat(n)                     # anchor of each row
+    qs, qj, ks, kj = s[:, None], j[:, None], s[None, :], j[None, :]
+    mask = ((ks == 0) & (kj <= qj)) | ((ks >= 1) & (kj == qj) & (ks <= qs))
+    return mask[None], (j + s)[None].to(torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------
+
+
+def target_loss(ops: TorchOps, p: dict[str, torch.Tensor], cfg: ModelConfig, rope: Rope,
+                batch: torch.Tensor) -> torch.Tensor:
+    """batch int64 [B, T+1] -> mean next-token cross-entropy (nats)."""
+    inp, lab = batch[:, :-1], batch[:, 1:]
+    b, t = inp.shape
+    cos_sin = rope.tables(ops, torch.arange(t, device=inp.device)[None])
+    hidden = target_forward(ops, p, cfg, inp, None, None, train_mask=causal_mask(t, inp.device).expand(b, t, t),
+                            cos_sin=cos_sin)                                              # [B, T, d]
+    logits = lm_head(ops, p, cfg, hidden)                                                 # [B, T, V]
+    return F.cross_entropy(logits.reshape(b * t, -1), lab.reshape(b * t))
+
+
+@torch.no_grad()
+def target_hidden(ops: TorchOps, p: dict[str, torch.Tensor], cfg: ModelConfig, rope: Rope,
+                  tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frozen target over tokens int64 [B, T] -> h [B, T, d] (pre-norm), logits [B, T, V]."""
+    b, t = tokens.shape
+    cos_sin = rope.tables(ops, torch.arange(t, device=tokens.device)[None])
+    h = target_forward(ops, p, cfg, tokens, None, None, train_mask=causal_mask(t, tokens.device).expand(b, t, t),
+                       cos_sin=cos_sin)
+    return h, lm_head(ops, p, cfg, h)
+
+
+@dataclass
+class MtpLoss:
+    loss: torch.Tensor          # scalar, differentiable: mean over passes of the mixed loss
+    hard: torch.Tensor          # [N] cross-entropy against the data token per pass (detached)
+    agree: torch.Tensor         # [N] fraction where argmax equals the target's argmax, per pass
+
+
+def mtp_unrolled_logits(ops: TorchOps, p: dict[str, torch.Tensor], cfg: ModelConfig, rope: Rope,
+                        tokens: torch.Tensor, hidden: torch.Tensor, unroll: int) -> torch.Tensor:
+    """tokens int64 [B, T+1] (t_0..t_T), hidden [B, T, d] = h_0..h_{T-1} of the frozen
+    target -> logits [B, N, M, V]: pass s (index s-1) at anchor j predicts t_{j+s+1}.
+
+    ``p`` holds the MTP tensors and the target's embedding / final norm / head.
+    """
+    n = unroll
+    b, t = hidden.shape[:2]
+    m = t - n
+    if n < 1 or m < 1:
+        raise ValueError(f"mtp unroll {n} needs 1 <= unroll < seq_len, got seq_len {t}")
+    mask, pos = unroll_layout(n, m, hidden.device)
+    cos, sin = rope.tables(ops, pos)
+    prev = [hidden[:, :m]]                                      # g^{(0)} = h, anchors 0..M-1
+    toks = [tokens[:, 1:1 + m]]                                 # t_{j+1}
+    g = None
+    for s in range(1, n + 1):
+        ln = s * m
+        g = mtp_forward(ops, p, cfg, torch.cat(prev, 1), torch.cat(toks, 1), None, None,
+                        train_mask=mask[:, :ln, :ln].expand(b, ln, ln),
+                        cos_sin=(cos[:, :ln], sin[:, :ln]))                               # [B, s*M, d]
+        if s < n:
+            prev.append(g[:, (s - 1) * m:s * m])                # g^{(s)}_j feeds pass s+1
+            toks.append(tokens[:, 1 + s:1 + s + m])             # t_{j+s+1}
+    return lm_head(ops, p, cfg, g).reshape(b, n, m, -1)        # [B, N, M, V]
+
+
+def mtp_unrolled_loss(ops: TorchOps, p: dict[str, torch.Tensor], cfg: ModelConfig, rope: Rope,
+                      tokens: torch.Tensor, hidden: torch.Tensor, target_logits: torch.Tensor | None,
+                      unroll: int, distill: float = 0.0) -> MtpLoss:
+    """The loss of ``mtp_unrolled_logits``; ``target_logits`` [B, T, V] (the frozen
+    target's, position i predicting t_{i+1}) are needed for ``distill`` > 0 and ``agree``."""
+    n = unroll
+    logits = mtp_unrolled_logits(ops, p, cfg, rope, tokens, hidden, n)
+    m = logits.shape[2]
+    labels = torch.stack([tokens[:, s + 1:s + 1 + m] for s in range(1, n + 1)], 1)   # t_{j+s+1}: [B, N, M]
+    logp = F.log_softmax(logits, -1)
+    hard = -logp.gather(-1, labels[..., None])[..., 0].mean(dim=(0, 2))                # [N]
+    per_pass = hard
+    agree = torch.zeros(n, device=hidden.device)
+    if target_logits is not None:
+        tl = torch.stack([target_logits[:, s:s + m] for s in range(1, n + 1)], 1)      # [B, N, M, V]
+        agree = (logits.detach().argmax(-1) == tl.argmax(-1)).float().mean(dim=(0, 2))
+        if distill > 0:
+            soft = -(F.softmax(tl, -1) * logp).sum(-1).mean(dim=(0, 2))               # [N]
+            per_pass = (1.0 - distill) * hard + distill * soft
+    elif distill > 0:
+        raise ValueError("distill > 0 needs target_logits")
+    return MtpLoss(per_pass.mean(), hard.detach(), agree)
+
+
+# ---------------------------------------------------------------------------
+# Optimisation
+# ---------------------------------------------------------------------------
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor: float = 0.1) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, cosine down to ``floor * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def make_optimizer(params: dict[str, torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    fused = all(p.is_cuda for p in params.values())
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+
+
+class _Progress:
+    """tqdm when available (and wanted), plain periodic prints otherwise."""
+
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+        self.bar = _tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0) if (enabled and _tqdm) else None
+        self._last = time.time()
+
+    def set_total(self, total: int) -> None:
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def update(self, post: dict[str, Any] | None) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if post:
+                self.bar.set_postfix(post, refresh=False)
+        elif post and (time.time() - self._last > 10 or self.n == self.total):
+            self._last = time.time()
+            print(f"{self.desc} {self.n}/{self.total} " + " ".join(f"{k}={v}" for k, v in post.items()), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit(desc: str, groups: list[tuple[dict[str, torch.nn.Parameter], torch.optim.Optimizer]],
+        step_fn: Callable[[int], tuple[list[torch.Tensor], dict[str, torch.Tensor]]],
+        steps: int, warmup: int, lrs: list[float], clip: float, budget_s: float, device: torch.device,
+        progress: bool, log_every: int = 25) -> dict[str, Any]:
+    """Generic loop: ``step_fn(step)`` returns one loss per (params, optimizer) group
+    plus detached metrics. With ``budget_s`` > 0 the step count is cut, after a short
+    timing, so the stage ends within the budget (the cosine follows the new count)."""
+    history: list[dict[str, Any]] = []
+    bar = _Progress(steps, desc, progress)
+    t0 = time.time()
+    t_mark, mark_step = None, 3
+    step = 0
+    while step < steps:
+        for (params, opt), peak in zip(groups, lrs):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps, warmup, peak)
+        losses, metrics = step_fn(step)
+        for (params, opt), loss in zip(groups, losses):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+            opt.step()
+        if step == mark_step:
+            _sync(device)
+            t_mark = time.time()
+        if budget_s > 0 and step == mark_step + 10:
+            _sync(device)
+            per_step = (time.time() - t_mark) / 10
+            fit_steps = int((budget_s - (time.time() - t0)) / per_step) + step + 1
+            if fit_steps < steps:
+                print(f"{desc}: {per_step * 1e3:.1f} ms/step; cutting {steps} steps to {fit_steps} "
+                      f"to fit the {budget_s:.0f} s budget", flush=True)
+                steps = max(fit_steps, step + 2)
+                bar.set_total(steps)
+        post = None
+        if step % log_every == 0 or step == steps - 1:
+            row = {"step": step, "lr": round(lr_at(step, steps, warmup, lrs[0]), 6),
+                   "time_s": round(time.time() - t0, 1)}
+            row.update({f"loss{i}": round(float(loss.detach()), 4) for i, loss in enumerate(losses)})
+            row.update({k: [round(x, 4) for x in v.detach().float().cpu().reshape(-1).tolist()]
+                        if v.numel() > 1 else round(float(v), 4) for k, v in metrics.items()})
+            history.append(row)
+            post = {k: v for k, v in row.items() if k.startswith("loss")}
+        bar.update(post)
+        step += 1
+    _sync(device)
+    bar.close()
+    return {"steps": steps, "wall_s": round(time.time() - t0, 1), "history": history}
+
+
+# ---------------------------------------------------------------------------
+# The two stages
+# ---------------------------------------------------------------------------
+
+
+def train_target(cfg: ModelConfig, corpus: Corpus, args: argparse.Namespace, ops: TorchOps,
+                 device: torch.device) -> tuple[dict[str, torch.nn.Parameter], dict[str, Any]]:
+    params = make_params(cfg, target_tensor_shapes(cfg), args.seed, str(device), cfg.num_hidden_layers)
+    rope = Rope(ops, cfg, args.seq_len + 1)
+    sampler = BatchSampler(corpus.train, args.batch, args.seq_len, args.seed)
+    opt = make_optimizer(params, args.lr, args.weight_decay)
+
+    def step_fn(step):
+        batch = torch.from_numpy(sampler.next()).to(device, non_blocking=True)
+        return [target_loss(ops, params, cfg, rope, batch)], {}
+
+    warmup = min(args.warmup, max(1, args.steps // 10))
+    log = fit("target", [(params, opt)], step_fn, args.steps, warmup, [args.lr], args.grad_clip,
+              args.target_budget_s, device, args.progress)
+    return params, log
+
+
+def train_mtp_heads(cfg: ModelConfig, target: dict[str, torch.Tensor], corpus: Corpus, unrolls: list[int],
+                    args: argparse.Namespace, ops: TorchOps, device: torch.device
+                    ) -> tuple[list[dict[str, torch.nn.Parameter]], dict[str, Any]]:
+    """Train one MTP head per entry of ``unrolls`` on the same batches (one frozen
+    target forward per batch serves all of them)."""
+    frozen = {n: t.detach().requires_grad_(False) for n, t in target.items()}
+    rope = Rope(ops, cfg, args.seq_len + 1)
+    sampler = BatchSampler(corpus.train, args.batch, args.seq_len, args.seed + 1)
+    heads = [make_params(cfg, mtp_tensor_shapes(cfg), args.seed + 100 + i, str(device), 1)
+             for i, _ in enumerate(unrolls)]
+    groups = [(h, make_optimizer(h, args.mtp_lr, args.weight_decay)) for h in heads]
+
+    def step_fn(step):
+        batch = torch.from_numpy(sampler.next()).to(device, non_blocking=True)
+        hidden, tlogits = target_hidden(ops, frozen, cfg, rope, batch[:, :-1])
+        losses, metrics = [], {}
+        for i, (head, n) in enumerate(zip(heads, unrolls)):
+            out = mtp_unrolled_loss(ops, {**frozen, **head}, cfg, rope, batch, hidden, tlogits, n, args.mtp_distill)
+            losses.append(out.loss)
+            metrics[f"hard{i}_u{n}"] = out.hard
+            metrics[f"agree{i}_u{n}"] = out.agree
+        return losses, metrics
+
+    warmup = min(args.warmup, max(1, args.mtp_steps // 10))
+    log = fit("mtp", groups, step_fn, args.mtp_steps, warmup, [args.mtp_lr] * len(heads), args.grad_clip,
+              args.mtp_budget_s, device, args.progress)
+    log["unrolls"] = unrolls
+    return heads, log
+
+
+@torch.no_grad()
+def heldout_metrics(cfg: ModelConfig, target: dict[str, torch.Tensor], heads: list[dict[str, torch.Tensor]],
+                    unrolls: list[int], corpus: Corpus, args: argparse.Namespace, ops: TorchOps,
+                    device: torch.device, batches: int = 4) -> dict[str, Any]:
+    """Held-out target loss (nats/byte) and, per head, each pass's argmax agreement
+    with the target (a teacher-forced proxy of per-substep acceptance, evaluated 3 deep)."""
+    rope = Rope(ops, cfg, args.seq_len + 1)
+    sampler = BatchSampler(corpus.heldout, min(args.batch, 16), args.seq_len, 12345)
+    losses, agree = [], [[] for _ in heads]
+    for _ in range(batches):
+        batch = torch.from_numpy(sampler.next()).to(device)
+        losses.append(float(target_loss(ops, target, cfg, rope, batch)))
+        hidden, tlogits = target_hidden(ops, target, cfg, rope, batch[:, :-1])
+        for i, head in enumerate(heads):
+            out = mtp_unrolled_loss(ops, {**target, **head}, cfg, rope, batch, hidden, tlogits, max(3, unrolls[i]))
+            agree[i].append(out.agree.cpu().numpy())
+    return {"target_loss_nats": round(float(np.mean(losses)), 4),
+            "target_bits_per_byte": round(float(np.mean(losses)) / math.log(2), 4),
+            "mtp_agree_per_pass": {f"unroll{n}": [round(float(x), 4) for x in np.mean(a, 0)]
+                                   for n, a in zip(unrolls, agree)}}
+
+
+# ---------------------------------------------------------------------------
+# Acceptance through the real inference path
+# ---------------------------------------------------------------------------
+
+
+def measure_acceptance(target_dir: str | Path, draft_path: str | Path, prompts: list[str], device: str = "cpu",
+                       k: int = 3, max_tokens: int = 128) -> dict[str, Any]:
+    """Greedy generation with SpecEngine (torch backend) over ``prompts``; pooled stats."""
+    from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+    from runtime.engine import GenRequest, SpecEngine
+    from runtime.round_driver import SeqStats
+
+    tok = ByteTokenizer()
+    ids = [tok.encode(p) for p in prompts]
+    max_len = max(len(i) for i in ids) + max_tokens + k + 8
+    max_len = 1 << max(8, (max_len - 1).bit_length())
+    dev = "cuda:0" if device == "cuda" else device
+    eng = SpecEngine(EngineConfig(str(target_dir), draft_path=str(draft_path),
+                                  runtime=RuntimeConfig(backend="torch", device=dev),
+                                  spec=SpecConfig(max_k=k, default_k=k),
+                                  cache=CacheConfig(max_slots=len(prompts), max_len=max_len)))
+    t0 = time.time()
+    results = eng.generate([GenRequest(f"p{i}", tuple(x), SamplingParams(max_tokens=max_tokens), k=k)
+                            for i, x in enumerate(ids)])
+    stats = SeqStats()
+    for r in results:
+        stats.merge(r.stats)
+    return {"k": k, "prompts": len(prompts), "max_tokens": max_tokens,
+            "per_position": [round(x, 4) for x in stats.per_position()],
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "tokens_per_round": round(stats.mean_accepted_length, 4),
+            "spec_rounds": stats.spec_rounds, "wall_s": round(time.time() - t0, 1)}
+
+
+# ---------------------------------------------------------------------------
+# CLI surface (specsplit/cli.py calls add_train_args + run_train)
+# ---------------------------------------------------------------------------
+
+
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--out", required=True, help="output directory (target checkpoint + mtp files)")
+    p.add_argument("--steps", type=int, default=3000, help="target training steps (0: load the target from --out)")
+    p.add_argument("--batch", type=int, default=64, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=512, help="bytes per sequence")
+    p.add_argument("--mtp-steps", type=int, default=1500, help="MTP training steps (0: no MTP)")
+    p.add_argument("--mtp-unroll", type=int, default=3, help="substeps the MTP is unrolled on its own hidden state")
+    p.add_argument("--naive-head", action="store_true",
+                   help=f"also train a one-step (unroll 1) head on the same batches into {MTP_NAIVE_FILE}")
+    p.add_argument("--mtp-distill", type=float, default=0.5,
+                   help="weight of the target's distribution in the MTP label (0: data token only)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the target")
+    p.add_argument("--mtp-lr", type=float, default=2e-3, help="peak learning rate of the MTP head")
+    p.add_argument("--warmup", type=int, default=150)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's stdlib)")
+    p.add_argument("--heldout-frac", type=float, default=0.05)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=704)
+    p.add_argument("--target-budget-s", type=float, default=0, help="cut target steps to fit this many seconds")
+    p.add_argument("--mtp-budget-s", type=float, default=0, help="cut MTP steps to fit this many seconds")
+    p.add_argument("--shard-bytes", type=int, default=None, help="shard model.safetensors at this size")
+    p.add_argument("--prompts", type=int, default=64, help=f"held-out prompts written to {PROMPTS_FILE}")
+    p.add_argument("--eval-acceptance", action="store_true",
+                   help="measure greedy k=3 acceptance on the held-out prompts with SpecEngine at the end")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="plain prints instead of tqdm")
+    return p
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train (target, then MTP head[s]) and write the checkpoint to ``args.out``. Returns the log."""
+    device = torch.device("cuda:0" if args.device == "cuda" else args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True      # training only; serving stays strict fp32
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    ops = TorchOps(str(device), "float32")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    corpus = load_corpus(args.corpus, args.heldout_frac)
+    log: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if not callable(v)},
+                           "corpus": corpus.summary(), "torch": torch.__version__, "device": str(device),
+                           "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        log["gpu"] = torch.cuda.get_device_name(device)
+    print(f"corpus: {json.dumps(corpus.summary())}", flush=True)
+    prompts = heldout_prompts(corpus, n=args.prompts, seed=args.seed) if args.prompts else []
+    if prompts:
+        (out / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1) + "\n")
+
+    if args.steps > 0:
+        cfg = tiny_config(args.hidden_size, args.layers, args.heads, args.kv_heads, args.ffn)
+        target, log["target"] = train_target(cfg, corpus, args, ops, device)
+        checkpoint.save_target(out, cfg, to_arrays(target), shard_bytes=args.shard_bytes)
+        print(f"target: {log['target']['steps']} steps in {log['target']['wall_s']} s, "
+              f"final loss {log['target']['history'][-1]['loss0']}", flush=True)
+    else:
+        from runtime.weights import check_target, read_arrays
+        ck = check_target(out)
+        cfg = ck.cfg
+        target = {n: torch.from_numpy(a).to(device) for n, a in read_arrays(ck).items()}
+
+    unrolls = ([args.mtp_unroll] + ([1] if args.naive_head and args.mtp_unroll != 1 else [])) if args.mtp_steps else []
+    if unrolls:
+        heads, log["mtp"] = train_mtp_heads(cfg, target, corpus, unrolls, args, ops, device)
+        files = ["mtp.safetensors", MTP_NAIVE_FILE]
+        for head, fname in zip(heads, files):
+            checkpoint.save_safetensors(out / fname, to_arrays(head))
+        print(f"mtp: {log['mtp']['steps']} steps in {log['mtp']['wall_s']} s, last "
+              f"{ {k: v for k, v in log['mtp']['history'][-1].items() if k != 'lr'} }", flush=True)
+        log["heldout"] = heldout_metrics(cfg, target, heads, unrolls, corpus, args, ops, device)
+        print(f"held-out: {json.dumps(log['heldout'])}", flush=True)
+        if args.eval_acceptance and prompts:
+            log["acceptance"] = {}
+            for n, fname in zip(unrolls, files):
+                try:
+                    acc = measure_acceptance(out, out / fname, prompts, args.device, k=3, max_tokens=128)
+                except Exception as exc:  # the check must never cost the trained weights
+                    acc = {"error": f"{type(exc).__name__}: {exc}"}
+                log["acceptance"][f"unroll{n}"] = acc
+                print(f"acceptance unroll{n} ({fname}): {json.dumps(acc)}", flush=True)
+    log["total_wall_s"] = round(time.time() - t_start, 1)
+    (out / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    return log
+
+
+def main_train(argv: list[str] | None = None) -> int:
+    parser = add_train_args(argparse.ArgumentParser(prog="specsplit train", description=__doc__.split("\n")[0]))
+    run_train(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_train())

@@ -1,0 +1,224 @@
+"""Flags, TOML files and ``SPECSPLIT_*`` environment variables -> the frozen config tree.
+
+Owns: deriving every command-line flag, TOML key and environment variable
+from the dataclass fields of ``runtime.config`` (so the three cannot drift
+from the code), their precedence (flag > env > TOML > default), and the
+generated configuration reference (``docs/configuration.md``).
+
+Naming: the field ``cache.max_slots`` of a worker is the flag
+``--cache-max-slots``, the env var ``SPECSPLIT_CACHE_MAX_SLOTS`` and the TOML
+key ``max_slots`` in table ``[cache]``.
+
+Must not know: what the services do with the values. Only ``__main__`` /
+the CLI call this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.config import ConfigError
+
+HELP: dict[str, str] = {
+    "role": "worker role (set by the subcommand)",
+    "target_path": "target checkpoint directory (Hugging Face layout) loaded at start; unset = start EMPTY",
+    "draft_path": "MTP file (default: mtp.safetensors inside target_path)",
+    "weights_version": "version tag of the start-up weights (default: the path)",
+    "capture_on_start": "capture CUDA graphs after the start-up load",
+    "runtime.backend": "tensor framework: paddle | torch",
+    "runtime.device": "cpu | cuda:N",
+    "runtime.dtype": "float32 | float16 | bfloat16",
+    "spec.max_k": "largest number of drafts per round a request may ask for",
+    "spec.default_k": "drafts per round when a request does not say",
+    "cache.max_slots": "KV-cache request slots (concurrent requests)",
+    "cache.max_len": "KV-cache positions per request (prompt + output + k)",
+    "graphs.enabled": "allow CUDA-graph capture",
+    "graphs.batch_buckets": "comma-separated ascending batch buckets captured as graphs",
+    "server.host": "listen address",
+    "server.port": "listen port (0 = pick a free one; printed at start)",
+    "server.metrics_port": "Prometheus HTTP port (unset = off, 0 = pick)",
+    "server.max_message_bytes": "largest gRPC message accepted or sent",
+    "server.max_workers": "gRPC handler threads",
+    "security.tls_cert": "server certificate (PEM); enables TLS",
+    "security.tls_key": "server private key (PEM)",
+    "security.tls_client_ca": "CA bundle; require client certificates signed by it (mTLS)",
+    "security.admin_token": "token required for admin/lifecycle RPCs (prefer the env var)",
+    "security.checkpoint_roots": "comma-separated directories checkpoint paths must lie under",
+    "draft_address": "draft service host:port (unset = target-only serving)",
+    "target_address": "target service host:port",
+    "default_k": "drafts per round when a request does not say",
+    "max_k": "largest k a request may ask for",
+    "max_batch": "sequences per speculative round",
+    "max_queue": "requests waiting for a batch slot before RESOURCE_EXHAUSTED",
+    "max_tokens_limit": "largest max_tokens a request may ask for",
+    "max_prompt_tokens": "longest prompt accepted",
+    "worker_timeout_s": "deadline (seconds) of every call to a worker",
+    "tokenizer": "tokenizer (byte)",
+    "tls_ca": "CA bundle used to verify the workers' TLS certificates",
+    "worker_admin_token": "admin token presented to the workers' lifecycle RPCs",
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str            # dotted path, e.g. "cache.max_slots"
+    kind: str           # int | float | str | bool | ints | strs
+    optional: bool
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace(".", "-").replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "SPECSPLIT_" + self.key.replace(".", "_").upper()
+
+    @property
+    def dest(self) -> str:
+        return "cfg__" + self.key.replace(".", "__")
+
+
+def _kind(type_str: str) -> tuple[str, bool]:
+    t = type_str.replace(" ", "")
+    optional = "None" in t
+    t = t.replace("|None", "").replace("None|", "")
+    kinds = {"int": "int", "float": "float", "str": "str", "bool": "bool",
+             "tuple[int,...]": "ints", "tuple[str,...]": "strs"}
+    if t not in kinds:
+        raise TypeError(f"unsupported config field type {type_str!r}")
+    return kinds[t], optional
+
+
+def options(cls: type, prefix: str = "") -> list[Option]:
+    """Every leaf field of a config dataclass tree, depth first."""
+    out = []
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if nested is not None and dataclasses.is_dataclass(nested):
+            out.extend(options(nested, key + "."))
+            continue
+        kind, optional = _kind(str(f.type))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append(Option(key, kind, optional, default))
+    return out
+
+
+def _parse(opt: Option, raw: Any) -> Any:
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none") and opt.optional):
+        return None
+    try:
+        if opt.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return s in ("1", "true", "yes", "on")
+        if opt.kind == "int":
+            return int(raw)
+        if opt.kind == "float":
+            return float(raw)
+        if opt.kind == "str":
+            return str(raw)
+        items = raw if isinstance(raw, (list, tuple)) else [x for x in str(raw).split(",") if x.strip()]
+        return tuple(int(x) for x in items) if opt.kind == "ints" else tuple(str(x).strip() for x in items)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{opt.key}={raw!r} is invalid: expected {opt.kind}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per config field (default None so unset flags fall through to env/TOML)."""
+    parser.add_argument("--config", type=Path, help="TOML configuration file")
+    group = parser.add_argument_group("configuration (flag > SPECSPLIT_* env var > TOML > default)")
+    for opt in options(cls):
+        if opt.key in skip:
+            continue
+        helptext = f"{HELP.get(opt.key, opt.key)} [env {opt.env}; default {opt.default!r}]"
+        if opt.kind == "bool":
+            group.add_argument(opt.flag, dest=opt.dest, default=None, action=argparse.BooleanOptionalAction, help=helptext)
+        else:
+            group.add_argument(opt.flag, dest=opt.dest, default=None, help=helptext)
+
+
+def _toml_lookup(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def build(cls: type, args: argparse.Namespace | None, env: dict[str, str] | None = None,
+          overrides: dict[str, Any] | None = None) -> Any:
+    """Construct ``cls`` from overrides > flags > env > TOML > defaults."""
+    env = os.environ if env is None else env
+    toml: dict[str, Any] = {}
+    path = getattr(args, "config", None) if args is not None else None
+    if path is None and env.get("SPECSPLIT_CONFIG"):
+        path = Path(env["SPECSPLIT_CONFIG"])
+    if path is not None:
+        try:
+            toml = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    values: dict[str, Any] = {}
+    for opt in options(cls):
+        raw: Any = None
+        if overrides and opt.key in overrides:
+            values[opt.key] = overrides[opt.key]
+            continue
+        flag_val = getattr(args, opt.dest, None) if args is not None else None
+        if flag_val is not None:
+            raw = flag_val
+        elif opt.env in env:
+            raw = env[opt.env]
+        else:
+            raw = _toml_lookup(toml, opt.key)
+        if raw is not None:
+            values[opt.key] = _parse(opt, raw)
+    return _construct(cls, values, "")
+
+
+def _construct(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if nested is not None and dataclasses.is_dataclass(nested):
+            kwargs[f.name] = _construct(nested, values, key + ".")
+        elif key in values:
+            kwargs[f.name] = values[key]
+        elif f.default is dataclasses.MISSING:
+            kwargs[f.name] = None
+    return cls(**kwargs)
+
+
+def reference_markdown(sections: list[tuple[str, type]]) -> str:
+    """The configuration reference, generated from the dataclasses (docs/configuration.md)."""
+    lines = ["# Configuration reference", "",
+             "Generated by `specsplit config-reference` from `runtime/config.py`; do not edit by hand.",
+             "Every setting can be given as a flag, a `SPECSPLIT_*` environment variable or a key in the",
+             "TOML file named by `--config` (or `SPECSPLIT_CONFIG`). Precedence: flag > env > TOML > default.",
+             "Lists are comma-separated in flags and env vars, arrays in TOML.", ""]
+    for title, cls in sections:
+        lines += [f"## {title}", "", "| flag | env var | TOML key | default | meaning |", "| --- | --- | --- | --- | --- |"]
+        for opt in options(cls):
+            table, _, leaf = opt.key.rpartition(".")
+            toml_key = f"[{table}] {leaf}" if table else leaf
+            lines.append(f"| `{opt.flag}` | `{opt.env}` | `{toml_key}` | `{opt.default!r}` | {HELP.get(opt.key, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `specsplit config-reference`")

@@ -1,0 +1,168 @@
+"""Start draft, target and orchestrator as child processes on loopback.
+
+Owns: the command lines of the three services for ``specsplit up`` / ``demo``
+and the tests, reading each child's "listening" line (so ports can be 0),
+and stopping children cleanly: SIGTERM, a grace period, then SIGKILL. Children
+get PR_SET_PDEATHSIG so none outlives a killed parent (no orphans).
+
+Must not know: the services' internals.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+START_TIMEOUT_S = 180.0
+STOP_GRACE_S = 15.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgrp()
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    model: str
+    backend: str = "paddle"
+    draft_device: str = "cpu"
+    target_device: str = "cpu"
+    port: int = 0
+    k: int = 3
+    max_batch: int = 16
+    no_draft: bool = False
+    capture_graphs: bool | None = None
+    metrics: bool = False
+    log_level: str = "WARNING"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    max_slots: int = 32
+    max_len: int = 1024
+    admin_token: str | None = None
+
+
+class Child:
+    """One service process and the address it announced."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, env=env, text=True,
+                                     preexec_fn=_die_with_parent)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.address = ""
+        self.metrics_port: int | None = None
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_listening(self, timeout: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.wait()} before listening")
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if msg.get("event") == "listening":
+                self.address = msg["address"]
+                self.metrics_port = msg.get("metrics_port")
+                return self.address
+        raise TimeoutError(f"{self.name} did not start listening within {timeout:.0f}s")
+
+    def stop(self, grace: float = STOP_GRACE_S) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
+    capture = opts.capture_graphs if opts.capture_graphs is not None else device.startswith("cuda")
+    argv = [sys.executable, "-m", "specsplit", "--log-level", opts.log_level, role,
+            "--target-path", opts.model, "--runtime-backend", opts.backend, "--runtime-device", device,
+            "--spec-max-k", str(max(opts.k, 1)), "--spec-default-k", str(opts.k),
+            "--cache-max-slots", str(opts.max_slots), "--cache-max-len", str(opts.max_len),
+            "--server-port", "0", "--capture-on-start" if capture else "--no-capture-on-start"]
+    if opts.metrics:
+        argv += ["--server-metrics-port", "0"]
+    return argv
+
+
+class Stack:
+    """Context manager running the three services; ``addresses()`` says where."""
+
+    def __init__(self, opts: StackOptions) -> None:
+        self.opts = opts
+        self.children: dict[str, Child] = {}
+
+    def __enter__(self) -> "Stack":
+        env = {**os.environ, **self.opts.extra_env}
+        if self.opts.admin_token:
+            env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.opts.admin_token
+            env["SPECSPLIT_WORKER_ADMIN_TOKEN"] = self.opts.admin_token
+        try:
+            # NOTE: workers first: the orchestrator needs both addresses.
+            self.children["target"] = Child("target", worker_argv("target", self.opts, self.opts.target_device), env)
+            if not self.opts.no_draft:
+                self.children["draft"] = Child("draft", worker_argv("draft", self.opts, self.opts.draft_device), env)
+            for c in self.children.values():
+                c.wait_listening()
+            argv = [sys.executable, "-m", "specsplit", "--log-level", self.opts.log_level, "orchestrator",
+                    "--target-address", self.children["target"].address,
+                    "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
+                    "--max-k", str(max(self.opts.k, 1)), "--max-batch", str(self.opts.max_batch)]
+            if not self.opts.no_draft:
+                argv += ["--draft-address", self.children["draft"].address]
+            if self.opts.metrics:
+                argv += ["--server-metrics-port", "0"]
+            self.children["orchestrator"] = Child("orchestrator", argv, env)
+            self.children["orchestrator"].wait_listening()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def orchestrator_address(self) -> str:
+        return self.children["orchestrator"].address
+
+    def addresses(self) -> dict[str, object]:
+        out: dict[str, object] = {name: c.address for name, c in self.children.items()}
+        if self.opts.metrics:
+            out["metrics_ports"] = {name: c.metrics_port for name, c in self.children.items()}
+        return out
+
+    def close(self) -> None:
+        # NOTE: orchestrator first (stops admitting and drains), then the workers it calls.
+        for name in ("orchestrator", "draft", "target"):
+            c = self.children.get(name)
+            if c is not None:
+                c.stop()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Checkpoint I/O: exact round trips, HF layouts, and errors that name the problem."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from runtime.checkpoint import (CheckpointError, index_checkpoint, load_tensors, save_safetensors, save_target,
+                                validate)
+from runtime.config import ModelConfig
+from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+from runtime.weights import check_draft, check_target, read_arrays
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(tmp_path, shard_bytes=None, dtype="float32"):
+    tensors = init_params(CFG, 0, target_tensor_shapes(CFG))
+    save_target(tmp_path, CFG, tensors, dtype=dtype, shard_bytes=shard_bytes)
+    save_safetensors(tmp_path / "mtp.safetensors", init_params(CFG, 1, mtp_tensor_shapes(CFG)))
+    return tensors
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 20_000])
+def test_save_load_round_trip_is_exact(tmp_path, shard_bytes):
+    tensors = _model(tmp_path, shard_bytes)
+    if shard_bytes:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    checked = check_target(tmp_path)
+    loaded = read_arrays(checked)
+    assert set(loaded) == set(tensors)
+    for name in tensors:
+        assert np.array_equal(loaded[name], tensors[name]), name
+    draft = read_arrays(check_draft(checked, tmp_path / "mtp.safetensors"))
+    assert np.array_equal(draft["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert np.array_equal(draft["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_half_precision_files(tmp_path):
+    x = np.random.default_rng(0).standard_normal((5, 7)).astype(np.float32)
+    save_safetensors(tmp_path / "h.safetensors", {"x": x}, "float16")
+    save_safetensors(tmp_path / "b.safetensors", {"x": x}, "bfloat16")
+    h = load_tensors(index_checkpoint(tmp_path / "h.safetensors"))["x"]
+    b = load_tensors(index_checkpoint(tmp_path / "b.safetensors"))["x"]
+    assert np.array_equal(h, x.astype(np.float16).astype(np.float32))
+    assert np.abs(b - x).max() <= np.abs(x).max() * 2 ** -8
+    # bf16 values re-saved are exact (already representable)
+    save_safetensors(tmp_path / "b2.safetensors", {"x": b}, "bfloat16")
+    assert np.array_equal(load_tensors(index_checkpoint(tmp_path / "b2.safetensors"))["x"], b)
+
+
+def test_interoperates_with_the_safetensors_library(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    save_file({"a": x}, str(tmp_path / "lib.safetensors"))
+    assert np.array_equal(load_tensors(index_checkpoint(tmp_path / "lib.safetensors"))["a"], x)
+    save_safetensors(tmp_path / "ours.safetensors", {"a": x})
+    assert np.array_equal(load_file(str(tmp_path / "ours.safetensors"))["a"], x)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    tensors = _model(tmp_path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_target(tmp_path, CFG, tensors)
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        check_target(tmp_path)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    tensors = _model(tmp_path)
+    tensors["model.norm.weight"] = np.ones(31, dtype=np.float32)
+    save_target(tmp_path, CFG, tensors)
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has shape \[31\], expected \[32\]"):
+        check_target(tmp_path)
+
+
+def test_wrong_dtype_is_named(tmp_path):
+    tensors = _model(tmp_path)
+    tensors["model.norm.weight"] = np.ones(32, dtype=np.int64)
+    save_file({k: v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype I64"):
+        check_target(tmp_path)
+
+
+def test_mtp_file_checked_against_target_sizes(tmp_path):
+    _model(tmp_path)
+    bad = init_params(CFG, 1, mtp_tensor_shapes(CFG))
+    bad["mtp.eh_proj.weight"] = np.zeros((32, 32), dtype=np.float32)
+    save_safetensors(tmp_path / "bad_mtp.safetensors", bad)
+    with pytest.raises(CheckpointError, match="mtp.eh_proj.weight"):
+        check_draft(check_target(tmp_path), tmp_path / "bad_mtp.safetensors")
+
+
+def test_truncated_and_corrupt_files(tmp_path):
+    _model(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        check_target(tmp_path)
+    path.write_bytes(struct.pack("<Q", 10) + b"{garbage!!")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        check_target(tmp_path)
+    path.write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match="not a safetensors"):
+        check_target(tmp_path)
+    path.unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        check_target(tmp_path)
+
+
+def test_sharded_index_pointing_at_missing_tensor(tmp_path):
+    _model(tmp_path, shard_bytes=20_000)
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.extra.weight"] = next(iter(idx["weight_map"].values()))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match="absent from their shard"):
+        check_target(tmp_path)
+
+
+def test_validate_reports_unexpected_tensor_when_strict(tmp_path):
+    save_safetensors(tmp_path / "x.safetensors", {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'b'"):
+        validate(index_checkpoint(tmp_path / "x.safetensors"), {"a": (2,)}, "x", allow_extra=False)

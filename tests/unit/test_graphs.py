@@ -1,0 +1,101 @@
+"""Graph registry bookkeeping on CPU: the same code path the GPU runs, with an eager stand-in graph."""
+
+import numpy as np
+import pytest
+
+from runtime.backends import make_ops
+from runtime.checkpoint import save_safetensors, save_target
+from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SamplingParams,
+                            SpecConfig)
+from runtime.engine import GenRequest, SpecEngine
+from runtime.graphs import GraphRegistry, InputSpec, StepKind
+from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+
+CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("graphs_model")
+    t = {k: v * (10 if v.ndim == 2 else 1) for k, v in init_params(CFG, 0, target_tensor_shapes(CFG)).items()}
+    save_target(d, CFG, t)
+    save_safetensors(d / "mtp.safetensors", init_params(CFG, 1, mtp_tensor_shapes(CFG)))
+    return d
+
+
+def _registry_with_counter():
+    ops = make_ops(RuntimeConfig(backend="torch"))
+    calls = []
+
+    def step(x, idx):
+        calls.append(ops.shape(x)[0])
+        return (x * 2 + 1, idx + 100)
+
+    reg = GraphRegistry(ops, (1, 4, 8))
+    reg.register(StepKind("double", step, (InputSpec("x", (3,), "compute", -1.0), InputSpec("idx", (), "int64", 7))))
+    return ops, reg, calls
+
+
+def test_bucket_choice():
+    _, reg, _ = _registry_with_counter()
+    assert [reg.bucket_for(b) for b in (1, 2, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+
+
+def test_capture_largest_first_then_pad_and_unpad():
+    ops, reg, calls = _registry_with_counter()
+    reg.capture_all(warmup=1)
+    assert reg.stats.events == ["capture double@8", "capture double@4", "capture double@1"]
+    assert [k for k in reg.keys()] == [(1, "double"), (4, "double"), (8, "double")]
+    x = np.arange(9, dtype=np.float32).reshape(3, 3)
+    (y, idx), replayed = reg.run("double", {"x": x, "idx": np.array([1, 2, 3])})
+    assert replayed and ops.shape(y) == (3, 3)                      # 3 rows padded to bucket 4, unpadded back
+    assert np.array_equal(ops.to_numpy(y), x * 2 + 1) and list(ops.to_numpy(idx)) == [101, 102, 103]
+    assert calls[-1] == 4                                           # the step ran at bucket size
+    (y, _), replayed = reg.run("double", {"x": np.zeros((9, 3), np.float32), "idx": np.zeros(9, np.int64)})
+    assert not replayed and calls[-1] == 9                          # above the largest bucket: eager
+    assert reg.stats.replays == 1 and reg.stats.eager_runs == 1
+
+
+def test_static_buffers_never_rebound():
+    """Regression guard for 'clone instead of copy_ -> CUDA error 700': addresses stay fixed."""
+    _, reg, _ = _registry_with_counter()
+    reg.capture_all(warmup=1)
+    before = reg.static_addresses()
+    rng = np.random.default_rng(0)
+    for i in range(50):
+        b = int(rng.integers(1, 9))
+        reg.run("double", {"x": rng.standard_normal((b, 3)).astype(np.float32), "idx": np.arange(b)})
+    assert reg.static_addresses() == before
+
+
+def test_clear_and_register_rules():
+    _, reg, _ = _registry_with_counter()
+    reg.capture_all(warmup=1)
+    with pytest.raises(RuntimeError, match="while graphs are live"):
+        reg.register(StepKind("other", lambda: (), ()))
+    with pytest.raises(RuntimeError, match="clear graphs"):
+        reg.unregister_all()
+    reg.clear()
+    assert not reg.live and reg.keys() == [] and reg.static_addresses() == {}
+    assert reg.stats.events[-1] == "clear"
+    reg.clear()                                                     # idempotent
+    assert reg.stats.clears == 1
+    reg.unregister_all()
+
+
+@pytest.mark.parametrize("backend", ["paddle", "torch"])
+def test_engine_with_captured_graphs_matches_eager(model_dir, backend):
+    cfg = EngineConfig(str(model_dir), runtime=RuntimeConfig(backend=backend), spec=SpecConfig(max_k=3, default_k=3),
+                       cache=CacheConfig(max_slots=8, max_len=96), graphs=GraphConfig(batch_buckets=(1, 2, 4)))
+    rng = np.random.default_rng(2)
+    reqs = [GenRequest(f"r{i}", tuple(int(x) for x in rng.integers(0, 48, int(rng.integers(2, 12)))),
+                       SamplingParams(max_tokens=int(rng.integers(5, 25))), k=int(rng.integers(1, 4))) for i in range(3)]
+    eager = SpecEngine(cfg).generate(reqs)
+    graphed_engine = SpecEngine(cfg)
+    graphed_engine.capture_graphs()
+    keys = graphed_engine.draft_registry.keys()
+    assert {k for _, k in keys} == {"catchup4", "substep"} and {b for b, _ in keys} == {1, 2, 4}
+    graphed = graphed_engine.generate(reqs)
+    assert [r.tokens for r in graphed] == [r.tokens for r in eager]
+    assert graphed_engine.target_registry.stats.replays > 0 and graphed_engine.draft_registry.stats.replays > 0
