@@ -94,6 +94,9 @@ class GraphRegistry:
         self.kinds: dict[str, StepKind] = {}
         self._captured: dict[tuple[int, str], _Captured] = {}
         self._static: dict[str, dict[str, Tensor]] = {}   # kind -> name -> [max_bucket, ...]
+        # kind -> one flat int64 device buffer holding every int64 input (one
+        # host->device copy per step instead of one per input).
+        self._packed: dict[str, Tensor] = {}
         self._pool: Any = None
         self.stats = GraphStats()
         self._log = log or (lambda msg: None)
@@ -136,9 +139,7 @@ class GraphRegistry:
                 self._pool = self._new_pool()
                 max_b = self.buckets[-1]
                 for kind in self.kinds.values():
-                    self._static[kind.name] = {
-                        s.name: self._filled((max_b, *s.row_shape), s) for s in kind.inputs
-                    }
+                    self._allocate_static(kind, max_b)
                 # NOTE: largest bucket first, so the smaller graphs' allocations
                 # fit inside the pool memory the largest one already reserved.
                 for bucket in sorted(self.buckets, reverse=True):
@@ -148,10 +149,35 @@ class GraphRegistry:
                 self.clear()
                 raise
 
-    def _filled(self, shape: tuple[int, ...], spec: InputSpec) -> Tensor:
-        dtype = "int64" if spec.dtype == "int64" else None
-        arr = np.full(shape, spec.pad, dtype=np.int64 if dtype else np.float32)
-        return self.ops.from_numpy(arr, dtype)
+    def _allocate_static(self, kind: StepKind, max_b: int) -> None:
+        """Static inputs at the largest bucket: int64 inputs as views of one flat
+        buffer (see ``_pack``), compute-dtype inputs as their own buffers."""
+        static: dict[str, Tensor] = {}
+        ints = [s for s in kind.inputs if s.dtype == "int64"]
+        packed = self.ops.from_numpy(self._pack(kind, {}, max_b, max_b), "int64")
+        self._packed[kind.name] = packed
+        offset = 0
+        for s in ints:
+            n = max_b * int(np.prod(s.row_shape, dtype=np.int64))
+            static[s.name] = self.ops.reshape(packed[offset: offset + n], (max_b, *s.row_shape))
+            offset += n
+        for s in kind.inputs:
+            if s.dtype != "int64":
+                static[s.name] = self.ops.from_numpy(np.full((max_b, *s.row_shape), s.pad, dtype=np.float32))
+        self._static[kind.name] = static
+
+    @staticmethod
+    def _pack(kind: StepKind, values: dict[str, np.ndarray], b: int, max_b: int) -> np.ndarray:
+        """Flat int64 host array: each int64 input's [max_b, *row] block, rows >= b padded."""
+        blocks = []
+        for s in kind.inputs:
+            if s.dtype != "int64":
+                continue
+            block = np.full((max_b, *s.row_shape), s.pad, dtype=np.int64)
+            if s.name in values:
+                block[:b] = values[s.name]
+            blocks.append(block.reshape(-1))
+        return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
 
     def _capture_one(self, kind: StepKind, bucket: int, warmup: int) -> None:
         views = {name: buf[:bucket] for name, buf in self._static[kind.name].items()}
@@ -210,6 +236,7 @@ class GraphRegistry:
                     reset()
             self._captured.clear()
             self._static.clear()
+            self._packed.clear()
             self._pool = None
             gc.collect()
             self.ops.synchronize()
@@ -236,21 +263,27 @@ class GraphRegistry:
             bucket = self.bucket_for(b)
             cap = self._captured.get((bucket, kind_name)) if bucket is not None else None
             if cap is not None:
+                max_b = self.buckets[-1]
+                int_values = {}
                 for spec in kind.inputs:
                     value = inputs[spec.name]
-                    dst = cap.inputs[spec.name]
-                    # NOTE: copy *into* the static buffer; never rebind it. The
-                    # graph reads that address: a new tensor would be freed memory.
-                    if isinstance(value, np.ndarray):
-                        if value.shape[1:] != spec.row_shape:
-                            raise ValueError(f"{kind_name}.{spec.name}: row shape {value.shape[1:]} != {spec.row_shape}")
-                        padded = np.full((bucket, *spec.row_shape), spec.pad, dtype=value.dtype)
+                    shape = value.shape if isinstance(value, np.ndarray) else self.ops.shape(value)
+                    if tuple(shape[1:]) != spec.row_shape:
+                        raise ValueError(f"{kind_name}.{spec.name}: row shape {tuple(shape[1:])} != {spec.row_shape}")
+                    # NOTE: copy *into* the static buffers; never rebind them. The
+                    # graph reads those addresses: a new tensor would be freed memory.
+                    if spec.dtype == "int64":
+                        int_values[spec.name] = value
+                    elif isinstance(value, np.ndarray):
+                        padded = np.full((bucket, *spec.row_shape), spec.pad, dtype=np.float32)
                         padded[:b] = value
-                        self.ops.copy_(dst, self.ops.from_numpy(padded, "int64" if spec.dtype == "int64" else None))
+                        self.ops.copy_from_numpy(cap.inputs[spec.name], padded)
                     else:
                         # Device rows: rows past b keep finite values from earlier
                         # steps; their outputs are sliced away below.
-                        self.ops.copy_(dst[:b], value)
+                        self.ops.copy_(cap.inputs[spec.name][:b], value)
+                if int_values:
+                    self.ops.copy_from_numpy(self._packed[kind_name], self._pack(kind, int_values, b, max_b))
                 cap.graph.replay()
                 self.stats.replays += 1
                 return tuple(o[:b] for o in cap.outputs), True

@@ -27,6 +27,10 @@ _DTYPES = {"float32": paddle.float32, "float16": paddle.float16, "bfloat16": pad
            "int64": paddle.int64, "int32": paddle.int32, "bool": paddle.bool}
 
 
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_,
+       "bfloat16": np.float32}
+
+
 def _dtype_name(dt) -> str:
     for k, v in _DTYPES.items():
         if dt == v:
@@ -72,6 +76,9 @@ class PaddleOps:
 
     def copy_(self, dst, src):
         paddle.assign(src.astype(dst.dtype) if src.dtype != dst.dtype else src, output=dst)
+
+    def copy_from_numpy(self, dst, arr):
+        paddle.assign(np.ascontiguousarray(arr).astype(_NP[self.dtype_name(dst)]), output=dst)
 
     def data_ptr(self, x):
         return int(x.data_ptr())

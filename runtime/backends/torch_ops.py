@@ -51,6 +51,9 @@ class TorchOps:
     def copy_(self, dst, src):
         dst.copy_(src)
 
+    def copy_from_numpy(self, dst, arr):
+        dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(dst.dtype), non_blocking=False)
+
     def data_ptr(self, x):
         return int(x.data_ptr())
 
