@@ -1,0 +1,5 @@
+"""The draft service: the MTP proposer worker (``worker.py``) behind its gRPC servicer (``server.py``).
+
+``create_server(cfg) -> (server, port)`` lives in ``draft_service.server``; flags
+and config files are parsed only in ``__main__``.
+"""

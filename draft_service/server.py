@@ -1,0 +1,110 @@
+"""The draft service's gRPC servicer and ``create_server``.
+
+Owns: proto <-> record conversion for DraftService (via ``specsplit.wire``),
+the persistent Propose stream (one batched response per batched request,
+per-item errors, the stream survives bad items and failed batches), and
+assembling worker + servicer + health + metrics into a started server.
+
+Must not know: tensors beyond decoding them into numpy records, models,
+frameworks. All work happens in ``DraftWorker``; lifecycle / status / release
+RPCs come from ``specsplit.serving.WorkerServicerMixin``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+import structlog
+
+from draft_service.worker import DraftWorker
+from runtime.config import WorkerConfig
+from runtime.observability import redact
+from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
+from specsplit import wire
+from specsplit.serving import WorkerService, WorkerServicerMixin, start_worker_service
+from specsplit.v1 import draft_pb2 as dpb
+from specsplit.v1 import draft_pb2_grpc
+
+SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DraftService"].full_name   # "specsplit.v1.DraftService"
+
+
+def _decode_prefill(i: int, item: dpb.DraftPrefillItem) -> DraftPrefillRequest | wire.ItemError:
+    try:
+        hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES)
+        if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
+            hidden = np.zeros((0, 0), dtype=np.float32)
+        return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
+                                   wire.as_float32(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
+    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
+        return wire.item_error_for(exc)
+
+
+def _decode_propose(i: int, item: dpb.ProposeItem) -> ProposeRequest | wire.ItemError:
+    try:
+        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES)
+        return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
+                              wire.as_float32(hidden), int(item.k))
+    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
+        return wire.item_error_for(exc)
+
+
+def _proposal(request_id: str, res: Proposal | wire.ItemError) -> dpb.ProposeResult:
+    if isinstance(res, wire.ItemError):
+        return dpb.ProposeResult(request_id=request_id, error=wire.item_error_to_proto(res))
+    out = dpb.Proposal(drafts=res.drafts.tolist())
+    if res.draft_probs is not None:
+        out.draft_probs.CopyFrom(wire.encode_tensor(res.draft_probs, "float32"))   # [k, V]
+    return dpb.ProposeResult(request_id=request_id, proposal=out)
+
+
+class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, worker: DraftWorker, log: Any) -> None:
+        self.worker = worker
+        self.log = log
+
+    def Prefill(self, request: dpb.DraftPrefillRequest, context: grpc.ServicerContext) -> dpb.DraftPrefillResponse:
+        items = [_decode_prefill(i, it) for i, it in enumerate(request.items)]
+        results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
+        out = dpb.DraftPrefillResponse()
+        for it, res in zip(request.items, results):
+            r = out.results.add(request_id=it.request_id)
+            if res is not None:
+                r.error.CopyFrom(wire.item_error_to_proto(res))
+        return out
+
+    def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
+                context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:
+        """One response per request message, in order; the stream ends when the client ends it."""
+        for msg in request_iterator:
+            items = [_decode_propose(i, it) for i, it in enumerate(msg.items)]
+            t0 = time.perf_counter()
+            try:
+                results = self.worker.propose(items, msg.round)
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed (e.g. no weights)
+                err = wire.item_error_for(exc)
+                if err.code == grpc.StatusCode.INTERNAL:
+                    self.log.exception("propose_failed", round=msg.round)
+                results = [err] * len(items)
+            seconds = time.perf_counter() - t0
+            yield dpb.ProposeResponse(round=msg.round, compute_seconds=seconds, results=[
+                _proposal(it.request_id, res) for it, res in zip(msg.items, results)])
+
+
+def start(cfg: WorkerConfig) -> WorkerService:
+    """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving."""
+    if cfg.role != "draft":
+        raise ValueError(f"role={cfg.role!r}: the draft service needs role 'draft'")
+    log = structlog.get_logger(service="draft")
+    log.info("starting", config=redact(cfg))
+    worker = DraftWorker(cfg, log=log)
+    return start_worker_service(cfg, worker, DraftServicer(worker, log),
+                                draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, log)
+
+
+def create_server(cfg: WorkerConfig) -> tuple[grpc.Server, int]:
+    """A started draft server and its bound port (``cfg.server.port`` 0 picks one)."""
+    svc = start(cfg)
+    return svc.server, svc.port

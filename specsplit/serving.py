@@ -1,0 +1,285 @@
+"""Shared gRPC server plumbing of the specsplit services.
+
+Owns: building a ``grpc.Server`` from ``ServerConfig``/``SecurityConfig``
+(thread pool, message-size limits, TLS / mTLS, grpc.health.v1, server
+reflection), the admin-token interceptor, the checkpoint-path policy
+(``check_checkpoint_path``), and the pieces both workers' servicers share:
+the lifecycle / status / release RPC handlers (``WorkerServicerMixin``),
+health that follows the lifecycle state, and ``start_worker_service``.
+
+Must not know: models, tensors, frameworks, scheduling. Servicers hand their
+work to a worker object; errors become status codes via ``specsplit.wire``.
+
+Secrets: tokens are compared in constant time and never logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from runtime.config import SecurityConfig, ServerConfig, WorkerConfig
+from runtime.lifecycle import State, WorkerBase
+from runtime.observability import start_metrics_server
+from specsplit import wire
+from specsplit.v1 import common_pb2 as pb
+
+# Methods (last component of the gRPC method path) that need the admin token.
+ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
+                           "ReloadWeights", "PushWeights"})
+AUTH_HEADER = "authorization"
+
+
+# --- checkpoint paths ---------------------------------------------------------------
+
+
+def check_checkpoint_path(path: str | Path, roots: Iterable[str] = ()) -> Path:
+    """The resolved path (symlinks followed), or ValueError if it lies outside every root.
+
+    Empty ``roots`` allows any path. ``..`` components, absolute paths and
+    symlinks are judged by where they finally point.
+    """
+    raw = str(path)
+    if not raw:
+        raise ValueError("checkpoint path is empty")
+    if "\x00" in raw:
+        raise ValueError("checkpoint path contains a NUL byte")
+    try:
+        resolved = Path(raw).resolve()
+    except (OSError, RuntimeError) as exc:  # symlink loops
+        raise ValueError(f"checkpoint path {raw!r} cannot be resolved: {exc}") from None
+    roots = [r for r in roots if r]
+    if not roots:
+        return resolved
+    for root in roots:
+        r = Path(root).resolve()
+        if resolved == r or resolved.is_relative_to(r):
+            return resolved
+    raise ValueError(f"checkpoint path {raw!r} resolves to {str(resolved)!r}, outside the allowed "
+                     f"checkpoint roots {list(roots)}")
+
+
+# --- admin auth ---------------------------------------------------------------------
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as ``handler`` that answers UNAUTHENTICATED."""
+
+    def unary(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def streaming(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover  (makes this a generator for response streams)
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class AdminAuthInterceptor(grpc.ServerInterceptor):
+    """Admin methods need metadata ``authorization: Bearer <admin_token>``; others pass."""
+
+    def __init__(self, admin_token: str, admin_methods: frozenset[str] = ADMIN_METHODS) -> None:
+        if not admin_token:
+            raise ValueError("admin token must be non-empty")
+        self._expected = f"Bearer {admin_token}".encode()
+        self._admin = admin_methods
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        method = details.method.rsplit("/", 1)[-1]
+        if method not in self._admin:
+            return continuation(details)
+        supplied = [v for k, v in (details.invocation_metadata or ()) if k == AUTH_HEADER]
+        if supplied:
+            value = supplied[0].encode() if isinstance(supplied[0], str) else bytes(supplied[0])
+            # NOTE: constant-time compare, so response timing reveals nothing about the token.
+            if hmac.compare_digest(value, self._expected):
+                return continuation(details)
+            message = f"{method} is an admin RPC: the admin token is wrong"
+        else:
+            message = f"{method} is an admin RPC: send metadata '{AUTH_HEADER}: Bearer <admin token>'"
+        handler = continuation(details)
+        return None if handler is None else _deny_handler(handler, message)
+
+
+def admin_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata a client sends to pass the admin check (empty without a token)."""
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+# --- server -------------------------------------------------------------------------
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+
+
+def build_server(server_cfg: ServerConfig, security_cfg: SecurityConfig,
+                 servicer_adders: list[Callable[[grpc.Server], None]], service_names: list[str],
+                 health_servicer: health.HealthServicer,
+                 admin_methods: frozenset[str] = ADMIN_METHODS) -> tuple[grpc.Server, int]:
+    """A bound (not started) server and its port. ``service_names`` are the full names
+    (``specsplit.v1.DraftService``) listed by reflection next to health and reflection."""
+    interceptors = []
+    if security_cfg.admin_token:
+        interceptors.append(AdminAuthInterceptor(security_cfg.admin_token, admin_methods))
+    options = [
+        ("grpc.max_send_message_length", server_cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+        # Refuse to share a fixed port with another live server (Linux allows it by default).
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=server_cfg.max_workers,
+                                                    thread_name_prefix="grpc"),
+                         interceptors=interceptors, options=options)
+    for add in servicer_adders:
+        add(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    address = f"{server_cfg.host}:{server_cfg.port}"
+    if security_cfg.tls_cert:
+        ca = _read(security_cfg.tls_client_ca) if security_cfg.tls_client_ca else None
+        creds = grpc.ssl_server_credentials([(_read(security_cfg.tls_key), _read(security_cfg.tls_cert))],
+                                            root_certificates=ca, require_client_auth=ca is not None)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if not port:
+        raise RuntimeError(f"cannot bind {address}")
+    return server, port
+
+
+# --- health follows the lifecycle ---------------------------------------------------
+
+
+def bind_health(worker: WorkerBase, health_servicer: health.HealthServicer, service_name: str) -> None:
+    """SERVING when LOADED/READY, NOT_SERVING when EMPTY, for "" and ``service_name``; kept
+    current on every transition."""
+
+    def publish(*_args: Any) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if worker.lifecycle.state != State.EMPTY
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", service_name):
+            health_servicer.set(name, status)
+
+    publish()
+    worker.lifecycle.add_observer(publish)
+
+
+# --- RPC handlers both workers share --------------------------------------------------
+
+
+class WorkerServicerMixin:
+    """LoadWeights / ReleaseWeights / CaptureGraphs / ClearGraphs / GetStatus / Release.
+
+    Put before the generated servicer base in the class bases. Needs ``self.worker``
+    (a WorkerBase) and ``self.log``.
+    """
+
+    worker: WorkerBase
+    log: Any
+
+    def _run(self, context: grpc.ServicerContext, rpc: str, fn: Callable[[], Any]) -> Any:
+        """fn(), or abort the call with the status code its exception maps to."""
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+            code = wire.status_code_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                self.log.exception("rpc_failed", rpc=rpc, code=code.name)
+            else:
+                self.log.warning("rpc_refused", rpc=rpc, code=code.name, error=str(exc))
+            context.abort(code, wire.error_message(exc))
+        self.log.debug("rpc_done", rpc=rpc, seconds=round(time.perf_counter() - t0, 6))
+        return out
+
+    def _status(self) -> pb.WorkerStatus:
+        return wire.status_to_proto(self.worker.status())
+
+    def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.ServicerContext) -> pb.LoadWeightsResponse:
+        self._run(context, "LoadWeights", lambda: self.worker.load_weights(
+            request.target_path, request.draft_path, request.version, request.in_place, request.validate_only))
+        return pb.LoadWeightsResponse(status=self._status())
+
+    def ReleaseWeights(self, request: pb.ReleaseWeightsRequest,
+                       context: grpc.ServicerContext) -> pb.ReleaseWeightsResponse:
+        self._run(context, "ReleaseWeights", self.worker.release_weights)
+        return pb.ReleaseWeightsResponse(status=self._status())
+
+    def CaptureGraphs(self, request: pb.CaptureGraphsRequest,
+                      context: grpc.ServicerContext) -> pb.CaptureGraphsResponse:
+        self._run(context, "CaptureGraphs", self.worker.capture_graphs)
+        return pb.CaptureGraphsResponse(status=self._status())
+
+    def ClearGraphs(self, request: pb.ClearGraphsRequest, context: grpc.ServicerContext) -> pb.ClearGraphsResponse:
+        self._run(context, "ClearGraphs", self.worker.clear_graphs)
+        return pb.ClearGraphsResponse(status=self._status())
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        return pb.GetStatusResponse(status=self._run(context, "GetStatus", self._status))
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        released = self._run(context, "Release", lambda: self.worker.release(list(request.request_ids)))
+        if released:
+            self.log.info("released", request_ids=released)
+        return pb.ReleaseResponse(released=released)
+
+
+# --- starting a worker service ------------------------------------------------------------
+
+
+@dataclass
+class WorkerService:
+    """A started worker service. ``stop`` ends the server, then tears the worker down in order."""
+
+    server: grpc.Server
+    port: int
+    worker: WorkerBase
+    health: health.HealthServicer
+    metrics_port: int | None = None
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        self.worker.close()
+
+
+def start_worker_service(cfg: WorkerConfig, worker: WorkerBase, servicer: Any,
+                         add_servicer: Callable[[Any, grpc.Server], None], service_name: str,
+                         log: Any) -> WorkerService:
+    """Load at start if configured (and capture if asked), bind, start, serve metrics."""
+    if cfg.target_path:
+        worker.load_weights(cfg.target_path, cfg.draft_path or "", cfg.weights_version)
+        if cfg.capture_on_start:
+            worker.capture_graphs()
+    health_servicer = health.HealthServicer()
+    bind_health(worker, health_servicer, service_name)
+    server, port = build_server(cfg.server, cfg.security, [lambda s: add_servicer(servicer, s)],
+                                [service_name], health_servicer)
+    server.start()
+    metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)
+    log.info("serving", service=service_name, address=f"{cfg.server.host}:{port}", metrics_port=metrics_port,
+             state=worker.lifecycle.state.value, weights_version=worker.weights_version,
+             backend=worker.ops.name, device=worker.ops.device, graphs_mode=worker.graphs_mode,
+             tls=bool(cfg.security.tls_cert), mtls=bool(cfg.security.tls_client_ca),
+             admin_token=bool(cfg.security.admin_token))
+    return WorkerService(server, port, worker, health_servicer, metrics_port)

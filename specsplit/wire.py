@@ -1,0 +1,229 @@
+"""Conversions between the specsplit.v1 protos and the runtime's records.
+
+Owns: tensors (numpy <-> ``Tensor {dtype, shape, data}``, with validation that
+names the offending field), sampling parameters (proto <-> ``SamplingParams``),
+per-item errors (``ItemError``) and the one mapping from exceptions to gRPC
+status codes used by every service; ``WorkerStatus`` record -> proto.
+
+Must not know: models, frameworks, servicers or channels. The orchestrator
+uses the tensor and params helpers too (hidden states pass through it as
+opaque ``Tensor`` messages; it never needs to decode them).
+
+Public API:
+    encode_tensor(arr, dtype=None) -> common_pb2.Tensor
+    decode_tensor(t, field, allowed=None, bf16_bits=False) -> np.ndarray
+    decode_optional_tensor(msg, name, field, ...) -> np.ndarray | None
+    params_to_proto(SamplingParams) / params_from_proto(proto, field)
+    ItemError, status_code_for(exc), item_error_for(exc), item_error_to_proto(err)
+    status_to_proto(WorkerStatus), state_to_proto(State)
+
+bfloat16: numpy has no bf16, so bf16 tensors travel as raw bf16 bits; encode
+rounds float arrays to nearest-even (or takes a uint16 array as bit patterns),
+decode widens to float32 exactly (or returns the uint16 bits if asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from runtime.config import SamplingParams
+from runtime.kv_cache import CapacityError, UnknownRequestError
+from runtime.lifecycle import LifecycleError, State, WorkerStatus
+from specsplit.v1 import common_pb2 as pb
+
+MAX_TENSOR_DIMS = 8
+
+# dtype name -> (proto enum value, little-endian numpy dtype on the wire)
+_DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (pb.DTYPE_FLOAT32, np.dtype("<f4")),
+    "float16": (pb.DTYPE_FLOAT16, np.dtype("<f2")),
+    "bfloat16": (pb.DTYPE_BFLOAT16, np.dtype("<u2")),
+    "int64": (pb.DTYPE_INT64, np.dtype("<i8")),
+}
+_BY_ENUM = {enum: name for name, (enum, _) in _DTYPES.items()}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# --- tensors -------------------------------------------------------------------
+
+
+def _to_bf16_bits(arr: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, round-to-nearest-even (NaN stays NaN)."""
+    f = np.ascontiguousarray(arr, dtype=np.float32)
+    bits = f.view(np.uint32)
+    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep a quiet NaN
+    return rounded
+
+
+def _from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode_tensor(arr: Any, dtype: str | None = None) -> pb.Tensor:
+    """numpy array -> Tensor. ``dtype`` None infers it: float32, float16, integers -> int64
+    (float64 -> float32). ``dtype="bfloat16"``: a uint16 array is taken as bf16 bit
+    patterns, a float array is rounded to bf16."""
+    a = np.asarray(arr)
+    if dtype is None:
+        if a.dtype == np.float16:
+            dtype = "float16"
+        elif a.dtype.kind == "f":
+            dtype = "float32"
+        elif a.dtype.kind in "iub":
+            dtype = "int64"
+        else:
+            raise ValueError(f"cannot encode a numpy array of dtype {a.dtype}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    enum, wire = _DTYPES[dtype]
+    if dtype == "bfloat16":
+        data = a.astype("<u2") if a.dtype == np.uint16 else _to_bf16_bits(a).astype("<u2")
+    else:
+        data = a.astype(wire, copy=False)
+    return pb.Tensor(dtype=enum, shape=list(a.shape), data=np.ascontiguousarray(data).tobytes())
+
+
+def is_empty_tensor(t: pb.Tensor) -> bool:
+    """True for the "no tensor" value: empty shape and empty data."""
+    return len(t.shape) == 0 and len(t.data) == 0
+
+
+def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = None,
+                  bf16_bits: bool = False) -> np.ndarray:
+    """Tensor -> numpy (a writable copy). Raises ValueError naming ``field`` when the dtype
+    is unknown or not ``allowed``, a dimension is negative, or the byte length is not
+    prod(shape) * itemsize. bfloat16 comes back widened to float32 (exact), or as its
+    uint16 bit patterns with ``bf16_bits``."""
+    name = _BY_ENUM.get(t.dtype)
+    if name is None:
+        label = "DTYPE_UNSPECIFIED" if t.dtype == pb.DTYPE_UNSPECIFIED else f"unknown dtype {t.dtype}"
+        raise ValueError(f"{field}: {label}; expected one of {list(allowed or _DTYPES)}")
+    if allowed is not None and name not in allowed:
+        raise ValueError(f"{field}: dtype {name} is not allowed here; expected one of {list(allowed)}")
+    shape = [int(s) for s in t.shape]
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise ValueError(f"{field}: {len(shape)} dimensions, at most {MAX_TENSOR_DIMS} allowed")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{field}: shape {shape} has a negative dimension")
+    wire = _DTYPES[name][1]
+    count = 1
+    for s in shape:
+        count *= s                              # Python int: no overflow on absurd shapes
+    expected = count * wire.itemsize
+    if len(t.data) != expected:
+        raise ValueError(f"{field}: {len(t.data)} bytes, expected {expected} for shape {shape} {name}")
+    arr = np.frombuffer(t.data, dtype=wire).reshape(shape)
+    if name == "bfloat16":
+        return arr.astype(np.uint16) if bf16_bits else _from_bf16_bits(arr)
+    return arr.astype(wire.newbyteorder("="), copy=True)
+
+
+def decode_optional_tensor(msg: Any, name: str, field: str, allowed: tuple[str, ...] | None = None,
+                           bf16_bits: bool = False) -> np.ndarray | None:
+    """``msg.<name>`` decoded, or None when unset or the "no tensor" value."""
+    if not msg.HasField(name):
+        return None
+    t = getattr(msg, name)
+    if is_empty_tensor(t):
+        return None
+    return decode_tensor(t, field, allowed, bf16_bits)
+
+
+def as_float32(arr: np.ndarray) -> np.ndarray:
+    """Float tensors widened to float32 (the runtime's host dtype)."""
+    return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+
+
+# --- sampling parameters ---------------------------------------------------------
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    """Only the fields the workers use travel (max_tokens and stop ids stay at the orchestrator)."""
+    out = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
+                            top_p=0.0 if p.top_p >= 1.0 else p.top_p, draft_sampling=p.draft_sampling)
+    if p.seed is not None:
+        out.seed = p.seed
+    return out
+
+
+def params_from_proto(p: pb.SamplingParams, field: str = "params") -> SamplingParams:
+    """Proto -> SamplingParams; top_p 0 (unset) means 1.0 (off). Raises ValueError naming the field."""
+    top_p = float(p.top_p)
+    try:
+        return SamplingParams(
+            temperature=float(p.temperature), top_k=int(p.top_k), top_p=1.0 if top_p == 0.0 else top_p,
+            seed=int(p.seed) if p.HasField("seed") else None, draft_sampling=bool(p.draft_sampling))
+    except ValueError as exc:  # ConfigError names the sub-field ("temperature=... is invalid")
+        raise ValueError(f"{field}.{exc}") from None
+
+
+# --- errors ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """One item of a batched request failed; the rest of the batch still ran."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+def status_code_for(exc: BaseException) -> grpc.StatusCode:
+    """The one exception -> status code mapping of every specsplit service.
+
+    LifecycleError -> FAILED_PRECONDITION; CapacityError -> RESOURCE_EXHAUSTED;
+    an unknown request id and ValueError (ConfigError, CheckpointError, bad
+    fields) -> INVALID_ARGUMENT; anything else -> INTERNAL.
+    """
+    if isinstance(exc, LifecycleError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, (UnknownRequestError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def error_message(exc: BaseException) -> str:
+    code = status_code_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        return f"internal error: {type(exc).__name__}: {exc}"
+    return str(exc)
+
+
+def item_error_for(exc: BaseException) -> ItemError:
+    return ItemError(status_code_for(exc), error_message(exc))
+
+
+def item_error_to_proto(err: ItemError) -> pb.ItemError:
+    return pb.ItemError(code=err.code.value[0], message=err.message)
+
+
+# --- status ------------------------------------------------------------------------
+
+_STATES = {State.EMPTY: pb.LIFECYCLE_STATE_EMPTY, State.LOADED: pb.LIFECYCLE_STATE_LOADED,
+           State.READY: pb.LIFECYCLE_STATE_READY}
+
+
+def state_to_proto(state: State) -> int:
+    return _STATES[state]
+
+
+def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
+    out = pb.WorkerStatus(
+        role=s.role, state=state_to_proto(s.state), weights_version=s.weights_version,
+        graph_keys=list(s.graph_keys), graph_pool_bytes=s.graph_pool_bytes, graphs_mode=s.graphs_mode,
+        max_k=s.max_k, backend=s.backend, device=s.device, free_slots=s.free_slots, used_slots=s.used_slots,
+        graph_replays=s.graph_replays, eager_runs=s.eager_runs, device_memory_bytes=s.device_memory_bytes,
+        active_request_ids=list(s.active_request_ids), vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+        max_len=s.max_len, lifecycle_events=list(s.lifecycle_events))
+    if s.eos_token_id is not None:
+        out.eos_token_id = s.eos_token_id
+    return out
