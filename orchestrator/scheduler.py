@@ -198,6 +198,7 @@ class _Guard:
     def __init__(self, port: Any, failed: dict[str, RequestError]) -> None:
         self.port, self.failed = port, failed
         self.compute_s = 0.0
+        self.raised = False                      # a whole call failed (not just some items)
 
     def _call(self, fn: Callable[[list], Any], reqs: list, placeholder: Callable[[Any], Any]) -> Any:
         t0 = time.perf_counter()
@@ -206,6 +207,9 @@ class _Guard:
         except ItemFailures as exc:
             self.failed.update(exc.errors)
             out = [r if r is not None else placeholder(q) for q, r in zip(reqs, exc.results)]
+        except Exception:
+            self.raised = True
+            raise
         finally:
             reported = getattr(self.port, "last_compute_seconds", None)
             self.compute_s += reported if reported is not None else time.perf_counter() - t0
@@ -309,7 +313,10 @@ class Scheduler:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is None:           # never started: end what is queued here
+            self._shutdown()
+        else:
+            self._thread.join(timeout)
 
     def _wake(self) -> None:
         with self._cv:
@@ -413,10 +420,15 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             emitted = run_round(target, draft, [x.seq for x in live])
-        except Exception as exc:  # noqa: BLE001 - the round's worker state is unknown: all of it ends
+        except Exception as exc:  # noqa: BLE001
             err = error_of(exc)
-            log.warning("round_failed", round=self.round, error=str(err), batch=len(live))
-            for x in live:
+            # NOTE: Propose runs before Verify and the round driver changes no sequence
+            # until Propose returns; so a failed Propose leaves every sequence as it was
+            # and only the ones the draft holds end (their draft state is unknown). A
+            # failed Verify leaves the target's state unknown for everyone in the round.
+            victims = [x for x in live if x.seq.drafting] if draft is not None and draft.raised else live
+            log.warning("round_failed", round=self.round, error=str(err), batch=len(live), failed=len(victims))
+            for x in victims:
                 self._end_error(x, err)
             return
         wall = time.perf_counter() - t0
@@ -460,6 +472,8 @@ class Scheduler:
         self._release(live)
         if live in self._running:
             self._running.remove(live)
+            with self._cv:
+                self._n_running -= 1
         live.handle.events.put(event)
         reason = event.finish_reason if isinstance(event, FinalEvent) else None
         self.observer.on_outcome(reason, code)

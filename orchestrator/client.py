@@ -1,0 +1,187 @@
+"""Typed Python client of the orchestrator, for programs (the CLI uses it too).
+
+Owns: the channel to one orchestrator, request building from keyword
+arguments, turning the Generate stream into ``GenerateEvent``s and a whole
+generation into a ``GenerationResult``, the cluster status as a dict, and a
+deadline on every call. gRPC errors surface as ``SpecsplitError`` with the
+status code and the server's message.
+
+Must not know: the orchestrator's internals, models, frameworks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
+
+_FINISH_NAMES = {opb.FINISH_REASON_STOP: "stop", opb.FINISH_REASON_LENGTH: "length",
+                 opb.FINISH_REASON_ABORTED: "aborted"}
+
+
+class SpecsplitError(RuntimeError):
+    """A call failed; ``code`` is the grpc.StatusCode, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True)
+class GenerateEvent:
+    """One streamed event. Chunks: this round's tokens and text. The final event
+    (``final=True``): every generated token, the whole text and the statistics."""
+
+    final: bool
+    tokens: tuple[int, ...]
+    text: str
+    round: int = 0
+    num_accepted: int = 0
+    num_drafted: int = 0
+    weights_version: str = ""
+    # final event only
+    request_id: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    acceptance_per_position: tuple[float, ...] = ()
+    rounds: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: tuple[int, ...]
+    text: str
+    finish_reason: str
+    acceptance_rate: float
+    mean_accepted_length: float
+    per_position: tuple[float, ...]
+    usage: dict[str, int] = field(default_factory=dict)      # prompt_tokens, completion_tokens
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    chunks: int = 0
+    request_id: str = ""
+    weights_version: str = ""
+
+
+class SpecsplitClient:
+    """``with SpecsplitClient("127.0.0.1:50051") as c: print(c.generate_text("hi", max_tokens=16).text)``"""
+
+    def __init__(self, address: str, timeout: float = 60.0, tls_ca: str | None = None, token: str | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.address, self.timeout = address, timeout
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+
+    # --- generation -------------------------------------------------------------------
+    @staticmethod
+    def build_request(prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                      top_p: float = 1.0, seed: int | None = None, k: int | None = None,
+                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, draft_sampling: bool = False,
+                      request_id: str = "") -> opb.GenerateRequest:
+        sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k,
+                                             top_p=0.0 if top_p == 1.0 else top_p, draft_sampling=draft_sampling)
+        if seed is not None:
+            sampling.seed = seed
+        req = opb.GenerateRequest(request_id=request_id, max_tokens=max_tokens, sampling=sampling,
+                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.extend(int(t) for t in prompt)
+        if k is not None:
+            req.k = k
+        return req
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, *, timeout: float | None = None,
+                 **kw: Any) -> Iterator[GenerateEvent]:
+        """Stream a generation: chunk events, then one final event. Leaving the loop early
+        (or closing the iterator) cancels the call, which frees its slots on the workers.
+        Keywords: temperature, top_k, top_p, seed, k, stop_token_ids, ignore_eos,
+        draft_sampling, request_id."""
+        return self.stream(self.build_request(prompt, max_tokens, **kw), timeout=timeout)
+
+    def stream(self, request: opb.GenerateRequest, timeout: float | None = None) -> Iterator[GenerateEvent]:
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        tokens: list[int] = []
+        try:
+            for resp in call:
+                if resp.HasField("chunk"):
+                    c = resp.chunk
+                    tokens.extend(c.token_ids)
+                    yield GenerateEvent(False, tuple(c.token_ids), c.text, c.round, c.num_accepted, c.num_drafted,
+                                        c.weights_version)
+                else:
+                    f = resp.final
+                    s = f.stats
+                    yield GenerateEvent(
+                        True, tuple(tokens), f.text, weights_version=f.weights_version, request_id=f.request_id,
+                        finish_reason=_FINISH_NAMES.get(f.finish_reason, "unspecified"),
+                        prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens,
+                        drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
+                        mean_accepted_length=s.mean_accepted_length,
+                        acceptance_per_position=tuple(s.acceptance_per_position), rounds=s.rounds)
+        except grpc.RpcError as exc:
+            raise SpecsplitError(exc.code(), exc.details() or "") from None
+        finally:
+            call.cancel()                      # no-op once the stream has ended
+
+    def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, *, timeout: float | None = None,
+                      **kw: Any) -> GenerationResult:
+        """Run a generation to the end and return its tokens, text and statistics."""
+        chunks = 0
+        for ev in self.generate(prompt, max_tokens, timeout=timeout, **kw):
+            if not ev.final:
+                chunks += 1
+                continue
+            return GenerationResult(ev.tokens, ev.text, ev.finish_reason or "unspecified", ev.acceptance_rate,
+                                    ev.mean_accepted_length, ev.acceptance_per_position,
+                                    {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens},
+                                    ev.drafted, ev.accepted, ev.rounds, chunks, ev.request_id, ev.weights_version)
+        raise SpecsplitError(grpc.StatusCode.INTERNAL, "the stream ended without a final message")
+
+    # --- status -----------------------------------------------------------------------
+    def status_proto(self, timeout: float | None = None) -> opb.ClusterStatus:
+        try:
+            return self._stub.GetStatus(common_pb2.GetStatusRequest(), timeout=timeout or self.timeout,
+                                        metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise SpecsplitError(exc.code(), exc.details() or "") from None
+
+    def status(self, timeout: float | None = None) -> dict[str, Any]:
+        """{"orchestrator": {...}, "target": {...}, "draft": {...}, "target_error": str, "draft_error": str};
+        a worker's entry is missing when it could not be reached (see its *_error)."""
+        msg = self.status_proto(timeout)
+        out: dict[str, Any] = {"target_error": msg.target_error, "draft_error": msg.draft_error}
+        for name in ("orchestrator", "target", "draft"):
+            if msg.HasField(name):
+                out[name] = MessageToDict(getattr(msg, name), preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True)
+        return out
+
+    # --- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "SpecsplitClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

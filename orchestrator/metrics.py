@@ -1,0 +1,92 @@
+"""Prometheus metrics of the orchestrator (names start with ``specsplit_``).
+
+Owns: the metric definitions and how scheduler observations map onto them
+(it implements ``orchestrator.scheduler.Observer``). Each orchestrator gets
+its own ``CollectorRegistry`` so several can live in one process (tests);
+``runtime.observability.start_metrics_server`` serves it.
+
+Must not know: gRPC, models, frameworks.
+
+Metrics:
+    specsplit_drafted_tokens_total                       drafts proposed
+    specsplit_accepted_tokens_total                      drafts accepted
+    specsplit_position_drafted_total{position}           drafts proposed at draft position 1..k
+    specsplit_position_accepted_total{position}          drafts accepted at draft position 1..k
+    specsplit_accepted_length                            histogram: tokens committed per speculative round
+    specsplit_round_seconds{part}                        histogram: round time, part = draft|target|overhead|total
+    specsplit_round_batch_size                           histogram: sequences per round
+    specsplit_active_requests                            gauge: requests in the batch
+    specsplit_queued_requests                            gauge: requests waiting for a batch slot
+    specsplit_requests_total{finish_reason, code}        finished requests by finish reason and status code
+    specsplit_speculation_available                      gauge: 1 when a draft is configured and reachable
+    specsplit_worker_up{worker}                          gauge: 1 when the worker answered its last status poll
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from orchestrator.scheduler import RoundTiming
+
+_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LENGTH_BUCKETS = tuple(float(i) for i in range(1, 18))
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class OrchestratorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.drafted = Counter("specsplit_drafted_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("specsplit_accepted_tokens", "Draft tokens accepted by the target", registry=r)
+        self.pos_drafted = Counter("specsplit_position_drafted", "Drafts proposed at draft position (1-based)",
+                                   ["position"], registry=r)
+        self.pos_accepted = Counter("specsplit_position_accepted", "Drafts accepted at draft position (1-based)",
+                                    ["position"], registry=r)
+        self.accepted_length = Histogram("specsplit_accepted_length",
+                                         "Tokens committed per speculative round (accepted + bonus)",
+                                         buckets=_LENGTH_BUCKETS, registry=r)
+        self.round_seconds = Histogram("specsplit_round_seconds", "Round time split: draft compute, target "
+                                       "compute, overhead (everything else), total", ["part"],
+                                       buckets=_SECONDS_BUCKETS, registry=r)
+        self.batch = Histogram("specsplit_round_batch_size", "Sequences per round", buckets=_BATCH_BUCKETS,
+                               registry=r)
+        self.active = Gauge("specsplit_active_requests", "Requests in the running batch", registry=r)
+        self.queued = Gauge("specsplit_queued_requests", "Requests waiting for a batch slot", registry=r)
+        self.requests = Counter("specsplit_requests", "Finished requests by finish reason and status code",
+                                ["finish_reason", "code"], registry=r)
+        self.speculation = Gauge("specsplit_speculation_available",
+                                 "1 when a draft is configured and reachable", registry=r)
+        self.worker_up = Gauge("specsplit_worker_up", "1 when the worker answered its last status poll",
+                               ["worker"], registry=r)
+
+    # --- scheduler.Observer ---------------------------------------------------------
+    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None:
+        for part, value in (("draft", timing.draft_s), ("target", timing.target_s),
+                            ("overhead", timing.overhead_s), ("total", timing.wall_s)):
+            self.round_seconds.labels(part).observe(value)
+        self.batch.observe(timing.batch)
+        for k, a in ks_and_accepts:
+            if k == 0:
+                continue
+            self.drafted.inc(k)
+            self.accepted.inc(a)
+            self.accepted_length.observe(a + 1)
+            for j in range(1, k + 1):
+                self.pos_drafted.labels(str(j)).inc()
+                if j <= a:
+                    self.pos_accepted.labels(str(j)).inc()
+
+    def on_outcome(self, finish_reason: str | None, code: str) -> None:
+        self.requests.labels(finish_reason or "none", code).inc()
+
+    def on_load(self, active: int, queued: int) -> None:
+        self.active.set(active)
+        self.queued.set(queued)
+
+    # --- health poller ------------------------------------------------------------------
+    def on_workers(self, target_up: bool, draft_up: bool | None) -> None:
+        self.worker_up.labels("target").set(int(target_up))
+        if draft_up is not None:
+            self.worker_up.labels("draft").set(int(draft_up))
+        self.speculation.set(int(bool(draft_up)))

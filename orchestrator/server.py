@@ -1,0 +1,346 @@
+"""The client-facing orchestrator service: Generate, GetStatus, health, reflection.
+
+Owns: request validation (every bad field -> INVALID_ARGUMENT naming it, too
+long for the cache -> RESOURCE_EXHAUSTED), turning scheduler events into the
+Generate stream (TokenChunk per round, then GenerateFinal), the cluster status,
+the worker poller that keeps model facts (vocab, cache length, EOS, slots) and
+health current, and ``create_server``.
+
+Must not know: how rounds run (``scheduler``), how workers are called
+(``worker_clients``), tensors, frameworks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2
+
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, Scheduler,
+                                    TokensEvent)
+from orchestrator.worker_clients import DraftClient, TargetClient
+from runtime.config import OrchestratorConfig
+from runtime.observability import start_metrics_server
+from runtime.round_driver import SeqStats
+from runtime.tokenizer import ByteTokenizer, IncrementalDecoder
+from specsplit import wire
+from specsplit.serving import build_server
+from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
+
+log = structlog.get_logger("orchestrator")
+
+SERVICE_NAME = "specsplit.v1.Orchestrator"
+POLL_S = 1.0                       # worker status poll period (health, model facts)
+EVENT_POLL_S = 0.25                # how often a waiting Generate handler checks its client is still there
+MAX_REQUEST_ID_CHARS = 128
+_SERVING_STATES = (common_pb2.LIFECYCLE_STATE_LOADED, common_pb2.LIFECYCLE_STATE_READY)
+_FINISH = {"stop": opb.FINISH_REASON_STOP, "length": opb.FINISH_REASON_LENGTH}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What requests are validated against, from the workers' GetStatus."""
+
+    vocab_size: int
+    max_len: int                   # smallest cache length of the workers a request uses
+    eos_token_id: int | None
+    weights_version: str
+    slots: int                     # smallest slot count of the workers
+    draft_max_k: int | None        # None: no draft reachable
+
+
+class Orchestrator:
+    """Clients + scheduler + worker poller; the servicer's back end."""
+
+    def __init__(self, cfg: OrchestratorConfig, metrics: OrchestratorMetrics) -> None:
+        self.cfg, self.metrics = cfg, metrics
+        kw = dict(timeout_s=cfg.worker_timeout_s, max_message_bytes=cfg.server.max_message_bytes,
+                  tls_ca=cfg.tls_ca, client_cert=cfg.security.tls_cert if cfg.tls_ca else None,
+                  client_key=cfg.security.tls_key if cfg.tls_ca else None, admin_token=cfg.worker_admin_token)
+        self.target = TargetClient(cfg.target_address, **kw)
+        self.draft = DraftClient(cfg.draft_address, **kw) if cfg.draft_address else None
+        self.health = health.HealthServicer()
+        self.facts: ModelFacts | None = None
+        self.facts_error = "worker status not polled yet"
+        self.draining = False
+        self.scheduler = Scheduler(self.target, self.draft, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+                                   eos_token_id=None, observer=metrics)
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="orchestrator-poller", daemon=True)
+
+    def start(self) -> None:
+        self.poll()                                  # facts and health before the first request
+        self.scheduler.start()
+        self._poller.start()
+
+    # --- worker poller ---------------------------------------------------------------
+    def _status(self, client: Any) -> tuple[common_pb2.WorkerStatus | None, str]:
+        try:
+            return client.get_status(timeout=min(self.cfg.worker_timeout_s, 5.0)), ""
+        except RequestError as exc:
+            return None, exc.message
+
+    def poll(self) -> None:
+        """Refresh model facts, scheduler limits, health and worker gauges from GetStatus."""
+        t, t_err = self._status(self.target)
+        d, d_err = self._status(self.draft) if self.draft is not None else (None, "")
+        target_ok = t is not None and t.state in _SERVING_STATES and t.vocab_size > 0
+        draft_ok = d is not None and d.state in _SERVING_STATES
+        if target_ok:
+            max_len, slots = t.max_len, t.free_slots + t.used_slots
+            if draft_ok:
+                max_len, slots = min(max_len, d.max_len), min(slots, d.free_slots + d.used_slots)
+            self.facts = ModelFacts(t.vocab_size, max_len, t.eos_token_id if t.HasField("eos_token_id") else None,
+                                    t.weights_version, slots, d.max_k if draft_ok else None)
+            # NOTE: the scheduler reads these at each round boundary; never more live
+            # sequences than the workers have cache slots.
+            self.scheduler.eos_token_id = self.facts.eos_token_id
+            self.scheduler.weights_version = self.facts.weights_version
+            self.scheduler.max_batch = max(1, min(self.cfg.max_batch, slots))
+        else:
+            self.facts_error = t_err or f"target is not serving (state {t.state if t else '?'})"
+        serving = target_ok and (self.draft is None or draft_ok) and not self.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+        self.metrics.on_workers(t is not None, None if self.draft is None else d is not None)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the poller must keep running
+                log.exception("poll_failed")
+
+    def cluster_status(self) -> opb.ClusterStatus:
+        active, queued = self.scheduler.snapshot()
+        facts = self.facts
+        out = opb.ClusterStatus(orchestrator=opb.OrchestratorStatus(
+            active_requests=active, queued_requests=queued,
+            speculation_available=self.draft is not None and facts is not None and facts.draft_max_k is not None,
+            weights_version=facts.weights_version if facts else "", default_k=self.cfg.default_k,
+            max_k=self.cfg.max_k, reloading=False))
+        t, t_err = self._status(self.target)
+        if t is not None:
+            out.target.CopyFrom(t)
+        out.target_error = t_err
+        if self.draft is None:
+            out.draft_error = "no draft configured (target-only serving)"
+        else:
+            d, d_err = self._status(self.draft)
+            if d is not None:
+                out.draft.CopyFrom(d)
+            out.draft_error = d_err
+        return out
+
+    def close(self) -> None:
+        """Stop polling, end live requests (releasing their slots), close the channels."""
+        self._stop.set()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.scheduler.stop()
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()
+
+
+# --- validation --------------------------------------------------------------------------
+def _bad(message: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", message)
+
+
+def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFacts, has_draft: bool,
+             tokenizer: ByteTokenizer) -> GenerationRequest:
+    """GenerateRequest -> GenerationRequest, or RequestError naming the bad field."""
+    rid = req.request_id or uuid.uuid4().hex
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise _bad(f"request_id: {len(rid)} characters, at most {MAX_REQUEST_ID_CHARS} allowed")
+    if req.prompt and req.prompt_token_ids:
+        raise _bad("prompt/prompt_token_ids: set exactly one of them, not both")
+    if not req.prompt and not req.prompt_token_ids:
+        raise _bad("prompt: empty prompt (set prompt or prompt_token_ids)")
+    field = "prompt" if req.prompt else "prompt_token_ids"
+    prompt = tuple(tokenizer.encode(req.prompt)) if req.prompt else tuple(int(t) for t in req.prompt_token_ids)
+    if len(prompt) > cfg.max_prompt_tokens:
+        raise _bad(f"{field}: {len(prompt)} tokens exceed max_prompt_tokens={cfg.max_prompt_tokens}")
+    for i, t in enumerate(prompt):
+        if not 0 <= t < facts.vocab_size:
+            raise _bad(f"{field}[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
+    if not 1 <= req.max_tokens <= cfg.max_tokens_limit:
+        raise _bad(f"max_tokens: {req.max_tokens} is out of range [1, {cfg.max_tokens_limit}]")
+    max_k = cfg.max_k if facts.draft_max_k is None else min(cfg.max_k, facts.draft_max_k)
+    k = req.k if req.HasField("k") else min(cfg.default_k, max_k)
+    if not 0 <= k <= max_k:
+        raise _bad(f"k: {k} is out of range [0, {max_k}]")
+    for i, t in enumerate(req.stop_token_ids):
+        if not 0 <= t < facts.vocab_size:
+            raise _bad(f"stop_token_ids[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
+    try:
+        base = wire.params_from_proto(req.sampling, "sampling")
+        params = dataclasses.replace(base, max_tokens=req.max_tokens, stop_token_ids=tuple(req.stop_token_ids),
+                                     ignore_eos=req.ignore_eos)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    k_eff = k if has_draft else 0
+    # Positions a request may touch: prompt + every generated token + the drafts of a round.
+    need = len(prompt) + params.max_tokens + k_eff
+    if need > facts.max_len:
+        raise RequestError("RESOURCE_EXHAUSTED",
+                           f"{field}/max_tokens: a prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
+                           f"+ k={k_eff} needs {need} cache positions; the workers hold {facts.max_len}")
+    return GenerationRequest(rid, prompt, params, k)
+
+
+# --- the servicer -------------------------------------------------------------------------
+def _stats_proto(s: SeqStats) -> opb.SpecStats:
+    return opb.SpecStats(drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
+                         mean_accepted_length=s.mean_accepted_length, acceptance_per_position=s.per_position(),
+                         rounds=s.rounds)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, core: Orchestrator) -> None:
+        self.core = core
+        self.tokenizer = ByteTokenizer()
+        self._active_ids: set[str] = set()
+        self._ids_lock = threading.Lock()
+
+    def _reject(self, context: grpc.ServicerContext, err: RequestError, rlog: Any) -> None:
+        rlog.info("rejected", code=err.code, error=err.message)
+        self.core.metrics.on_outcome(None, err.code)
+        context.abort(grpc.StatusCode[err.code], err.message)
+
+    def Generate(self, request: opb.GenerateRequest, context: grpc.ServicerContext):
+        core = self.core
+        rlog = log.bind(request_id=request.request_id or None)
+        if core.draining:
+            self._reject(context, RequestError("UNAVAILABLE", "the orchestrator is shutting down"), rlog)
+        facts = core.facts
+        if facts is None:
+            self._reject(context, RequestError("UNAVAILABLE", f"target worker unavailable: {core.facts_error}"), rlog)
+        try:
+            greq = validate(request, core.cfg, facts, core.draft is not None, self.tokenizer)
+        except RequestError as err:
+            self._reject(context, err, rlog)
+        rlog = log.bind(request_id=greq.request_id)
+        with self._ids_lock:
+            if greq.request_id in self._active_ids:
+                self._reject(context, _bad(f"request_id: {greq.request_id!r} is already active"), rlog)
+            self._active_ids.add(greq.request_id)
+        try:
+            yield from self._stream(greq, context, rlog)
+        finally:
+            with self._ids_lock:
+                self._active_ids.discard(greq.request_id)
+
+    def _stream(self, greq: GenerationRequest, context: grpc.ServicerContext, rlog: Any):
+        try:
+            handle = self.core.scheduler.submit(greq)
+        except QueueFull as exc:
+            self._reject(context, RequestError("RESOURCE_EXHAUSTED", str(exc)), rlog)
+        except RequestError as err:
+            self._reject(context, err, rlog)
+        # NOTE: registered after submit: a client that is already gone cancels at once,
+        # and the scheduler frees the slots at its next round boundary.
+        if not context.add_callback(handle.cancel):
+            handle.cancel()
+        decoder = IncrementalDecoder()
+        texts: list[str] = []
+        version = ""
+        while True:
+            ev = handle.next_event(EVENT_POLL_S)
+            if ev is None:
+                if not context.is_active():
+                    handle.cancel()
+                    return
+                continue
+            if isinstance(ev, TokensEvent):
+                text = decoder.push(list(ev.tokens))
+                texts.append(text)
+                version = ev.weights_version
+                yield opb.GenerateResponse(chunk=opb.TokenChunk(
+                    token_ids=ev.tokens, text=text, num_accepted=ev.num_accepted, num_drafted=ev.num_drafted,
+                    round=ev.round, weights_version=ev.weights_version))
+            elif isinstance(ev, ErrorEvent):
+                rlog.warning("generate_failed", code=ev.code, error=ev.message, streamed=len(ev.output))
+                context.abort(grpc.StatusCode[ev.code], ev.message)
+            elif isinstance(ev, FinalEvent):
+                if ev.finish_reason not in _FINISH:       # cancelled: the client is gone
+                    return
+                tail = decoder.flush()
+                if tail:                                   # output ended inside a UTF-8 character
+                    texts.append(tail)
+                    yield opb.GenerateResponse(chunk=opb.TokenChunk(text=tail, weights_version=version))
+                yield opb.GenerateResponse(final=opb.GenerateFinal(
+                    finish_reason=_FINISH[ev.finish_reason],
+                    usage=opb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=len(ev.output)),
+                    stats=_stats_proto(ev.stats), weights_version=ev.weights_version, text="".join(texts),
+                    request_id=greq.request_id))
+                return
+
+    def GetStatus(self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext) -> opb.ClusterStatus:
+        return self.core.cluster_status()
+
+    def ReloadWeights(self, request: opb.ReloadWeightsRequest, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                      "ReloadWeights is not implemented yet (tracked by issue 5); restart the workers with "
+                      "the new checkpoint instead")
+        yield  # pragma: no cover  (a response-streaming handler must be a generator)
+
+
+# --- the server ------------------------------------------------------------------------------
+class OrchestratorServer:
+    """A started orchestrator: the grpc.Server plus what it owns. Delegates the rest to grpc.Server."""
+
+    def __init__(self, server: grpc.Server, port: int, core: Orchestrator, metrics_port: int | None) -> None:
+        self.server, self.port, self.core, self.metrics_port = server, port, core, metrics_port
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop now: new calls are refused, live requests end with UNAVAILABLE (their slots
+        released on both workers), channels close. ``graceful_shutdown`` lets them finish first."""
+        self.core.draining = True
+        done = self.server.stop(grace)
+        self.core.close()
+        return done
+
+    def graceful_shutdown(self, grace: float) -> None:
+        """Refuse new requests, let in-flight ones finish within ``grace`` seconds, then stop."""
+        self.core.draining = True
+        self.core.poll()                               # health -> NOT_SERVING now
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.core.scheduler.snapshot() != (0, 0):
+            time.sleep(0.05)
+        self.stop(grace=max(0.0, deadline - time.monotonic())).wait(grace + 1)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+
+def create_server(cfg: OrchestratorConfig) -> tuple[OrchestratorServer, int]:
+    """Build, start and return the orchestrator and its port (cfg.server.port 0 picks one)."""
+    metrics = OrchestratorMetrics()
+    core = Orchestrator(cfg, metrics)
+    # NOTE: every Generate stream holds a handler thread for its whole life, so the
+    # pool must cover the live batch plus the admission queue plus status calls.
+    server_cfg = dataclasses.replace(cfg.server, max_workers=min(1024, max(
+        cfg.server.max_workers, cfg.max_batch + cfg.max_queue + 8)))
+    server, port = build_server(server_cfg, cfg.security,
+                                [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
+                                    OrchestratorServicer(core), s)], [SERVICE_NAME], core.health)
+    # NOTE: the scheduler and poller start before the port accepts calls, so the first
+    # Generate sees model facts and a running scheduler.
+    core.start()
+    server.start()
+    metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host, registry=metrics.registry)
+    log.info("serving", service=SERVICE_NAME, address=f"{cfg.server.host}:{port}", metrics_port=metrics_port,
+             target=cfg.target_address, draft=cfg.draft_address, facts=dataclasses.asdict(core.facts)
+             if core.facts else core.facts_error)
+    return OrchestratorServer(server, port, core, metrics_port), port

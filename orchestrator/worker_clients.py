@@ -1,0 +1,310 @@
+"""gRPC clients of the draft and target workers, shaped as the round driver's ports.
+
+Owns: channels (message-size limits, optional TLS, admin-token metadata on
+lifecycle calls), unary Prefill/Release/GetStatus/lifecycle calls with
+deadlines, and the per-round Propose/Verify exchanges over ONE persistent
+bidirectional stream per worker: a round puts one batched request on the
+stream and reads exactly one response within a bounded wait. A timeout or a
+stream error cancels the stream and raises ``WorkerUnavailable``; the next
+round opens a fresh stream (lazy reconnect). Per-item ``ItemError``s become
+``ItemFailures`` so only those requests end.
+
+Hidden states are never interpreted here: they are kept as the wire's raw
+values (bf16 stays as its uint16 bit patterns) between the target's response
+and the draft's request; only tokens and counts are read.
+
+Must not know: scheduling, sampling, models, frameworks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+
+from orchestrator.scheduler import ItemFailures, RequestError, WorkerUnavailable
+from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
+                           VerifyRequest, VerifyResult)
+from specsplit import wire
+from specsplit.serving import admin_metadata
+from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+# Codes meaning "the worker (or the path to it) is gone", not "this request is bad".
+_UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+_WATCHDOG_POLL_S = 0.05
+
+
+def make_channel(address: str, *, max_message_bytes: int, tls_ca: str | None = None,
+                 client_cert: str | None = None, client_key: str | None = None) -> grpc.Channel:
+    """A channel with the message-size limits; TLS when ``tls_ca`` is set (mTLS with a client cert)."""
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.keepalive_time_ms", 30_000),
+               ("grpc.enable_retries", 0)]
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(),
+        private_key=Path(client_key).read_bytes() if client_key else None,
+        certificate_chain=Path(client_cert).read_bytes() if client_cert else None)
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def _rpc_error(role: str, what: str, exc: grpc.RpcError) -> RequestError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    msg = f"{role} {what}: {code.name}: {exc.details() if hasattr(exc, 'details') else exc}"
+    return WorkerUnavailable(msg) if code in _UNAVAILABLE_CODES else RequestError(code.name, msg)
+
+
+def _item_error(role: str, err: common_pb2.ItemError) -> RequestError:
+    return RequestError(_CODE_NAMES.get(err.code, "INTERNAL"), f"{role}: {err.message}")
+
+
+def _hidden_to_wire(arr: np.ndarray) -> common_pb2.Tensor:
+    # uint16 rows are bf16 bit patterns kept from the target's response (see module doc).
+    return wire.encode_tensor(arr, "bfloat16" if arr.dtype == np.uint16 else None)
+
+
+def _hidden_from_wire(t: common_pb2.Tensor, field: str) -> np.ndarray:
+    return wire.decode_tensor(t, field, allowed=wire.FLOAT_DTYPES, bf16_bits=True)
+
+
+def _collect(role: str, reqs: list[Any], results: Any, convert: Callable[[Any, Any], Any]) -> list[Any]:
+    """Match results to requests by id; raise ItemFailures if any item failed."""
+    by_id = {r.request_id: r for r in results}
+    out: list[Any] = []
+    errors: dict[str, RequestError] = {}
+    for q in reqs:
+        res = by_id.get(q.request_id)
+        try:
+            if res is None:
+                raise RequestError("INTERNAL", f"{role}: no result for request {q.request_id!r}")
+            if res.HasField("error"):
+                raise _item_error(role, res.error)
+            out.append(convert(q, res))
+        except RequestError as exc:
+            errors[q.request_id] = exc
+            out.append(None)
+        except ValueError as exc:                # a malformed tensor in the worker's answer
+            errors[q.request_id] = RequestError("INTERNAL", f"{role}: {exc}")
+            out.append(None)
+    if errors:
+        raise ItemFailures(out, errors)
+    return out
+
+
+class _RoundStream:
+    """One persistent bidi stream: ``exchange`` = send one message, read exactly one back.
+
+    A watchdog thread cancels the call when a response is late, so a stalled
+    worker cannot block the scheduler past ``timeout_s``.
+    """
+
+    def __init__(self, role: str, open_call: Callable[[Iterator[Any]], Any], timeout_s: float) -> None:
+        self.role, self._open_call, self.timeout_s = role, open_call, timeout_s
+        self._call: Any = None
+        self._requests: queue.SimpleQueue | None = None
+        self._deadline: float | None = None
+        self._timed_out = False
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+
+    def _open(self) -> None:
+        self._requests = queue.SimpleQueue()
+        requests = self._requests
+
+        def request_iter() -> Iterator[Any]:
+            while (item := requests.get()) is not None:
+                yield item
+        self._call = self._open_call(request_iter())
+        self._timed_out = False
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"{self.role}-stream-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._closed:
+            time.sleep(_WATCHDOG_POLL_S)
+            deadline, call = self._deadline, self._call
+            if deadline is not None and call is not None and time.monotonic() > deadline:
+                self._timed_out = True
+                call.cancel()
+
+    def reset(self) -> None:
+        """Cancel the stream; the next exchange opens a new one."""
+        call, requests = self._call, self._requests
+        self._call, self._requests = None, None
+        if requests is not None:
+            requests.put(None)                   # ends the request iterator's thread
+        if call is not None:
+            call.cancel()
+
+    def exchange(self, request: Any, what: str) -> Any:
+        if self._call is None:
+            self._open()
+        call = self._call
+        self._requests.put(request)
+        self._deadline = time.monotonic() + self.timeout_s
+        try:
+            response = next(call)
+        except StopIteration:
+            self.reset()
+            raise WorkerUnavailable(f"{self.role} {what}: the worker closed the stream") from None
+        except grpc.RpcError as exc:
+            timed_out = self._timed_out
+            self.reset()
+            if timed_out:
+                raise WorkerUnavailable(f"{self.role} {what}: no response within {self.timeout_s:g}s") from None
+            raise WorkerUnavailable(_rpc_error(self.role, what, exc).message) from None
+        finally:
+            self._deadline = None
+        if response.round != request.round:
+            self.reset()
+            raise WorkerUnavailable(f"{self.role} {what}: response for round {response.round}, "
+                                    f"expected {request.round}")
+        return response
+
+    def close(self) -> None:
+        self._closed = True
+        self.reset()
+
+
+class _WorkerClient:
+    """Shared by both roles: channel, deadlines, Release, GetStatus and lifecycle RPCs."""
+
+    role = ""
+
+    def __init__(self, address: str, stub_factory: Callable[[grpc.Channel], Any], *, timeout_s: float,
+                 max_message_bytes: int, tls_ca: str | None = None, client_cert: str | None = None,
+                 client_key: str | None = None, admin_token: str | None = None) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls_ca=tls_ca,
+                                     client_cert=client_cert, client_key=client_key)
+        self.stub = stub_factory(self._channel)
+        self._admin_md = admin_metadata(admin_token) or None
+        self.last_compute_seconds: float | None = None    # of the last Propose/Verify (read by the scheduler)
+        self._round = 0
+
+    def _unary(self, what: str, request: Any, *, admin: bool = False, timeout: float | None = None) -> Any:
+        self.last_compute_seconds = None                 # unary answers carry no compute time
+        try:
+            return getattr(self.stub, what)(request, timeout=timeout or self.timeout_s,
+                                            metadata=self._admin_md if admin else None)
+        except grpc.RpcError as exc:
+            raise _rpc_error(self.role, what, exc) from None
+
+    def _next_round(self) -> int:
+        self._round += 1
+        return self._round
+
+    # --- port: release ----------------------------------------------------------
+    def release(self, request_id: str) -> bool:
+        return request_id in self.release_many([request_id])
+
+    def release_many(self, request_ids: list[str]) -> list[str]:
+        """Free caches (idempotent); returns the ids the worker held."""
+        resp = self._unary("Release", common_pb2.ReleaseRequest(request_ids=list(request_ids)))
+        return list(resp.released)
+
+    # --- status and lifecycle ----------------------------------------------------
+    def get_status(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        return self._unary("GetStatus", common_pb2.GetStatusRequest(), timeout=timeout).status
+
+    def load_weights(self, target_path: str, draft_path: str = "", version: str = "", in_place: bool = False,
+                     validate_only: bool = False, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        req = common_pb2.LoadWeightsRequest(target_path=target_path, draft_path=draft_path, version=version,
+                                            in_place=in_place, validate_only=validate_only)
+        return self._unary("LoadWeights", req, admin=True, timeout=timeout).status
+
+    def release_weights(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        return self._unary("ReleaseWeights", common_pb2.ReleaseWeightsRequest(), admin=True, timeout=timeout).status
+
+    def capture_graphs(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        return self._unary("CaptureGraphs", common_pb2.CaptureGraphsRequest(), admin=True, timeout=timeout).status
+
+    def clear_graphs(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        return self._unary("ClearGraphs", common_pb2.ClearGraphsRequest(), admin=True, timeout=timeout).status
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class TargetClient(_WorkerClient):
+    """``TargetPort`` over gRPC: Prefill (unary), Verify (persistent stream), Release."""
+
+    role = "target"
+
+    def __init__(self, address: str, **kw: Any) -> None:
+        super().__init__(address, target_pb2_grpc.TargetServiceStub, **kw)
+        self._verify = _RoundStream("target", lambda it: self.stub.Verify(it), self.timeout_s)
+
+    def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
+        items = []
+        for r in reqs:
+            item = target_pb2.TargetPrefillItem(request_id=r.request_id, prompt=[int(t) for t in r.prompt],
+                                                params=wire.params_to_proto(r.params))
+            if r.resume_token is not None:
+                item.resume_token = int(r.resume_token)
+            items.append(item)
+        resp = self._unary("Prefill", target_pb2.TargetPrefillRequest(items=items))
+        return _collect("target", reqs, resp.results, lambda q, res: PrefillResult(
+            q.request_id, int(res.output.first_token),
+            _hidden_from_wire(res.output.hidden, f"results[{q.request_id}].output.hidden")))
+
+    def verify(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
+        items = []
+        for r in reqs:
+            item = target_pb2.VerifyItem(request_id=r.request_id, drafts=[int(d) for d in r.drafts])
+            if r.draft_probs is not None:
+                item.draft_probs.CopyFrom(wire.encode_tensor(r.draft_probs, "float32"))
+            items.append(item)
+        self.last_compute_seconds = None
+        resp = self._verify.exchange(target_pb2.VerifyRequest(round=self._next_round(), items=items), "Verify")
+        self.last_compute_seconds = resp.compute_seconds
+        return _collect("target", reqs, resp.results, lambda q, res: VerifyResult(
+            q.request_id, int(res.output.num_accepted), tuple(int(t) for t in res.output.tokens),
+            _hidden_from_wire(res.output.hidden, f"results[{q.request_id}].output.hidden")))
+
+    def close(self) -> None:
+        self._verify.close()
+        super().close()
+
+
+class DraftClient(_WorkerClient):
+    """``DraftPort`` over gRPC: Prefill (unary), Propose (persistent stream), Release."""
+
+    role = "draft"
+
+    def __init__(self, address: str, **kw: Any) -> None:
+        super().__init__(address, draft_pb2_grpc.DraftServiceStub, **kw)
+        self._propose = _RoundStream("draft", lambda it: self.stub.Propose(it), self.timeout_s)
+
+    def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
+        items = [draft_pb2.DraftPrefillItem(request_id=r.request_id, tokens=[int(t) for t in r.tokens],
+                                            hidden=_hidden_to_wire(r.hidden), params=wire.params_to_proto(r.params))
+                 for r in reqs]
+        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items))
+        _collect("draft", reqs, resp.results, lambda q, res: None)
+
+    def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
+        items = [draft_pb2.ProposeItem(request_id=r.request_id, start_position=int(r.start_position),
+                                       tokens=[int(t) for t in r.tokens], hidden=_hidden_to_wire(r.hidden), k=int(r.k))
+                 for r in reqs]
+        self.last_compute_seconds = None
+        resp = self._propose.exchange(draft_pb2.ProposeRequest(round=self._next_round(), items=items), "Propose")
+        self.last_compute_seconds = resp.compute_seconds
+        return _collect("draft", reqs, resp.results, lambda q, res: Proposal(
+            q.request_id, np.asarray(res.proposal.drafts, dtype=np.int64),
+            wire.decode_optional_tensor(res.proposal, "draft_probs", f"results[{q.request_id}].proposal.draft_probs",
+                                        allowed=("float32",))))
+
+    def close(self) -> None:
+        self._propose.close()
+        super().close()

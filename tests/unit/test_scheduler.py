@@ -1,0 +1,362 @@
+"""Continuous batching in ``orchestrator.scheduler`` over in-process ports (no gRPC).
+
+The runtime engines (``TargetEngine``/``DraftEngine``) satisfy the round
+driver's ports directly; wrappers around them inject per-item and whole-call
+failures the way the gRPC clients report them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
+                                    RequestError, RoundTiming, Scheduler, TokensEvent, WorkerUnavailable)
+from runtime.checkpoint import save_safetensors, save_target
+from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SamplingParams, SpecConfig
+from runtime.engine import GenRequest, SpecEngine
+from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+
+EVENT_TIMEOUT_S = 30.0
+SLOTS = 8
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> ModelConfig:
+    """A random byte-vocabulary target whose next token depends mostly on the current one
+    (peaked logits: no near-ties), and an MTP that mostly guesses it (partial acceptance)."""
+    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=256, eos_token_id=257)
+    rng = np.random.default_rng(seed + 1)
+    t = init_params(cfg, seed, target_tensor_shapes(cfg))
+    t["model.embed_tokens.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
+    t["lm_head.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
+    for name in t:
+        if name.startswith("model.layers.") and t[name].ndim == 2:
+            t[name] = t[name] * 6
+    m = init_params(cfg, seed + 2, mtp_tensor_shapes(cfg))
+    eh = np.zeros((32, 64), np.float32)
+    eh[:, 32:] = np.eye(32)                        # x = enorm(embed(t)): a bigram guess
+    m["mtp.eh_proj.weight"] = eh
+    save_target(path, cfg, t)
+    save_safetensors(path / "mtp.safetensors", m)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(d)
+    return d
+
+
+def engine_cfg(model_dir: Path) -> EngineConfig:
+    return EngineConfig(target_path=str(model_dir), runtime=RuntimeConfig(backend="paddle"),
+                        spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=SLOTS, max_len=256))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    eng = SpecEngine(engine_cfg(model_dir), use_draft=False)
+
+    def run(prompt, params):
+        return eng.generate([GenRequest("ref", tuple(prompt), params, k=0)])[0].tokens
+    return run
+
+
+@pytest.fixture()
+def engines(model_dir):
+    return SpecEngine(engine_cfg(model_dir))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rounds: list[RoundTiming] = []
+        self.outcomes: list[tuple[str | None, str]] = []
+
+    def on_round(self, timing, ks_and_accepts) -> None:
+        self.rounds.append(timing)
+
+    def on_outcome(self, finish_reason, code) -> None:
+        self.outcomes.append((finish_reason, code))
+
+    def on_load(self, active, queued) -> None:
+        pass
+
+
+def make_scheduler(target, draft, max_batch=3, max_queue=16, observer=None) -> Scheduler:
+    return Scheduler(target, draft, max_batch=max_batch, max_queue=max_queue, eos_token_id=257,
+                     weights_version="v0", observer=observer).start()
+
+
+def drain(handle):
+    """(tokens streamed, final-or-error event, first round seen)."""
+    tokens, first_round = [], None
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        ev = handle.next_event(timeout=0.5)
+        if isinstance(ev, TokensEvent):
+            first_round = ev.round if first_round is None else first_round
+            tokens.extend(ev.tokens)
+        elif ev is not None:
+            return tokens, ev, first_round
+    raise AssertionError(f"{handle.request_id}: no final event within {EVENT_TIMEOUT_S}s")
+
+
+def prompt_of(i: int, n: int) -> tuple[int, ...]:
+    rng = np.random.default_rng(100 + i)
+    return (256, *(int(x) for x in rng.integers(0, 256, n - 1)))
+
+
+def wait_for(cond, what: str, timeout: float = EVENT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def slots_free(engines) -> bool:
+    return engines.target.cache.free_slots == SLOTS and engines.draft.cache.free_slots == SLOTS
+
+
+# --- continuous batching ----------------------------------------------------------------------------
+def test_continuous_batching_greedy_equals_target_only(engines, reference):
+    rec = Recorder()
+    sched = make_scheduler(engines.target, engines.draft, max_batch=3, observer=rec)
+    try:
+        specs = [(3, 30, 0), (17, 5, 1), (9, 40, 3), (1, 12, 3), (25, 22, 1), (6, 3, 0), (12, 35, 3), (4, 1, 3)]
+        reqs = [GenerationRequest(f"r{i}", prompt_of(i, n), SamplingParams(max_tokens=m, ignore_eos=True), k)
+                for i, (n, m, k) in enumerate(specs)]
+        # A stop token cuts one request short (the stop token itself is returned).
+        stop_ref = reference(prompt_of(99, 8), SamplingParams(max_tokens=30, ignore_eos=True))
+        stop_tok = stop_ref[6]
+        reqs.append(GenerationRequest("stop", prompt_of(99, 8),
+                                      SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop_tok,)), 3))
+        handles = [sched.submit(r) for r in reqs]
+        results = {h.request_id: drain(h) for h in handles}
+    finally:
+        sched.stop()
+    for r in reqs:
+        tokens, final, _ = results[r.request_id]
+        assert isinstance(final, FinalEvent), final
+        expect = reference(r.prompt, r.params)
+        if r.request_id == "stop":
+            expect = expect[: expect.index(stop_tok) + 1]
+            assert final.finish_reason == "stop"
+        else:
+            assert final.finish_reason == "length"
+        assert tuple(tokens) == expect == final.output, r.request_id
+        if r.k == 0 or r.params.max_tokens <= 2:
+            assert final.stats.drafted == 0
+        else:
+            assert final.stats.drafted > 0
+    # Joined mid-flight: later requests first produced tokens after earlier rounds ran;
+    # the batch never exceeded max_batch.
+    assert max(results[r.request_id][2] for r in reqs) > 0
+    assert max(t.batch for t in rec.rounds) == 3
+    assert all(t.overhead_s >= 0 and t.draft_s >= 0 and t.target_s > 0 for t in rec.rounds)
+    assert slots_free(engines)
+    assert sum(final.stats.accepted for _, final, _ in results.values()) > 0
+
+
+def test_request_joining_mid_flight_sees_the_same_tokens(engines, reference):
+    sched = make_scheduler(engines.target, engines.draft, max_batch=4)
+    try:
+        long = sched.submit(GenerationRequest("long", prompt_of(1, 10), SamplingParams(max_tokens=60, ignore_eos=True), 3))
+        first = long.next_event(timeout=EVENT_TIMEOUT_S)
+        assert isinstance(first, TokensEvent)
+        late = sched.submit(GenerationRequest("late", prompt_of(2, 7), SamplingParams(max_tokens=20, ignore_eos=True), 1))
+        late_tokens, late_final, late_round = drain(late)
+        long_tokens, long_final, _ = drain(long)
+    finally:
+        sched.stop()
+    assert late_round > first.round
+    assert tuple(late_tokens) == reference(prompt_of(2, 7), SamplingParams(max_tokens=20, ignore_eos=True))
+    assert (*first.tokens, *long_tokens) == reference(prompt_of(1, 10), SamplingParams(max_tokens=60, ignore_eos=True))
+    assert isinstance(late_final, FinalEvent) and isinstance(long_final, FinalEvent)
+
+
+def test_cancel_frees_slots_on_both_engines(engines, reference):
+    rec = Recorder()
+    sched = make_scheduler(engines.target, engines.draft, max_batch=2, observer=rec)
+    try:
+        victim = sched.submit(GenerationRequest("victim", prompt_of(3, 9), SamplingParams(max_tokens=200, ignore_eos=True), 3))
+        other = sched.submit(GenerationRequest("other", prompt_of(4, 5), SamplingParams(max_tokens=50, ignore_eos=True), 1))
+        queued = sched.submit(GenerationRequest("queued", prompt_of(5, 5), SamplingParams(max_tokens=5, ignore_eos=True), 1))
+        assert isinstance(victim.next_event(timeout=EVENT_TIMEOUT_S), TokensEvent)
+        wait_for(lambda: engines.draft.cache.has("victim"), "victim to hold a draft slot")
+        victim.cancel()
+        _, final, _ = drain(victim)
+        assert isinstance(final, FinalEvent) and final.finish_reason == "cancelled"
+        assert not engines.target.cache.has("victim") and not engines.draft.cache.has("victim")
+        other_tokens, other_final, _ = drain(other)
+        queued_tokens, _, _ = drain(queued)
+        # A request cancelled while still waiting never reaches the workers.
+        never = sched.submit(GenerationRequest("never", prompt_of(6, 5), SamplingParams(max_tokens=5), 1))
+        never.cancel()
+        assert isinstance(drain(never)[1], FinalEvent)
+    finally:
+        sched.stop()
+    assert tuple(other_tokens) == reference(prompt_of(4, 5), SamplingParams(max_tokens=50, ignore_eos=True))
+    assert tuple(queued_tokens) == reference(prompt_of(5, 5), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert ("cancelled", "CANCELLED") in rec.outcomes
+    assert slots_free(engines)
+
+
+# --- failures ----------------------------------------------------------------------------------------
+class FailingItem:
+    """Wraps an engine port; ``method`` fails for ``victim`` on its ``after``-th call
+    (an ItemError of the worker), the other items run on the engine as usual."""
+
+    def __init__(self, port, method: str, victim: str, after: int = 2) -> None:
+        self.port, self.method, self.victim, self.after = port, method, victim, after
+        self.calls = 0
+        for name in ("prefill", "propose", "verify"):
+            if hasattr(port, name) and name != method:
+                setattr(self, name, getattr(port, name))
+        setattr(self, method, self._maybe_fail)
+
+    def _maybe_fail(self, reqs):
+        self.calls += 1
+        fail = self.calls >= self.after and any(r.request_id == self.victim for r in reqs)
+        if not fail:
+            return getattr(self.port, self.method)(reqs)
+        rest = [r for r in reqs if r.request_id != self.victim]
+        got = getattr(self.port, self.method)(rest) if rest else []
+        out = iter(got if got is not None else [None] * len(rest))   # DraftEngine.prefill returns None
+        results = [None if r.request_id == self.victim else next(out) for r in reqs]
+        raise ItemFailures(results, {self.victim: RequestError("NOT_FOUND", f"request_id {self.victim!r} is unknown")})
+
+    def release(self, request_id):
+        return self.port.release(request_id)
+
+
+@pytest.mark.parametrize("where", ["target.verify", "draft.propose", "target.prefill", "draft.prefill"])
+def test_item_failure_ends_only_that_request(engines, reference, where):
+    role, method = where.split(".")
+    target, draft = engines.target, engines.draft
+    after = 1 if method == "prefill" else 3
+    if role == "target":
+        target = FailingItem(target, method, "bad", after)
+    else:
+        draft = FailingItem(draft, method, "bad", after)
+    sched = make_scheduler(target, draft, max_batch=4)
+    try:
+        params = SamplingParams(max_tokens=25, ignore_eos=True)
+        handles = [sched.submit(GenerationRequest(rid, prompt_of(i, 6 + i), params, 3))
+                   for i, rid in enumerate(["a", "bad", "b"])]
+        results = {h.request_id: drain(h) for h in handles}
+    finally:
+        sched.stop()
+    tokens, err, _ = results["bad"]
+    assert isinstance(err, ErrorEvent) and err.code == "NOT_FOUND" and "bad" in err.message
+    assert tuple(err.output) == tuple(tokens)
+    for i, rid in enumerate(["a", "bad", "b"]):
+        if rid != "bad":
+            assert isinstance(results[rid][1], FinalEvent)
+            assert tuple(results[rid][0]) == reference(prompt_of(i, 6 + i), params)
+    assert slots_free(engines)
+
+
+class DiesOnce:
+    """Wraps the target; one verify call raises WorkerUnavailable (a broken stream)."""
+
+    def __init__(self, port, on_call: int = 3) -> None:
+        self.port, self.on_call, self.calls = port, on_call, 0
+        self.prefill, self.release = port.prefill, port.release
+
+    def verify(self, reqs):
+        self.calls += 1
+        if self.calls == self.on_call:
+            raise WorkerUnavailable("target stream broken (injected)")
+        return self.port.verify(reqs)
+
+
+def test_whole_call_failure_ends_the_round_and_the_scheduler_keeps_serving(engines, reference):
+    sched = make_scheduler(DiesOnce(engines.target), engines.draft, max_batch=4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    try:
+        hs = [sched.submit(GenerationRequest(f"x{i}", prompt_of(i, 5), params, 1)) for i in range(2)]
+        for h in hs:
+            _, ev, _ = drain(h)
+            assert isinstance(ev, ErrorEvent) and ev.code == "UNAVAILABLE"
+        after = sched.submit(GenerationRequest("after", prompt_of(7, 5), params, 3))
+        tokens, final, _ = drain(after)
+    finally:
+        sched.stop()
+    assert isinstance(final, FinalEvent) and tuple(tokens) == reference(prompt_of(7, 5), params)
+    assert slots_free(engines)
+
+
+class ProposeDiesOnce:
+    """Wraps the draft; one propose call raises WorkerUnavailable."""
+
+    def __init__(self, port, on_call: int = 3) -> None:
+        self.port, self.on_call, self.calls = port, on_call, 0
+        self.prefill, self.release = port.prefill, port.release
+
+    def propose(self, reqs):
+        self.calls += 1
+        if self.calls == self.on_call:
+            raise WorkerUnavailable("draft stream broken (injected)")
+        return self.port.propose(reqs)
+
+
+def test_failed_propose_ends_only_the_drafting_requests(engines, reference):
+    sched = make_scheduler(engines.target, ProposeDiesOnce(engines.draft), max_batch=4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    try:
+        spec = sched.submit(GenerationRequest("spec", prompt_of(1, 5), params, 3))
+        plain = sched.submit(GenerationRequest("plain", prompt_of(2, 5), params, 0))
+        _, spec_ev, _ = drain(spec)
+        plain_tokens, plain_ev, _ = drain(plain)
+    finally:
+        sched.stop()
+    assert isinstance(spec_ev, ErrorEvent) and spec_ev.code == "UNAVAILABLE"
+    assert isinstance(plain_ev, FinalEvent) and tuple(plain_tokens) == reference(prompt_of(2, 5), params)
+    assert slots_free(engines)
+
+
+def test_queue_full_is_refused_and_stop_ends_waiting_requests(engines):
+    sched = Scheduler(engines.target, engines.draft, max_batch=1, max_queue=2, eos_token_id=257)
+    # Not started: nothing leaves the queue, so the bound is exact.
+    params = SamplingParams(max_tokens=5)
+    handles = [sched.submit(GenerationRequest(f"q{i}", (256, 1), params, 1)) for i in range(3)]
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        sched.submit(GenerationRequest("over", (256, 1), params, 1))
+    assert sched.snapshot() == (0, 3)
+    sched.start()
+    sched.stop()
+    for h in handles:
+        ev = h.next_event(timeout=5)
+        while isinstance(ev, TokensEvent):
+            ev = h.next_event(timeout=5)
+        assert isinstance(ev, (FinalEvent, ErrorEvent))
+    assert slots_free(engines)
+
+
+def test_at_round_boundary_runs_on_the_scheduler_thread(engines):
+    sched = make_scheduler(engines.target, engines.draft)
+    try:
+        h = sched.submit(GenerationRequest("c", prompt_of(8, 5), SamplingParams(max_tokens=30, ignore_eos=True), 3))
+        fut = sched.at_round_boundary(lambda: sched.snapshot())
+        assert fut.result(timeout=EVENT_TIMEOUT_S)[0] in (0, 1)
+        assert isinstance(drain(h)[1], FinalEvent)
+    finally:
+        sched.stop()
+
+
+def test_no_draft_runs_target_only(engines, reference):
+    sched = make_scheduler(engines.target, None)
+    params = SamplingParams(max_tokens=15, ignore_eos=True)
+    try:
+        tokens, final, _ = drain(sched.submit(GenerationRequest("t", prompt_of(9, 6), params, 3)))
+    finally:
+        sched.stop()
+    assert tuple(tokens) == reference(prompt_of(9, 6), params)
+    assert final.stats.drafted == 0 and not sched.speculation_available
