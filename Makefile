@@ -13,7 +13,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	touch $(STAMP)
 
 # The main job: draft, target and orchestrator on loopback (bundled tiny model, CPU),

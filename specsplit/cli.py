@@ -188,6 +188,13 @@ def cmd_config_reference(_args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_metrics_reference(_args: argparse.Namespace) -> int:
+    from specsplit.metrics_reference import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("SPECSPLIT_ADDRESS", DEFAULT_ADDRESS),
                    help="orchestrator host:port [env SPECSPLIT_ADDRESS]")
@@ -210,7 +217,7 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics (ports printed)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit", description="Speculative decoding split into gRPC services.")
     ap.add_argument("--log-level", default=os.environ.get("SPECSPLIT_LOG_LEVEL", "INFO"))
     sub = ap.add_subparsers(dest="command", required=True)
@@ -251,9 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None)
 
     p = sub.add_parser("train", help="train the tiny target and its MTP head (Torch)")
-    from runtime.backends.torch_train import add_train_args
+    if train_args:
+        # NOTE: imported only for `train`: it loads Torch, which the other
+        # commands (and Paddle workers) must not pay for.
+        from runtime.backends.torch_train import add_train_args
 
-    add_train_args(p)
+        add_train_args(p)
 
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     from bench import add_bench_args
@@ -261,20 +271,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
 
     sub.add_parser("config-reference", help="print the configuration reference (Markdown)")
+    sub.add_parser("metrics-reference", help="print the metrics reference (Markdown)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(train_args="train" in argv).parse_args(argv)
+    from orchestrator.client import SpecsplitError
+
     try:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
-                    "status": cmd_status, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference}
+                    "status": cmd_status, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
             from runtime.backends.torch_train import run_train
 
-            return run_train(args)
+            run_train(args)
+            return 0
         if args.command == "bench":
             from bench import run_bench
 
@@ -283,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specsplit: configuration error: {exc}", file=sys.stderr)
         return 2
+    except SpecsplitError as exc:
+        print(f"specsplit: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,0 +1,12 @@
+"""Generated documentation matches the code (regenerate with the commands named in each file)."""
+
+from pathlib import Path
+
+from specsplit.metrics_reference import reference_markdown
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_metrics_reference_is_current():
+    assert (DOCS / "metrics.md").read_text().strip() == reference_markdown().strip(), \
+        "docs/metrics.md is stale: run `specsplit metrics-reference > docs/metrics.md`"
