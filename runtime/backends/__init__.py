@@ -16,11 +16,11 @@ def make_ops(cfg: RuntimeConfig) -> Ops:
     if cfg.backend == "paddle":
         from runtime.backends.paddle_ops import PaddleOps
 
-        return PaddleOps(cfg.device, cfg.dtype)
+        return PaddleOps(cfg.device, cfg.dtype, cfg.cpu_threads)
     if cfg.backend == "torch":
         from runtime.backends.torch_ops import TorchOps
 
-        return TorchOps(cfg.device, cfg.dtype)
+        return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads)
     raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
 
 

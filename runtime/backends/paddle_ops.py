@@ -41,7 +41,10 @@ def _dtype_name(dt) -> str:
 class PaddleOps:
     name = "paddle"
 
-    def __init__(self, device: str, dtype: str) -> None:
+    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None) -> None:
+        # Paddle's CPU kernels follow OMP_NUM_THREADS, which its import sets
+        # to 1 unless the environment already set it; cpu_threads is advisory.
+        self.cpu_threads = cpu_threads
         if device.startswith("cuda"):
             if not paddle.device.is_compiled_with_cuda():
                 raise RuntimeError(f"runtime.device={device!r} but this Paddle build has no CUDA")

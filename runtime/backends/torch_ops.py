@@ -20,9 +20,11 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 class TorchOps:
     name = "torch"
 
-    def __init__(self, device: str, dtype: str) -> None:
+    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"runtime.device={device!r} but torch sees no CUDA device")
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
         self.device = device
         self.dtype = dtype
         self._dev = torch.device(device)

@@ -289,9 +289,10 @@ def fit(desc: str, groups: list[tuple[dict[str, torch.nn.Parameter], torch.optim
             per_step = (time.time() - t_mark) / 10
             fit_steps = int((budget_s - (time.time() - t0)) / per_step) + step + 1
             if fit_steps < steps:
+                fit_steps = max(fit_steps, step + 2)
                 print(f"{desc}: {per_step * 1e3:.1f} ms/step; cutting {steps} steps to {fit_steps} "
                       f"to fit the {budget_s:.0f} s budget", flush=True)
-                steps = max(fit_steps, step + 2)
+                steps = fit_steps
                 bar.set_total(steps)
         post = None
         if step % log_every == 0 or step == steps - 1:
@@ -431,7 +432,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mtp-unroll", type=int, default=3, help="substeps the MTP is unrolled on its own hidden state")
     p.add_argument("--naive-head", action="store_true",
                    help=f"also train a one-step (unroll 1) head on the same batches into {MTP_NAIVE_FILE}")
-    p.add_argument("--mtp-distill", type=float, default=0.5,
+    p.add_argument("--mtp-distill", type=float, default=1.0,
                    help="weight of the target's distribution in the MTP label (0: data token only)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=0)
@@ -475,7 +476,12 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         log["gpu"] = torch.cuda.get_device_name(device)
     print(f"corpus: {json.dumps(corpus.summary())}", flush=True)
-    prompts = heldout_prompts(corpus, n=args.prompts, seed=args.seed) if args.prompts else []
+    prompts: list[str] = []
+    if args.prompts:
+        try:
+            prompts = heldout_prompts(corpus, n=args.prompts, seed=args.seed)
+        except ValueError as exc:  # a small corpus must not stop training
+            print(f"warning: no held-out prompts: {exc}", flush=True)
     if prompts:
         (out / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1) + "\n")
 
@@ -511,7 +517,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
                 log["acceptance"][f"unroll{n}"] = acc
                 print(f"acceptance unroll{n} ({fname}): {json.dumps(acc)}", flush=True)
     log["total_wall_s"] = round(time.time() - t_start, 1)
-    (out / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n")
+    (out / LOG_FILE).write_text(json.dumps(log, indent=1, default=str) + "\n")
     return log
 
 
