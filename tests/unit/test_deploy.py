@@ -1,0 +1,777 @@
+"""The deployment files stay valid and runnable: they cannot rot silently.
+
+Checked here (each check fails when the file it guards goes wrong):
+
+1. Debian's docker-compose (v1, 1.29) accepts ``deploy/docker-compose.yml``
+   (``config -q``), and rejects a Compose-v2-only key (the validator is real).
+2. ``kubernetes-validate --strict`` accepts every manifest in ``deploy/k8s``
+   against the oldest Kubernetes with GA gRPC probes (1.27) and the newest
+   schema the package bundles (1.37); it works offline from bundled schemas.
+3. Every ``specsplit`` command line (compose commands and health checks,
+   Kubernetes command/args and exec probes, the Dockerfiles' ENTRYPOINT and
+   HEALTHCHECK) parses with the real CLI (``specsplit.cli.build_parser()``),
+   every flag exists on its subcommand exactly (no prefix abbreviations),
+   the service configurations build (values valid), every ``SPECSPLIT_*``
+   variable is a real config option or one of the documented extras, and the
+   addresses and ports that the files repeat agree with each other.
+4. (slow) The three services run with exactly the arguments and environment
+   variables the compose file gives them, rewritten only for loopback (see
+   ``LoopbackRewrite``), a greedy generation through the orchestrator equals
+   target-only decoding, and the env file's tokens guard and enable the admin
+   RPCs (an in-place ReloadWeights runs through to both workers).
+5. ``docs/configuration.md`` is the output of ``specsplit config-reference``.
+
+Compose ``${VAR:-default}`` references are resolved to their defaults (not to
+this machine's environment), so the checks are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from runtime.config import ConfigError, OrchestratorConfig, WorkerConfig
+from specsplit import cli, config_loader
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+ENV_EXAMPLE = DEPLOY / "specsplit.env.example"
+K8S_DIR = DEPLOY / "k8s"
+DOCKERFILES = (DEPLOY / "Dockerfile", DEPLOY / "Dockerfile.cpu")
+INSTALL_TOOLS = REPO / "scripts" / "install_test_tools.sh"
+CONFIG_DOC = REPO / "docs" / "configuration.md"
+
+# SPECSPLIT_* variables read outside the config dataclasses (documented in the CLI / loader).
+EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN", "SPECSPLIT_LOG_LEVEL"})
+SERVICE_CLASSES: dict[str, type] = {"draft": WorkerConfig, "target": WorkerConfig, "orchestrator": OrchestratorConfig}
+K8S_VERSIONS = ("1.27.0", "1.37.0")   # GA gRPC probes .. newest bundled schema
+INSTALL_TIMEOUT_S = 300
+TOOL_TIMEOUT_S = 120
+START_TIMEOUT_S = 120.0               # each service's "listening" line
+HEALTHY_TIMEOUT_S = 60.0              # health checks passing after listening
+RPC_TIMEOUT_S = 60.0                  # deadline of every call in the tests
+
+
+# --- reading the files ----------------------------------------------------------------------
+
+_REF = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(:?-([^}]*))?\}")
+
+
+def interpolate(value: str) -> str:
+    """Resolve compose/shell ``${VAR:-default}`` to its default; ``$$`` is a literal ``$``."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        if m.group(2) is None:
+            raise AssertionError(f"{value!r}: ${{{m.group(1)}}} has no default; give one (${{VAR:-default}})")
+        return m.group(3)
+
+    return _REF.sub(sub, value)
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, rest) pairs, continuation lines joined, comments dropped."""
+    out, buf = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):          # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def dockerfile_entrypoint(path: Path) -> list[str]:
+    entry = [rest for word, rest in dockerfile_instructions(path) if word == "ENTRYPOINT"]
+    assert entry, f"{path.name} has no ENTRYPOINT"
+    argv = json.loads(entry[-1])         # exec form only: signals reach the service directly
+    assert isinstance(argv, list), f"{path.name}: ENTRYPOINT must be the exec (JSON) form"
+    return argv
+
+
+def dockerfile_env(path: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in dockerfile_instructions(path):
+        if word == "ENV":
+            for item in shlex.split(rest):
+                key, sep, value = item.partition("=")
+                assert sep, f"{path.name}: use ENV KEY=VALUE, got {item!r}"
+                env[key] = value
+    return env
+
+
+def dockerfile_healthcheck(path: Path) -> list[str]:
+    checks = [rest for word, rest in dockerfile_instructions(path) if word == "HEALTHCHECK"]
+    assert checks, f"{path.name} has no HEALTHCHECK"
+    _, sep, cmd = checks[-1].partition("CMD ")
+    assert sep, f"{path.name}: HEALTHCHECK needs CMD"
+    return [interpolate(t) for t in shlex.split(cmd)]
+
+
+def load_compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """docker-compose v1 env_file syntax: KEY=VALUE lines, # comments, no quoting."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
+            env[key.strip()] = value
+    return env
+
+
+def compose_dockerfile(svc: dict[str, Any]) -> Path:
+    build = svc["build"]
+    return (COMPOSE_FILE.parent / interpolate(build["context"]) / interpolate(build.get("dockerfile", "Dockerfile"))).resolve()
+
+
+def compose_env_files(svc: dict[str, Any]) -> list[Path]:
+    files = svc.get("env_file", [])
+    files = [files] if isinstance(files, str) else files
+    return [(COMPOSE_FILE.parent / interpolate(f)).resolve() for f in files]
+
+
+def compose_service_env(svc: dict[str, Any]) -> dict[str, str]:
+    """What a compose container sees: image SPECSPLIT_* ENV < env_file < environment."""
+    env = {k: v for k, v in dockerfile_env(compose_dockerfile(svc)).items() if k.startswith("SPECSPLIT_")}
+    for path in compose_env_files(svc):
+        env.update(read_env_file(path))
+    environment = svc.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    env.update({k: interpolate(str(v)) for k, v in environment.items()})
+    return env
+
+
+def compose_argv(svc: dict[str, Any]) -> list[str]:
+    entry = svc.get("entrypoint")
+    entry = dockerfile_entrypoint(compose_dockerfile(svc)) if entry is None else entry
+    entry = shlex.split(entry) if isinstance(entry, str) else list(entry)
+    command = svc.get("command", [])
+    command = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+    return [interpolate(t) for t in entry + command]
+
+
+def compose_healthcheck(svc: dict[str, Any]) -> list[str]:
+    test = svc["healthcheck"]["test"]
+    if isinstance(test, str):
+        return [interpolate(t) for t in shlex.split(test)]
+    if test[0] == "CMD-SHELL":
+        return [interpolate(t) for t in shlex.split(test[1])]
+    assert test[0] == "CMD", f"unexpected healthcheck test {test!r}"
+    return [interpolate(str(t)) for t in test[1:]]
+
+
+def k8s_docs() -> list[tuple[Path, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        docs += [(path, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def k8s_find(kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    return [(p, d) for p, d in k8s_docs() if d["kind"] == kind]
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("the specsplit parser has no subcommands")
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {s: a for a in parser._actions for s in a.option_strings}
+
+
+def check_cli(argv: list[str], where: str) -> tuple[str, argparse.Namespace]:
+    """Parse a ``specsplit ...`` command line with the real parser; every flag must be
+    spelled exactly as the (sub)command defines it. Returns (subcommand, namespace)."""
+    assert argv and Path(argv[0]).name == "specsplit", f"{where}: runs {argv[:1]}, not the specsplit CLI"
+    parser = cli.build_parser()
+    subs = _subparsers(parser)
+    current, command, skip = _options(parser), None, False
+    for tok in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if tok.startswith("--"):
+            name = tok.split("=", 1)[0]
+            scope = f"`specsplit {command}`" if command else "`specsplit` (before the subcommand)"
+            assert name in current, f"{where}: {scope} has no flag {name} (command line: {argv})"
+            action = current[name]
+            skip = "=" not in tok and action.nargs != 0 and not isinstance(
+                action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction))
+        elif command is None:
+            assert tok in subs, f"{where}: unknown subcommand {tok!r}"
+            command, current = tok, _options(subs[tok])
+    assert command is not None, f"{where}: no subcommand in {argv}"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            args = parser.parse_args(argv[1:])
+        except SystemExit:
+            raise AssertionError(f"{where}: the CLI rejects {argv}: {err.getvalue().strip()}") from None
+    return command, args
+
+
+def env_names(cls: type) -> set[str]:
+    return {o.env for o in config_loader.options(cls)}
+
+
+def check_env_names(env: dict[str, str], allowed: set[str], where: str) -> None:
+    unknown = sorted(k for k in env if k.startswith("SPECSPLIT_") and k not in allowed | EXTRA_ENV)
+    assert not unknown, f"{where}: {unknown} are not specsplit config options (docs/configuration.md)"
+
+
+def build_config(command: str, args: argparse.Namespace, env: dict[str, str], where: str) -> Any:
+    cls = SERVICE_CLASSES[command]
+    overrides = {"role": command} if cls is WorkerConfig else None
+    try:
+        return config_loader.build(cls, args, env=env, overrides=overrides)
+    except ConfigError as exc:
+        raise AssertionError(f"{where}: invalid configuration: {exc}") from None
+
+
+def toml_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        out += toml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
+    return out
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+# --- 1. docker-compose ----------------------------------------------------------------------
+
+
+def _compose_env() -> dict[str, str]:
+    """This machine's environment minus variables that would change the compose file's meaning."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SPECSPLIT_", "COMPOSE_"))}
+
+
+@pytest.fixture(scope="session")
+def docker_compose() -> str:
+    """Debian's docker-compose (v1); installed by scripts/install_test_tools.sh when root.
+    Missing: the test fails under CI (CI is set) and is skipped elsewhere."""
+    exe, why = shutil.which("docker-compose"), "docker-compose is not on PATH"
+    if exe is None and not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        why += f"; not root, so {INSTALL_TOOLS.relative_to(REPO)} cannot install it (run it as root)"
+    elif exe is None:
+        try:
+            proc = subprocess.run([shutil.which("bash") or "/bin/bash", str(INSTALL_TOOLS)], capture_output=True,
+                                  text=True, timeout=INSTALL_TIMEOUT_S)
+            why += f"; {INSTALL_TOOLS.name} exited {proc.returncode}: {proc.stderr.strip()[-400:]}"
+        except subprocess.TimeoutExpired:
+            why += f"; {INSTALL_TOOLS.name} did not finish within {INSTALL_TIMEOUT_S}s"
+        except OSError as exc:
+            why += f"; cannot run {INSTALL_TOOLS.name}: {exc}"
+        exe = shutil.which("docker-compose")
+    if exe is not None:
+        version = subprocess.run([exe, "version", "--short"], capture_output=True, text=True,
+                                 timeout=TOOL_TIMEOUT_S).stdout.strip()
+        if version.startswith("1."):
+            return exe
+        exe, why = None, f"docker-compose {version!r} is not v1 (Debian's 1.29), which this file must suit"
+    if os.environ.get("CI"):
+        pytest.fail(f"cannot validate deploy/docker-compose.yml: {why}")
+    pytest.skip(f"cannot validate deploy/docker-compose.yml: {why}")
+
+
+def test_docker_compose_v1_accepts_the_compose_file(docker_compose):
+    proc = subprocess.run([docker_compose, "-f", str(COMPOSE_FILE), "config", "-q"], cwd=REPO, env=_compose_env(),
+                          capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert proc.returncode == 0, f"docker-compose config -q failed:\n{proc.stdout}{proc.stderr}"
+    resolved = subprocess.run([docker_compose, "-f", str(COMPOSE_FILE), "config"], cwd=REPO, env=_compose_env(),
+                              capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=True)
+    services = yaml.safe_load(resolved.stdout)["services"]
+    # The admin token reaches every service from the env file.
+    for name, svc in services.items():
+        assert svc["environment"].get("SPECSPLIT_SECURITY_ADMIN_TOKEN"), f"{name}: no admin token from env_file"
+
+
+def test_docker_compose_v1_rejects_keys_it_does_not_know(docker_compose, tmp_path):
+    """Control: the validator really checks keys (``develop`` exists only in Compose v2)."""
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    shutil.copy(ENV_EXAMPLE, deploy / ENV_EXAMPLE.name)
+    text = COMPOSE_FILE.read_text()
+    assert "\n  orchestrator:\n" in text
+    (deploy / "docker-compose.yml").write_text(text.replace("\n  orchestrator:\n", "\n  orchestrator:\n    develop: {}\n"))
+    proc = subprocess.run([docker_compose, "-f", str(deploy / "docker-compose.yml"), "config", "-q"], cwd=tmp_path,
+                          env=_compose_env(), capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert proc.returncode != 0 and "develop" in proc.stderr, proc.stderr
+
+
+def test_compose_layout():
+    """Draft on GPU 0, target on GPU 1, orchestrator exposes the client port after both are healthy."""
+    services = load_compose()["services"]
+    assert set(services) == {"draft", "target", "orchestrator"}
+    for name, gpu in (("draft", "0"), ("target", "1")):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert [d["device_ids"] for d in devices] == [[gpu]] and devices[0]["capabilities"] == ["gpu"], name
+    orch = services["orchestrator"]
+    assert "deploy" not in orch, "the orchestrator needs no GPU"
+    assert orch["depends_on"] == {"draft": {"condition": "service_healthy"},
+                                  "target": {"condition": "service_healthy"}}
+    assert any(interpolate(p).endswith(":50051") for p in orch["ports"])
+    for name, svc in services.items():
+        assert svc["restart"] in ("always", "unless-stopped", "on-failure"), name
+        assert compose_env_files(svc) == [ENV_EXAMPLE], f"{name}: env_file should default to the example"
+        assert any(v.split(":")[1] == "/models" for v in svc["volumes"]), f"{name}: no shared model volume"
+    assert "models" in load_compose()["volumes"]
+
+
+# --- 2. Kubernetes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_validate_strict(version):
+    exe = Path(sys.executable).with_name("kubernetes-validate")
+    assert exe.exists(), "kubernetes-validate is missing from the venv (requirements-dev.txt)"
+    files = sorted(K8S_DIR.glob("*.yaml"))
+    assert files, "deploy/k8s has no manifests"
+    proc = subprocess.run([str(exe), "--strict", "--kubernetes-version", version, *map(str, files)],
+                          capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed") == len(k8s_docs()), proc.stdout
+
+
+def test_kubernetes_layout():
+    """Three Deployments + Services, GPU limits on the workers, gRPC probes, ConfigMap, Secret, PDB."""
+    deployments = {d["metadata"]["name"]: d for _, d in k8s_find("Deployment")}
+    assert set(deployments) == {"specsplit-draft", "specsplit-target", "specsplit-orchestrator"}
+    services = {d["metadata"]["name"]: d for _, d in k8s_find("Service")}
+    assert set(services) == {"specsplit-draft", "specsplit-target", "specsplit"}
+    assert k8s_find("ConfigMap") and k8s_find("Secret") and k8s_find("PodDisruptionBudget")
+    secrets = {d["metadata"]["name"]: d for _, d in k8s_find("Secret")}
+    for name, dep in deployments.items():
+        pod = dep["spec"]["template"]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True, name
+        (container,) = pod["spec"]["containers"]
+        gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (None if name.endswith("orchestrator") else 1), f"{name}: nvidia.com/gpu limit {gpus}"
+        grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == grpc_port, f"{name}: {probe} is not a gRPC probe on {grpc_port}"
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["key"] in secrets[ref["name"]]["stringData"], f"{name}: {ref} does not exist"
+        # Its Service selects this pod template and no other.
+        svc = services["specsplit" if name.endswith("orchestrator") else name]
+        selected = [n for n, d in deployments.items() if all(
+            d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())]
+        assert selected == [name], f"Service {svc['metadata']['name']} selects {selected}"
+    (pdb,) = [d for _, d in k8s_find("PodDisruptionBudget")]
+    for dep in deployments.values():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+
+
+# --- 3. every command line and variable exists in the real CLI --------------------------------
+
+
+def test_compose_commands_env_and_healthchecks_match_the_cli():
+    services = load_compose()["services"]
+    configs: dict[str, Any] = {}
+    for name, svc in services.items():
+        where = f"docker-compose.yml service {name}"
+        argv, env = compose_argv(svc), compose_service_env(svc)
+        command, args = check_cli(argv, where)
+        assert command == name, f"{where} runs `specsplit {command}`"
+        check_env_names({k: v for k, v in (svc.get("environment") or {}).items()},
+                        env_names(SERVICE_CLASSES[command]), where)
+        configs[name] = build_config(command, args, env, where)
+    ports = {name: cfg.server.port for name, cfg in configs.items()}
+    for name, svc in services.items():
+        where, cfg, command = f"docker-compose.yml service {name}", configs[name], name
+        assert cfg.server.host == "0.0.0.0", f"{where}: listens on {cfg.server.host}, unreachable from other containers"
+        if command == "orchestrator":
+            for worker, address in (("draft", cfg.draft_address), ("target", cfg.target_address)):
+                assert address is not None, f"{where}: no {worker} address"
+                host, port = host_port(address)
+                assert host == worker and port == ports[worker], f"{where}: {worker} address {address}"
+        hc_command, hc_args = check_cli(compose_healthcheck(svc), f"{where} healthcheck")
+        assert hc_command == "healthcheck" and hc_args.address == f"127.0.0.1:{cfg.server.port}", \
+            f"{where}: health check {hc_args} does not probe the service port {cfg.server.port}"
+    for path in {p for svc in services.values() for p in compose_env_files(svc)}:
+        check_env_names(read_env_file(path), env_names(WorkerConfig) | env_names(OrchestratorConfig), path.name)
+
+
+def test_env_example_names_real_options():
+    env = read_env_file(ENV_EXAMPLE)
+    check_env_names(env, env_names(WorkerConfig) | env_names(OrchestratorConfig), ENV_EXAMPLE.name)
+    assert {"SPECSPLIT_SECURITY_ADMIN_TOKEN", "SPECSPLIT_WORKER_ADMIN_TOKEN"} <= set(env)
+
+
+def test_kubernetes_commands_env_and_config_match_the_cli(tmp_path):
+    configmaps = {d["metadata"]["name"]: d["data"] for _, d in k8s_find("ConfigMap")}
+    service_ports = {d["metadata"]["name"]: {p["port"]: p for p in d["spec"]["ports"]} for _, d in k8s_find("Service")}
+    seen = set()
+    for path, dep in k8s_find("Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec["containers"]:
+            where = f"{path.name} {dep['metadata']['name']} container {container['name']}"
+            argv = list(container.get("command", [])) + list(container.get("args", []))
+            command, args = check_cli(argv, where)
+            seen.add(command)
+            env = {e["name"]: e.get("value", "<from a secret>") for e in container.get("env", [])}
+            check_env_names(env, env_names(SERVICE_CLASSES[command]), where)
+            # --config / SPECSPLIT_CONFIG must name a key of a mounted ConfigMap; its TOML
+            # keys must all be real options, and the resulting configuration must build.
+            config_path = args.config or (Path(env["SPECSPLIT_CONFIG"]) if "SPECSPLIT_CONFIG" in env else None)
+            assert config_path is not None, f"{where}: no --config"
+            text = None
+            for mount in container.get("volumeMounts", []):
+                cm = volumes[mount["name"]].get("configMap")
+                if cm and config_path.parent == Path(mount["mountPath"]):
+                    text = configmaps[cm["name"]].get(config_path.name)
+            assert text is not None, f"{where}: {config_path} is not a key of a mounted ConfigMap"
+            data = tomllib.loads(text)
+            known = {o.key for o in config_loader.options(SERVICE_CLASSES[command])}
+            unknown = sorted(set(toml_keys(data)) - known)
+            assert not unknown, f"{where}: {config_path.name} has keys that are no config option: {unknown}"
+            local = tmp_path / f"{command}.toml"
+            local.write_text(text)
+            args.config = local
+            env.pop("SPECSPLIT_CONFIG", None)
+            cfg = build_config(command, args, env, where)
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert (ports["grpc"], ports["metrics"]) == (cfg.server.port, cfg.server.metrics_port), \
+                f"{where}: container ports {ports} but the configuration listens on " \
+                f"{cfg.server.port} (gRPC) and {cfg.server.metrics_port} (metrics)"
+            assert cfg.server.host == "0.0.0.0", f"{where}: listens on {cfg.server.host}"
+            if command in ("draft", "target"):
+                assert cfg.runtime.device.startswith("cuda:"), f"{where}: a GPU worker on {cfg.runtime.device}"
+            else:
+                for address in (cfg.draft_address, cfg.target_address):
+                    host, port = host_port(address)
+                    assert port in service_ports.get(host, {}), f"{where}: {address} is no Service port"
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "exec" in container.get(probe, {}):
+                    check_cli(container[probe]["exec"]["command"], f"{where} {probe}")
+    assert seen == {"draft", "target", "orchestrator"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_entrypoint_healthcheck_user_and_sources(dockerfile):
+    instr = dockerfile_instructions(dockerfile)
+    entry = dockerfile_entrypoint(dockerfile)
+    assert entry == ["specsplit"], entry
+    command, args = check_cli(dockerfile_healthcheck(dockerfile), f"{dockerfile.name} HEALTHCHECK")
+    assert command == "healthcheck" and args.address.startswith("127.0.0.1:")
+    check_env_names(dockerfile_env(dockerfile), env_names(WorkerConfig) | env_names(OrchestratorConfig), dockerfile.name)
+    users = [rest for word, rest in instr if word == "USER"]
+    assert users and users[-1] not in ("root", "0"), f"{dockerfile.name}: must run as a non-root user"
+    runs = " ".join(rest for word, rest in instr if word == "RUN")
+    assert "requirements" in runs and "-r " in runs, f"{dockerfile.name}: dependencies must come from requirements.txt"
+    for word, rest in instr:
+        if word == "COPY":
+            sources = [t for t in shlex.split(rest) if not t.startswith("--")][:-1]
+            for src in sources:
+                if src == "models/tiny" and not (REPO / src / "config.json").exists():
+                    continue   # the bundled model lands separately; its absence is not this file's fault
+                assert (REPO / src).exists(), f"{dockerfile.name}: COPY {src} does not exist in the repository"
+
+
+def test_gpu_dockerfile_backend_arg():
+    text = (DEPLOY / "Dockerfile").read_text()
+    instr = dockerfile_instructions(DEPLOY / "Dockerfile")
+    assert ("ARG", "BACKEND=torch") in instr
+    run = " ".join(rest for word, rest in instr if word == "RUN")
+    assert re.search(r"torch\)\s+pip install .*torch==", run) and re.search(r"paddle\)\s+.*paddlepaddle-gpu==", run)
+    pins = dict(line.split("==") for line in (REPO / "requirements.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert f"PADDLE_VERSION={pins['paddlepaddle']}" in text, "paddlepaddle-gpu should match the requirements.txt pin"
+    dev_pins = dict(line.split("==") for line in (REPO / "requirements-dev.txt").read_text().splitlines()
+                    if "==" in line and not line.startswith("#"))
+    for dockerfile in DOCKERFILES:
+        assert f"TORCH_VERSION={dev_pins['torch']}" in dockerfile.read_text(), \
+            f"{dockerfile.name}: torch should match the requirements-dev.txt pin"
+
+
+def doc_command_lines(path: Path) -> list[list[str]]:
+    """``specsplit ...`` lines of the sh code blocks of a Markdown file (comments and a trailing & dropped)."""
+    out, in_sh = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_sh = line.strip() == "```sh"
+            continue
+        words = line.split()
+        if in_sh and words and Path(words[0]).name == "specsplit":
+            out.append([t for t in shlex.split(line, comments=True) if t != "&"])
+    return out
+
+
+@pytest.mark.parametrize("doc", ("quickstart.md", "operations.md"))
+def test_doc_command_lines_match_the_cli(doc):
+    lines = doc_command_lines(REPO / "docs" / doc)
+    assert doc != "quickstart.md" or len(lines) >= 8, "the quick start's commands were not found"
+    for argv in lines:
+        check_cli(argv, f"docs/{doc}")
+
+
+# --- 4. the compose services, started on loopback --------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def installed_backend() -> str:
+    import importlib.util
+
+    return "torch" if importlib.util.find_spec("torch") else "paddle"
+
+
+@dataclass
+class LoopbackRewrite:
+    """The only changes made to the compose file's arguments and environment:
+
+    - the ``specsplit`` entrypoint -> ``python -m specsplit`` of this checkout (same CLI);
+    - listen host ``0.0.0.0`` -> ``127.0.0.1``; service host names (``draft:50061``) ->
+      ``127.0.0.1`` with the port remapped like the service's own;
+    - every port (gRPC and metrics) -> a free loopback port, mapped by its number so an
+      address and the service that listens there stay paired;
+    - ``--runtime-device cuda:N`` -> ``cpu`` (no GPU here);
+    - ``--runtime-backend torch`` -> the installed backend (torch when importable);
+    - ``/models/tiny`` -> a random tiny model written for the test (so the test does not
+      depend on the bundled model), ``/models`` (checkpoint roots) -> its parent.
+    """
+
+    model_dir: Path
+    backend: str
+    services: tuple[str, ...]
+    ports: dict[int, int] = field(default_factory=dict)
+
+    KINDS = {"server.port": "port", "server.metrics_port": "port", "server.host": "host",
+             "runtime.device": "device", "runtime.backend": "backend", "target_path": "path",
+             "draft_path": "path", "security.checkpoint_roots": "paths", "draft_address": "address",
+             "target_address": "address"}
+
+    def port(self, value: str) -> str:
+        n = int(value)
+        if n == 0:
+            return "0"
+        if n not in self.ports:
+            self.ports[n] = free_port()
+        return str(self.ports[n])
+
+    def path(self, value: str) -> str:
+        for old, new in (("/models/tiny", self.model_dir), ("/models", self.model_dir.parent)):
+            if value == old or value.startswith(old + "/"):
+                return str(new) + value[len(old):]
+        return value
+
+    def value(self, kind: str, value: str) -> str:
+        if kind == "port":
+            return self.port(value)
+        if kind == "host":
+            return "127.0.0.1"
+        if kind == "device":
+            return "cpu" if value.startswith("cuda") else value
+        if kind == "backend":
+            return self.backend
+        if kind == "path":
+            return self.path(value)
+        if kind == "paths":
+            return ",".join(self.path(v.strip()) for v in value.split(","))
+        host, port = host_port(value)
+        assert host in self.services or host in ("127.0.0.1", "localhost"), f"unknown host in {value}"
+        return f"127.0.0.1:{self.port(str(port))}"
+
+    def argv(self, argv: list[str]) -> list[str]:
+        assert Path(argv[0]).name == "specsplit"
+        flags = {"--" + k.replace(".", "-").replace("_", "-"): kind for k, kind in self.KINDS.items()}
+        out, kind = [sys.executable, "-m", "specsplit"], None
+        for tok in argv[1:]:
+            if kind is not None:
+                out.append(self.value(kind, tok))
+                kind = None
+            elif tok.split("=", 1)[0] in flags and "=" in tok:
+                name, val = tok.split("=", 1)
+                out.append(f"{name}={self.value(flags[name], val)}")
+            else:
+                kind = flags.get(tok)
+                out.append(tok)
+        return out
+
+    def healthcheck(self, argv: list[str]) -> list[str]:
+        out = [sys.executable, "-m", "specsplit"] + argv[1:]
+        i = out.index("healthcheck") + 1
+        out[i] = self.value("address", out[i])
+        return out
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        by_env = {"SPECSPLIT_" + k.replace(".", "_").upper(): kind for k, kind in self.KINDS.items()}
+        return {k: (self.value(by_env[k], v) if k in by_env else v) for k, v in env.items()}
+
+
+_REFERENCE = """
+import json, sys
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+from runtime.engine import GenRequest, SpecEngine
+model, backend, prompt, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+eng = SpecEngine(EngineConfig(target_path=model, runtime=RuntimeConfig(backend=backend),
+                              spec=SpecConfig(max_k=3, default_k=0), cache=CacheConfig(max_slots=2, max_len=256)),
+                 use_draft=False)
+res = eng.generate([GenRequest("ref", tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True), k=0)])[0]
+print(json.dumps(list(res.tokens)))
+"""
+
+
+def listen_port(svc: dict[str, Any]) -> int:
+    """The --server-port a compose service's command gives."""
+    argv = compose_argv(svc)
+    return int(argv[argv.index("--server-port") + 1])
+
+
+def _wait_healthy(argv: list[str], env: dict[str, str], what: str) -> None:
+    deadline, last = time.monotonic() + HEALTHY_TIMEOUT_S, ""
+    while time.monotonic() < deadline:
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=HEALTHY_TIMEOUT_S)
+        if proc.returncode == 0:
+            assert proc.stdout.strip() == "SERVING"
+            return
+        last = proc.stdout + proc.stderr
+        time.sleep(0.5)
+    raise AssertionError(f"{what} health check {argv} never passed: {last}")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_compose_services_generate_on_loopback(tiny_model_dir):
+    """The compose file's exact commands and environment (``LoopbackRewrite`` lists every
+    change) bring up draft, target and orchestrator; greedy speculative output through the
+    orchestrator equals target-only decoding, both through the orchestrator (k=0) and from
+    an in-process engine in another process. Admin RPCs need the env file's token, and with
+    it an in-place reload reaches both workers (the orchestrator's worker token matches)."""
+    from grpc_health.v1 import health_pb2  # noqa: F401  (fail early if missing)
+
+    from orchestrator.client import SpecsplitClient
+    from specsplit.launcher import Child
+    from specsplit.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
+
+    services = load_compose()["services"]
+    rw = LoopbackRewrite(tiny_model_dir, installed_backend(), tuple(services))
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
+    base_env["PYTHONUNBUFFERED"] = "1"
+    plan = {name: (rw.argv(compose_argv(svc)), {**base_env, **rw.env(compose_service_env(svc))},
+                   rw.healthcheck(compose_healthcheck(svc)), set(svc.get("depends_on") or {}))
+            for name, svc in services.items()}
+    prompt, n = [3, 14, 15, 9, 26, 5, 35, 8], 32
+    ref_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE, str(tiny_model_dir), rw.backend, json.dumps(prompt),
+                                 str(n)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: dict[str, Child] = {}
+    try:
+        # Start in depends_on order; a dependent starts once its dependencies' health checks
+        # pass (compose: condition service_healthy).
+        healthy: set[str] = set()
+        while len(healthy) < len(plan):
+            wave = [s for s, (_, _, _, deps) in plan.items() if s not in healthy and deps <= healthy]
+            assert wave, f"depends_on cycle among {set(plan) - healthy}"
+            for s in wave:
+                children[s] = Child(s, plan[s][0], plan[s][1])
+            for s in wave:
+                address = children[s].wait_listening(START_TIMEOUT_S)
+                assert address == f"127.0.0.1:{rw.port(str(listen_port(services[s])))}", (s, address)
+            for s in wave:
+                _wait_healthy(plan[s][2], plan[s][1], s)
+                healthy.add(s)
+
+        orch_address = f"127.0.0.1:{rw.port(str(listen_port(services['orchestrator'])))}"
+        with SpecsplitClient(orch_address, timeout=RPC_TIMEOUT_S) as client:
+            spec = client.generate_text(prompt, max_tokens=n, ignore_eos=True)
+            target_only = client.generate_text(prompt, max_tokens=n, ignore_eos=True, k=0)
+            status = client.status()
+        out, err = ref_proc.communicate(timeout=START_TIMEOUT_S)
+        assert ref_proc.returncode == 0, err[-2000:]
+        reference = json.loads(out.strip().splitlines()[-1])
+        assert len(reference) == n
+        assert list(target_only.tokens) == reference
+        assert list(spec.tokens) == reference, (spec.tokens, reference)
+        assert spec.finish_reason == "length" and spec.drafted > 0, spec
+        assert target_only.drafted == 0
+        assert "draft" in status and "target" in status, status
+
+        # The env file's tokens reached the services: admin RPCs without the token are
+        # refused, and with it a reload runs through to both workers (which needs the
+        # orchestrator's worker token to match the workers' admin token).
+        token = plan["orchestrator"][1]["SPECSPLIT_SECURITY_ADMIN_TOKEN"]
+        reload = orchestrator_pb2.ReloadWeightsRequest(
+            target_path=str(tiny_model_dir), version="v2", mode=orchestrator_pb2.RELOAD_MODE_IN_PLACE,
+            inflight=orchestrator_pb2.INFLIGHT_POLICY_WAIT)
+        with grpc.insecure_channel(orch_address) as ch:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.ReloadWeights(reload, timeout=RPC_TIMEOUT_S))
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            events = list(stub.ReloadWeights(reload, timeout=RPC_TIMEOUT_S,
+                                             metadata=(("authorization", f"Bearer {token}"),)))
+            assert events and events[-1].done and events[-1].weights_version == "v2", events[-1:]
+        with grpc.insecure_channel(children["draft"].address) as ch:
+            with pytest.raises(grpc.RpcError) as exc:
+                draft_pb2_grpc.DraftServiceStub(ch).ClearGraphs(common_pb2.ClearGraphsRequest(), timeout=RPC_TIMEOUT_S)
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with SpecsplitClient(orch_address, timeout=RPC_TIMEOUT_S) as client:
+            again = client.generate_text(prompt, max_tokens=n, ignore_eos=True)
+        assert list(again.tokens) == reference and again.weights_version == "v2", again
+    finally:
+        for name in ("orchestrator", "draft", "target"):
+            if name in children:
+                children[name].stop()
+        if ref_proc.poll() is None:
+            ref_proc.kill()
+            ref_proc.wait(5)
+
+
+# --- 5. the configuration reference cannot drift ----------------------------------------------
+
+
+def test_configuration_doc_is_generated(capsys):
+    assert cli.main(["config-reference"]) == 0
+    expected = capsys.readouterr().out
+    assert CONFIG_DOC.exists(), "docs/configuration.md is missing: specsplit config-reference > docs/configuration.md"
+    assert CONFIG_DOC.read_text() == expected, \
+        "docs/configuration.md is stale: run `.venv/bin/specsplit config-reference > docs/configuration.md`"
