@@ -13,6 +13,8 @@ BENCHES = {
     "engine": "bench.engine",      # in-process spec vs target-only (issue 2)
     "services": "bench.services",  # through the gRPC services (issue 3)
     "graphs": "bench.graphs",      # CUDA graphs vs eager vs bare floor (issue 4)
+    "reload": "bench.reload",      # weight reload phases, IN_PLACE vs RECAPTURE vs reading the checkpoint (issue 5)
+    "load": "bench.load",          # N concurrent clients for T seconds: latency percentiles, throughput, RSS (issue 6)
 }
 
 
@@ -26,6 +28,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batch", type=int, nargs="*", default=None, help="batch sizes (services bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU)")
+    p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run")
 
 
 def run_bench(args: argparse.Namespace) -> int:

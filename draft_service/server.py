@@ -31,9 +31,11 @@ from specsplit.v1 import draft_pb2_grpc
 SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DraftService"].full_name   # "specsplit.v1.DraftService"
 
 
-def _decode_prefill(i: int, item: dpb.DraftPrefillItem) -> DraftPrefillRequest | wire.ItemError:
+def _decode_prefill(i: int, item: dpb.DraftPrefillItem,
+                    max_bytes: int | None = None) -> DraftPrefillRequest | wire.ItemError:
     try:
-        hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES)
+        hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES,
+                                             max_bytes=max_bytes)
         if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
             hidden = np.zeros((0, 0), dtype=np.float32)
         return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
@@ -42,9 +44,9 @@ def _decode_prefill(i: int, item: dpb.DraftPrefillItem) -> DraftPrefillRequest |
         return wire.item_error_for(exc)
 
 
-def _decode_propose(i: int, item: dpb.ProposeItem) -> ProposeRequest | wire.ItemError:
+def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None) -> ProposeRequest | wire.ItemError:
     try:
-        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES)
+        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, max_bytes=max_bytes)
         return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
                               wire.as_float32(hidden), int(item.k))
     except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
@@ -64,9 +66,10 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, worker: DraftWorker, log: Any) -> None:
         self.worker = worker
         self.log = log
+        self.max_tensor_bytes = worker.cfg.security.max_tensor_bytes
 
     def Prefill(self, request: dpb.DraftPrefillRequest, context: grpc.ServicerContext) -> dpb.DraftPrefillResponse:
-        items = [_decode_prefill(i, it) for i, it in enumerate(request.items)]
+        items = [_decode_prefill(i, it, self.max_tensor_bytes) for i, it in enumerate(request.items)]
         results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
         out = dpb.DraftPrefillResponse()
         for it, res in zip(request.items, results):
@@ -79,7 +82,7 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
                 context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:
         """One response per request message, in order; the stream ends when the client ends it."""
         for msg in request_iterator:
-            items = [_decode_propose(i, it) for i, it in enumerate(msg.items)]
+            items = [_decode_propose(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
             t0 = time.perf_counter()
             try:
                 results = self.worker.propose(items, msg.round)

@@ -2,8 +2,9 @@
 
 Owns: the channel to one orchestrator, request building from keyword
 arguments, turning the Generate stream into ``GenerateEvent``s and a whole
-generation into a ``GenerationResult``, the cluster status as a dict, and a
-deadline on every call. gRPC errors surface as ``SpecsplitError`` with the
+generation into a ``GenerationResult``, the cluster status as a dict, weight
+reloads (``reload``: progress events; ``push_weights``: numpy tensors sent in
+chunks), and a deadline on every call. gRPC errors surface as ``SpecsplitError`` with the
 status code and the server's message.
 
 Must not know: the orchestrator's internals, models, frameworks.
@@ -11,17 +12,25 @@ Must not know: the orchestrator's internals, models, frameworks.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import grpc
+import numpy as np
 from google.protobuf.json_format import MessageToDict
 
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
 _FINISH_NAMES = {opb.FINISH_REASON_STOP: "stop", opb.FINISH_REASON_LENGTH: "length",
                  opb.FINISH_REASON_ABORTED: "aborted"}
+_MODES = {"recapture": opb.RELOAD_MODE_RECAPTURE, "in_place": opb.RELOAD_MODE_IN_PLACE,
+          "in-place": opb.RELOAD_MODE_IN_PLACE}
+_POLICIES = {"wait": opb.INFLIGHT_POLICY_WAIT, "abort": opb.INFLIGHT_POLICY_ABORT,
+             "recompute": opb.INFLIGHT_POLICY_RECOMPUTE}
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+PUSH_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class SpecsplitError(RuntimeError):
@@ -72,6 +81,63 @@ class GenerationResult:
     chunks: int = 0
     request_id: str = ""
     weights_version: str = ""
+
+
+@dataclass(frozen=True)
+class ReloadEvent:
+    """One progress event of a reload (``phase`` on ``service``); ``error_code`` set when it failed there."""
+
+    phase: str
+    service: str
+    seconds: float
+    message: str = ""
+    done: bool = False
+    weights_version: str = ""
+    error_code: str = ""
+    error_message: str = ""
+
+
+class ReloadFailed(SpecsplitError):
+    """A reload or push failed; ``events`` are the progress events received before the error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, events: tuple[ReloadEvent, ...]) -> None:
+        super().__init__(code, details)
+        self.events = events
+
+
+@dataclass(frozen=True)
+class PushResult:
+    weights_version: str
+    staged_path: str
+    bytes_received: int
+    num_tensors: int
+    events: tuple[ReloadEvent, ...]
+
+
+def _event(m: opb.ReloadWeightsResponse) -> ReloadEvent:
+    err = m.error if m.HasField("error") else None
+    return ReloadEvent(m.phase, m.service, m.seconds, m.message, m.done, m.weights_version,
+                       _CODE_NAMES.get(err.code, "UNKNOWN") if err else "", err.message if err else "")
+
+
+def _choice(table: dict[str, int], value: str, what: str) -> int:
+    if value not in table:
+        raise ValueError(f"{what}: {value!r} is not one of {sorted(table)}")
+    return table[value]
+
+
+def _wire_bytes(arr: np.ndarray, bfloat16: bool) -> tuple[str, bytes]:
+    """(dtype name, little-endian bytes): float32/float16 as is, uint16 as bf16 bits,
+    floats rounded to bf16 (nearest even) when ``bfloat16``."""
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype == np.uint16:
+        return "bfloat16", arr.astype("<u2").tobytes()
+    if bfloat16:
+        bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+        return "bfloat16", ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16).astype("<u2").tobytes()
+    if arr.dtype == np.float16:
+        return "float16", arr.astype("<f2").tobytes()
+    return "float32", arr.astype("<f4").tobytes()
 
 
 class SpecsplitClient:
@@ -175,6 +241,59 @@ class SpecsplitClient:
                 out[name] = MessageToDict(getattr(msg, name), preserving_proto_field_name=True,
                                           always_print_fields_with_no_presence=True)
         return out
+
+    # --- weight reload (admin: the client's token must be the orchestrator's admin token) ----
+    def reload_events(self, target_path: str, version: str, *, draft_path: str = "", mode: str = "recapture",
+                      inflight: str = "wait", timeout: float | None = None) -> Iterator[ReloadEvent]:
+        """Stream a reload's progress events. mode: recapture | in_place; inflight: wait |
+        abort | recompute. A failed reload raises ReloadFailed (with the events) at the end."""
+        req = opb.ReloadWeightsRequest(target_path=target_path, draft_path=draft_path, version=version,
+                                       mode=_choice(_MODES, mode, "mode"),
+                                       inflight=_choice(_POLICIES, inflight, "inflight"))
+        call = self._stub.ReloadWeights(req, timeout=timeout or self.timeout, metadata=self._metadata)
+        seen: list[ReloadEvent] = []
+        try:
+            for m in call:
+                seen.append(_event(m))
+                yield seen[-1]
+        except grpc.RpcError as exc:
+            raise ReloadFailed(exc.code(), exc.details() or "", tuple(seen)) from None
+
+    def reload(self, target_path: str, version: str, **kw: Any) -> tuple[ReloadEvent, ...]:
+        """Run a reload to the end; returns its events (the last has done=True). Raises ReloadFailed."""
+        return tuple(self.reload_events(target_path, version, **kw))
+
+    def push_weights(self, tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+                     target_config: Mapping[str, Any] | str, version: str, *, mode: str = "recapture",
+                     inflight: str = "wait", bfloat16: bool = False, chunk_bytes: int = PUSH_CHUNK_BYTES,
+                     timeout: float | None = None) -> PushResult:
+        """Send named tensors (target names + the MTP's "mtp." names) and the target's
+        config.json (dict or JSON text); the orchestrator stages and applies them as a reload.
+        Arrays are sent lazily, one chunk of ``chunk_bytes`` at a time. Raises ReloadFailed."""
+        config_json = target_config if isinstance(target_config, str) else json.dumps(dict(target_config))
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        header = opb.PushWeightsHeader(version=version, target_config_json=config_json,
+                                       mode=_choice(_MODES, mode, "mode"),
+                                       inflight=_choice(_POLICIES, inflight, "inflight"))
+
+        def messages() -> Iterator[opb.PushWeightsRequest]:
+            yield opb.PushWeightsRequest(header=header)
+            n = 0
+            for name, arr in items:
+                dtype, data = _wire_bytes(np.asarray(arr), bfloat16)
+                shape = list(np.shape(arr))
+                for off in range(0, max(len(data), 1), chunk_bytes):
+                    yield opb.PushWeightsRequest(chunk=opb.TensorChunk(name=name, dtype=dtype, shape=shape,
+                                                                       offset=off, data=data[off:off + chunk_bytes]))
+                n += 1
+            yield opb.PushWeightsRequest(commit=opb.PushWeightsCommit(num_tensors=n))
+
+        try:
+            resp = self._stub.PushWeights(messages(), timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise ReloadFailed(exc.code(), exc.details() or "", ()) from None
+        return PushResult(resp.weights_version, resp.staged_path, resp.bytes_received, resp.num_tensors,
+                          tuple(_event(m) for m in resp.events))
 
     # --- lifetime ---------------------------------------------------------------------
     def close(self) -> None:

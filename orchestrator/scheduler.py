@@ -6,6 +6,13 @@ failures, and the per-round time split (draft compute, target compute,
 everything else). The round itself is ``runtime.round_driver`` (admit,
 run_round, release); this module only decides *who* is in each round.
 
+Worker failures: with ``on_draft_lost`` set (``orchestrator.draft_health``), a
+failed draft call never ends a request: the round re-runs target-only and
+every request goes on without drafts until the handler re-attaches a draft.
+A failed target call ends the requests of that call with UNAVAILABLE at once;
+their target caches are freed when the target answers again, before anyone
+joins (``_flush_unreleased``), so no stream waits on a dead target.
+
 Must not know: gRPC, protobuf, tensor frameworks. It drives any
 ``TargetPort``/``DraftPort``: the gRPC stream clients in the service, the
 in-process engines in tests. Ports report failures through the small error
@@ -31,13 +38,13 @@ import structlog
 
 from runtime.config import SamplingParams
 from runtime.kv_cache import CapacityError
-from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, release,
-                                  run_round)
+from runtime.round_driver import DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, run_round
 from runtime.types import PrefillResult, Proposal, VerifyResult
 
 log = structlog.get_logger("orchestrator.scheduler")
 
 FINISH_CANCELLED = "cancelled"
+FINISH_ABORTED = "aborted"           # ended by a weight reload with policy ABORT (partial output kept)
 
 
 # --- the port error contract ---------------------------------------------------
@@ -266,6 +273,12 @@ class Scheduler:
         self._n_running = 0                          # len(_running), readable under _cv
         self._controls: list[tuple[Callable[[], Any], Future]] = []
         self._stopping = False
+        self._paused = False                         # admission paused (weight reload); see pause_admission
+        self._parked: list[_Live] = []               # RECOMPUTE: out of the batch, caches released, to resume
+        # Draft failures (orchestrator.draft_health sets this): with a handler, a failed draft
+        # call degrades every request to target-only decoding instead of ending any of them.
+        self.on_draft_lost: Callable[[RequestError], None] | None = None
+        self._unreleased: set[str] = set()           # target caches of requests a failed target call ended
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="specsplit-scheduler", daemon=True)
 
@@ -322,11 +335,77 @@ class Scheduler:
         with self._cv:
             self._cv.notify()
 
+    # --- weight reload hooks (orchestrator.reload drives them) ------------------------
+    def pause_admission(self) -> None:
+        """No waiting request joins the batch until ``resume_admission``; running ones go on."""
+        with self._cv:
+            self._paused = True
+
+    def resume_admission(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    def abort_running(self) -> int:
+        """Scheduler thread only (``at_round_boundary``): end every running request with
+        finish reason "aborted" and its partial output (slots freed). Returns how many."""
+        lives = list(self._running)
+        for live in lives:
+            s = live.seq
+            self._end(live, FinalEvent(FINISH_ABORTED, tuple(s.output), len(s.prompt), s.stats,
+                                       self.weights_version), code="OK")
+        return len(lives)
+
+    def park_running(self) -> int:
+        """Scheduler thread only: take every running request out of the batch and free its
+        caches on both workers (they are rebuilt by ``resume_parked``). Returns how many."""
+        parked, self._running = self._running, []
+        for live in parked:
+            self._release(live)
+        self._parked.extend(parked)
+        return len(parked)
+
+    def resume_parked(self, weights_version: str | None = None) -> int:
+        """Scheduler thread only: set the serving version, then re-prefill each parked request
+        (prompt + output so far, ``admit(resume=True)``) and put it back in the batch.
+        Returns how many resumed; a request a worker refuses ends with that error."""
+        if weights_version is not None:
+            self.weights_version = weights_version
+        parked, self._parked = self._parked, []
+        lives = [x for x in parked if not x.handle.cancelled]
+        for live in [x for x in parked if x.handle.cancelled]:
+            self._end(live, FinalEvent(FINISH_CANCELLED, tuple(live.seq.output), len(live.seq.prompt),
+                                       live.seq.stats, self.weights_version), code="CANCELLED")
+        if not lives:
+            return 0
+        failed: dict[str, RequestError] = {}
+        self._running.extend(lives)
+        try:
+            # NOTE: target first, then the draft (as in _admit): the draft's pairs are the
+            # target's hidden states, which must come from the weights now serving.
+            emitted = admit(_GuardedTarget(self.target, failed), None, [x.seq for x in lives], resume=True)
+            if self.draft is not None:
+                drafting = [x.seq for x in lives if x.seq.k > 0 and x.seq.request_id not in failed]
+                try:
+                    attach_draft(_GuardedDraft(self.draft, failed), drafting)
+                except Exception as exc:  # noqa: BLE001 - these requests end; the others go on
+                    failed.update({s.request_id: error_of(exc) for s in drafting})
+        except Exception as exc:  # noqa: BLE001 - the whole re-prefill failed: they all end
+            failed.update({x.seq.request_id: error_of(exc) for x in lives})
+            emitted = {}
+        for live in lives:
+            if live.seq.request_id in failed:
+                self._end_error(live, failed[live.seq.request_id])
+            else:
+                self._push_tokens(live, emitted.get(live.seq.request_id, []), 0, 0)
+        return len(lives) - len(failed)
+
     # --- the scheduler thread ------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._stopping or self._waiting or self._running or self._controls):
+                while not (self._stopping or (self._waiting and not self._paused) or self._running
+                           or self._controls):
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -355,9 +434,9 @@ class Scheduler:
         with self._cv:
             dropped = [h for h in self._waiting if h.cancelled]
             self._waiting = [h for h in self._waiting if not h.cancelled]
-            room = max(self.max_batch - len(self._running), 0)
+            room = 0 if self._paused else max(self.max_batch - len(self._running), 0)
             joining, self._waiting = self._waiting[:room], self._waiting[room:]
-            self._n_running = len(self._running) + len(joining)
+            self._n_running = len(self._running) + len(joining) + len(self._parked)
         for h in dropped:
             h.events.put(FinalEvent(FINISH_CANCELLED, (), len(h.request.prompt), SeqStats(), self.weights_version))
             self.observer.on_outcome(FINISH_CANCELLED, "CANCELLED")
@@ -368,7 +447,7 @@ class Scheduler:
             self._run_round(live)
         self._retire()
         with self._cv:
-            self._n_running = len(self._running)
+            self._n_running = len(self._running) + len(self._parked)
             active, queued = self._n_running, len(self._waiting)
         self.observer.on_load(active, queued)
 
@@ -383,6 +462,9 @@ class Scheduler:
         failed: dict[str, RequestError] = {}
         target = _GuardedTarget(self.target, failed)
         try:
+            # NOTE: caches of requests a failed target call ended are freed before anyone
+            # joins: a retry under the same request id must not find its old cache there.
+            self._flush_unreleased()
             # NOTE: target first, then the draft: the draft's prompt pairs are
             # the target's prefill hidden states. Items the target failed never
             # reach the draft.
@@ -390,6 +472,8 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - the whole prefill call failed: only the joiners end
             err = error_of(exc)
             log.warning("prefill_failed", round=self.round, error=str(err), requests=len(seqs))
+            if isinstance(exc, WorkerUnavailable):   # the target may hold them after all (a stall)
+                self._unreleased.update(s.request_id for s in seqs)
             for x in lives:
                 self._running.append(x)
                 self._end_error(x, err)
@@ -401,8 +485,11 @@ class Scheduler:
                 attach_draft(_GuardedDraft(self.draft, failed), drafting)
             except Exception as exc:  # noqa: BLE001
                 err = error_of(exc)
-                for s in drafting:
-                    failed.setdefault(s.request_id, err)
+                if self.on_draft_lost is not None:
+                    self.draft_failed(err)              # the joiners go on target-only
+                else:
+                    for s in drafting:
+                        failed.setdefault(s.request_id, err)
         for x in lives:
             rid = x.seq.request_id
             if rid in failed:
@@ -426,8 +513,18 @@ class Scheduler:
             # until Propose returns; so a failed Propose leaves every sequence as it was
             # and only the ones the draft holds end (their draft state is unknown). A
             # failed Verify leaves the target's state unknown for everyone in the round.
-            victims = [x for x in live if x.seq.drafting] if draft is not None and draft.raised else live
+            propose_failed = draft is not None and draft.raised
+            if propose_failed and self.on_draft_lost is not None:
+                # Fallback: the same round again, target-only, for everyone (nothing changed yet).
+                self.draft_failed(err)
+                self.round -= 1
+                return self._run_round(live)
+            victims = [x for x in live if x.seq.drafting] if propose_failed else live
             log.warning("round_failed", round=self.round, error=str(err), batch=len(live), failed=len(victims))
+            if not propose_failed and isinstance(exc, WorkerUnavailable):
+                # NOTE: a dead or stalled target: tell the clients now and free its caches once
+                # it answers again (_flush_unreleased), so no stream waits on a release timeout.
+                self._unreleased.update(x.seq.request_id for x in victims)
             for x in victims:
                 self._end_error(x, err)
             return
@@ -461,10 +558,66 @@ class Scheduler:
 
     # --- leaving the batch ---------------------------------------------------------------
     def _release(self, live: _Live) -> None:
-        try:
-            release(self.target, self.draft, live.seq)
-        except Exception as exc:  # noqa: BLE001 - a dead worker's slots are gone anyway
-            log.warning("release_failed", request_id=live.seq.request_id, round=self.round, error=str(exc))
+        seq = live.seq
+        # A request ended by a failed target call is freed there by _flush_unreleased once the
+        # target answers again; each worker's release is tried on its own.
+        if seq.request_id not in self._unreleased:
+            try:
+                self.target.release(seq.request_id)
+            except Exception as exc:  # noqa: BLE001 - a dead worker's slots are gone anyway
+                log.warning("release_failed", request_id=seq.request_id, round=self.round, error=str(exc))
+        if self.draft is not None and seq.drafting:
+            try:
+                self.draft.release(seq.request_id)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("release_failed", request_id=seq.request_id, round=self.round, worker="draft",
+                            error=str(exc))
+                if self.on_draft_lost is not None:
+                    self.draft_failed(error_of(exc))
+        seq.drafting = False
+
+    def _flush_unreleased(self) -> None:
+        """Free the target caches of requests ended by a failed target call (raises if it still fails)."""
+        if not self._unreleased:
+            return
+        ids = sorted(self._unreleased)
+        many = getattr(self.target, "release_many", None)
+        if many is not None:
+            many(ids)                                # one call: one deadline, however many ids
+        else:
+            for rid in ids:
+                self.target.release(rid)
+        self._unreleased.difference_update(ids)
+
+    # --- draft fallback and recovery (driven by orchestrator.draft_health) -------------------
+    def draft_failed(self, err: RequestError) -> None:
+        """Scheduler thread only: the draft is gone (a whole call failed, or its address changed):
+        every request goes on target-only and the handler (``on_draft_lost``) reconnects."""
+        if self.draft is None:
+            return
+        log.warning("draft_lost", round=self.round, error=err.message, live=len(self._running))
+        self.draft = None
+        for x in self._running:
+            s = x.seq
+            s.drafting, s.draft_pairs = False, 0
+            s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+        if self.on_draft_lost is not None:
+            self.on_draft_lost(err)
+
+    def live_sequences(self) -> list[tuple[GenerationRequest, Sequence]]:
+        """Scheduler thread only: (request, sequence) of every request still decoding."""
+        return [(x.handle.request, x.seq) for x in self._running
+                if x.seq.finish_reason is None and not x.handle.cancelled]
+
+    def set_draft(self, draft: DraftPort | None) -> None:
+        """Scheduler thread only: the draft port rounds use from now on (None: target-only)."""
+        self.draft = draft
+
+    def fail_request(self, request_id: str, err: RequestError) -> None:
+        """Scheduler thread only: end a running request with ``err`` (its slots are released)."""
+        for x in list(self._running):
+            if x.seq.request_id == request_id:
+                self._end_error(x, err)
 
     def _end(self, live: _Live, event: Event, code: str) -> None:
         # NOTE: free the workers' slots before telling the client, so a client
@@ -487,7 +640,8 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         err = WorkerUnavailable("the orchestrator is shutting down")
-        for live in list(self._running):
+        parked, self._parked = self._parked, []
+        for live in list(self._running) + parked:
             self._end_error(live, err)
         with self._cv:
             waiting, self._waiting = self._waiting, []

@@ -1,18 +1,22 @@
-"""The client-facing orchestrator service: Generate, GetStatus, health, reflection.
+"""The client-facing orchestrator service: Generate, GetStatus, ReloadWeights, PushWeights, health, reflection.
 
 Owns: request validation (every bad field -> INVALID_ARGUMENT naming it, too
 long for the cache -> RESOURCE_EXHAUSTED), turning scheduler events into the
-Generate stream (TokenChunk per round, then GenerateFinal), the cluster status,
-the worker poller that keeps model facts (vocab, cache length, EOS, slots) and
-health current, and ``create_server``.
+Generate stream (TokenChunk per round, then GenerateFinal), holding Generate
+calls while weights reload (bounded, then UNAVAILABLE with RetryInfo), the
+cluster status, the worker poller that keeps model facts (vocab, cache length,
+EOS, slots) and health current, proto <-> records for the reload RPCs, and
+``create_server``.
 
 Must not know: how rounds run (``scheduler``), how workers are called
-(``worker_clients``), tensors, frameworks.
+(``worker_clients``), how a reload proceeds (``reload``) or a push is staged
+(``push``), tensors, frameworks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 import uuid
@@ -21,9 +25,16 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2
+from grpc_status import rpc_status
 
+from orchestrator.draft_health import DraftLink
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.push import PushError, PushStaging
+from orchestrator.reload import (ABORT, IN_PLACE, RECAPTURE, RECOMPUTE, WAIT, ReloadCoordinator, ReloadError,
+                                 ReloadEvent, ReloadSpec)
 from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, Scheduler,
                                     TokensEvent)
 from orchestrator.worker_clients import DraftClient, TargetClient
@@ -42,7 +53,10 @@ POLL_S = 1.0                       # worker status poll period (health, model fa
 EVENT_POLL_S = 0.25                # how often a waiting Generate handler checks its client is still there
 MAX_REQUEST_ID_CHARS = 128
 _SERVING_STATES = (common_pb2.LIFECYCLE_STATE_LOADED, common_pb2.LIFECYCLE_STATE_READY)
-_FINISH = {"stop": opb.FINISH_REASON_STOP, "length": opb.FINISH_REASON_LENGTH}
+_FINISH = {"stop": opb.FINISH_REASON_STOP, "length": opb.FINISH_REASON_LENGTH, "aborted": opb.FINISH_REASON_ABORTED}
+_MODES = {opb.RELOAD_MODE_RECAPTURE: RECAPTURE, opb.RELOAD_MODE_IN_PLACE: IN_PLACE}
+_POLICIES = {opb.INFLIGHT_POLICY_WAIT: WAIT, opb.INFLIGHT_POLICY_ABORT: ABORT,
+             opb.INFLIGHT_POLICY_RECOMPUTE: RECOMPUTE}
 
 
 @dataclass(frozen=True)
@@ -63,20 +77,54 @@ class Orchestrator:
     def __init__(self, cfg: OrchestratorConfig, metrics: OrchestratorMetrics) -> None:
         self.cfg, self.metrics = cfg, metrics
         kw = dict(timeout_s=cfg.worker_timeout_s, max_message_bytes=cfg.server.max_message_bytes,
-                  tls_ca=cfg.tls_ca, client_cert=cfg.security.tls_cert if cfg.tls_ca else None,
-                  client_key=cfg.security.tls_key if cfg.tls_ca else None, admin_token=cfg.worker_admin_token)
+                  tls_ca=cfg.tls_ca, client_cert=(cfg.tls_client_cert or cfg.security.tls_cert) if cfg.tls_ca else None,
+                  client_key=(cfg.tls_client_key or cfg.security.tls_key) if cfg.tls_ca else None,
+                  admin_token=cfg.worker_admin_token)
         self.target = TargetClient(cfg.target_address, **kw)
-        self.draft = DraftClient(cfg.draft_address, **kw) if cfg.draft_address else None
         self.health = health.HealthServicer()
         self.facts: ModelFacts | None = None
         self.facts_error = "worker status not polled yet"
         self.draining = False
-        self.scheduler = Scheduler(self.target, self.draft, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
+        self.target_up = True                        # last poll reached a serving target
+        self.scheduler = Scheduler(self.target, None, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
                                    eos_token_id=None, observer=metrics)
+        # The draft is optional at run time: a failed draft call degrades to target-only
+        # decoding, and the link reconnects (same or new address) and re-attaches live requests.
+        self.draft_link = DraftLink(
+            self.scheduler, lambda address: DraftClient(address, **kw), cfg.draft_address, cfg.draft_address_file,
+            probe_timeout_s=min(cfg.worker_timeout_s, 5.0), target_status=lambda: self._status(self.target)[0],
+            on_change=lambda available: self.metrics.speculation.set(int(available)),
+        ) if (cfg.draft_address or cfg.draft_address_file) else None
+        self.reloader = ReloadCoordinator(self.scheduler, self._worker_clients, cfg, refresh=self.poll,
+                                          registry=metrics.registry)
+        self.push = PushStaging(cfg.push_staging_dir, cfg.push_max_bytes, cfg.push_keep_versions)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="orchestrator-poller", daemon=True)
 
+    @property
+    def draft(self) -> DraftClient | None:
+        """The client of the draft's current address (None: no draft configured); see ``draft_link``."""
+        return self.draft_link.client if self.draft_link is not None else None
+
+    def _worker_clients(self) -> dict[str, Any]:
+        """The workers a reload drives: the target, and the draft at its current address."""
+        draft = self.draft
+        return {"target": self.target, **({"draft": draft} if draft is not None else {})}
+
+    @property
+    def speculation_available(self) -> bool:
+        """A draft is attached: rounds speculate (False: no draft, or degraded to target-only)."""
+        return self.draft_link is not None and self.draft_link.available
+
+    def set_draft_address(self, address: str) -> None:
+        """Admin: move to the draft at ``address`` (live requests are re-attached there)."""
+        if self.draft_link is None:
+            raise RequestError("FAILED_PRECONDITION", "no draft configured (target-only serving)")
+        self.draft_link.set_address(address)
+
     def start(self) -> None:
+        if self.draft_link is not None:
+            self.draft_link.start()                  # attach now if the draft is there, else keep trying
         self.poll()                                  # facts and health before the first request
         self.scheduler.start()
         self._poller.start()
@@ -90,6 +138,9 @@ class Orchestrator:
 
     def poll(self) -> None:
         """Refresh model facts, scheduler limits, health and worker gauges from GetStatus."""
+        epoch = self.reloader.epoch
+        if self.draft_link is not None:
+            self.draft_link.check_address()          # draft_address_file may name a new draft
         t, t_err = self._status(self.target)
         d, d_err = self._status(self.draft) if self.draft is not None else (None, "")
         target_ok = t is not None and t.state in _SERVING_STATES and t.vocab_size > 0
@@ -103,15 +154,22 @@ class Orchestrator:
             # NOTE: the scheduler reads these at each round boundary; never more live
             # sequences than the workers have cache slots.
             self.scheduler.eos_token_id = self.facts.eos_token_id
-            self.scheduler.weights_version = self.facts.weights_version
+            # NOTE: during a reload the coordinator owns the version (set when rounds
+            # resume); a poll that overlapped a reload's start or end read stale status.
+            if not self.reloader.active and self.reloader.epoch == epoch:
+                self.scheduler.weights_version = self.facts.weights_version
             self.scheduler.max_batch = max(1, min(self.cfg.max_batch, slots))
         else:
             self.facts_error = t_err or f"target is not serving (state {t.state if t else '?'})"
-        serving = target_ok and (self.draft is None or draft_ok) and not self.draining
+        # NOTE: a missing draft does not make the orchestrator NOT_SERVING: requests go on
+        # target-only (speculation_available / specsplit_speculation_available say so).
+        self.target_up = target_ok
+        serving = target_ok and not self.draining and not self.reloader.active
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
         self.metrics.on_workers(t is not None, None if self.draft is None else d is not None)
+        self.metrics.speculation.set(int(self.speculation_available))
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -125,9 +183,9 @@ class Orchestrator:
         facts = self.facts
         out = opb.ClusterStatus(orchestrator=opb.OrchestratorStatus(
             active_requests=active, queued_requests=queued,
-            speculation_available=self.draft is not None and facts is not None and facts.draft_max_k is not None,
+            speculation_available=self.speculation_available,
             weights_version=facts.weights_version if facts else "", default_k=self.cfg.default_k,
-            max_k=self.cfg.max_k, reloading=False))
+            max_k=self.cfg.max_k, reloading=self.reloader.active))
         t, t_err = self._status(self.target)
         if t is not None:
             out.target.CopyFrom(t)
@@ -138,7 +196,8 @@ class Orchestrator:
             d, d_err = self._status(self.draft)
             if d is not None:
                 out.draft.CopyFrom(d)
-            out.draft_error = d_err
+            link = self.draft_link
+            out.draft_error = d_err or ("" if link.available else f"target-only: {link.last_error}")
         return out
 
     def close(self) -> None:
@@ -148,8 +207,8 @@ class Orchestrator:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.scheduler.stop()
         self.target.close()
-        if self.draft is not None:
-            self.draft.close()
+        if self.draft_link is not None:
+            self.draft_link.close()
 
 
 # --- validation --------------------------------------------------------------------------
@@ -218,13 +277,28 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.core.metrics.on_outcome(None, err.code)
         context.abort(grpc.StatusCode[err.code], err.message)
 
+    def _reject_retry(self, context: grpc.ServicerContext, seconds: int, rlog: Any) -> None:
+        """UNAVAILABLE with a google.rpc.RetryInfo detail (retry_delay = ``seconds``)."""
+        message = (f"weights are reloading (waited {self.core.cfg.generate_wait_during_reload_s:g}s, "
+                   f"generate_wait_during_reload_s); retry in about {seconds}s")
+        rlog.info("rejected", code="UNAVAILABLE", error=message)
+        self.core.metrics.on_outcome(None, "UNAVAILABLE")
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=seconds)))
+        context.abort_with_status(rpc_status.to_status(status_pb2.Status(
+            code=code_pb2.UNAVAILABLE, message=message, details=[detail])))
+
     def Generate(self, request: opb.GenerateRequest, context: grpc.ServicerContext):
         core = self.core
         rlog = log.bind(request_id=request.request_id or None)
         if core.draining:
             self._reject(context, RequestError("UNAVAILABLE", "the orchestrator is shutting down"), rlog)
+        # NOTE: wait (bounded) for a running weight reload before validating: the
+        # facts (vocab, cache length) are refreshed before the reload opens the gate.
+        if not core.reloader.wait_idle(core.cfg.generate_wait_during_reload_s):
+            self._reject_retry(context, core.reloader.retry_after_s(), rlog)
         facts = core.facts
-        if facts is None:
+        if facts is None or not core.target_up:
             self._reject(context, RequestError("UNAVAILABLE", f"target worker unavailable: {core.facts_error}"), rlog)
         try:
             greq = validate(request, core.cfg, facts, core.draft is not None, self.tokenizer)
@@ -290,10 +364,89 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return self.core.cluster_status()
 
     def ReloadWeights(self, request: opb.ReloadWeightsRequest, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                      "ReloadWeights is not implemented yet (tracked by issue 5); restart the workers with "
-                      "the new checkpoint instead")
-        yield  # pragma: no cover  (a response-streaming handler must be a generator)
+        """Streams the reload's events as they happen; ends with the failure's status code."""
+        spec = ReloadSpec(request.target_path, request.version, _enum(_MODES, opb.ReloadMode, request.mode),
+                          _enum(_POLICIES, opb.InflightPolicy, request.inflight), request.draft_path)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        failure: list[ReloadError] = []
+
+        def run() -> None:
+            try:
+                self.core.reloader.reload(spec, events.put)
+            except ReloadError as exc:
+                failure.append(exc)
+            except Exception as exc:  # noqa: BLE001 - reported as INTERNAL
+                log.exception("reload_crashed")
+                failure.append(ReloadError("INTERNAL", f"{type(exc).__name__}: {exc}"))
+            finally:
+                events.put(None)
+
+        # NOTE: the reload runs on its own thread: a client that goes away mid-reload
+        # must not stop it half-way (it always ends rolled forward or rolled back).
+        threading.Thread(target=run, name="reload", daemon=True).start()
+        while (ev := events.get()) is not None:
+            yield _event_proto(ev)
+        if failure:
+            context.abort(grpc.StatusCode[failure[0].code], failure[0].message)
+
+    def PushWeights(self, request_iterator, context: grpc.ServicerContext) -> opb.PushWeightsResponse:
+        core = self.core
+        try:
+            staged = self._stage(request_iterator)
+        except (PushError, ReloadError) as exc:
+            log.warning("push_refused", code=exc.code, error=exc.message)
+            context.abort(grpc.StatusCode[exc.code], exc.message)
+        events: list[ReloadEvent] = []
+        try:
+            version = core.reloader.reload(ReloadSpec(staged.path, staged.version, staged.mode, staged.inflight),
+                                           events.append)
+        except ReloadError as exc:
+            if not exc.rollback_failed:                    # never served: drop it
+                core.push.discard(staged.path)
+            context.abort(grpc.StatusCode[exc.code], exc.message)
+        core.push.prune()
+        return opb.PushWeightsResponse(weights_version=version, staged_path=staged.path,
+                                       bytes_received=staged.bytes_received, num_tensors=staged.num_tensors,
+                                       events=[_event_proto(ev) for ev in events])
+
+    def _stage(self, request_iterator):
+        session = self.core.push.begin()
+        try:
+            for msg in request_iterator:
+                part = msg.WhichOneof("part")
+                if part == "header":
+                    h = msg.header
+                    mode, policy = _enum(_MODES, opb.ReloadMode, h.mode), _enum(_POLICIES, opb.InflightPolicy,
+                                                                               h.inflight)
+                    ReloadSpec("<pushed>", h.version or "<unset>", mode, policy).check()
+                    if self.core.reloader.active:
+                        raise PushError("FAILED_PRECONDITION", "a reload is running (one at a time): retry later")
+                    session.header(h.version, h.target_config_json, mode, policy)
+                elif part == "chunk":
+                    c = msg.chunk
+                    session.chunk(c.name, c.dtype, tuple(c.shape), c.offset, c.data)
+                elif part == "commit":
+                    return session.commit(msg.commit.num_tensors)
+                else:
+                    raise PushError("INVALID_ARGUMENT", "a PushWeightsRequest with no part set")
+            raise PushError("INVALID_ARGUMENT", "the stream ended without a commit message")
+        except BaseException:
+            session.abort()
+            raise
+
+
+def _enum(names: dict[int, str], enum: Any, value: int) -> str:
+    """Proto enum -> the reload module's name; an unset/unknown value keeps its proto name (refused later)."""
+    return names.get(value) or (enum.Name(value) if value in enum.values() else str(value))
+
+
+def _event_proto(ev: ReloadEvent) -> opb.ReloadWeightsResponse:
+    out = opb.ReloadWeightsResponse(phase=ev.phase, service=ev.service, seconds=ev.seconds, message=ev.message,
+                                    done=ev.done, weights_version=ev.weights_version)
+    if ev.error_code:
+        out.error.CopyFrom(common_pb2.ItemError(code=grpc.StatusCode[ev.error_code].value[0],
+                                                message=ev.error_message))
+    return out
 
 
 # --- the server ------------------------------------------------------------------------------
@@ -318,7 +471,11 @@ class OrchestratorServer:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.core.scheduler.snapshot() != (0, 0):
             time.sleep(0.05)
-        self.stop(grace=max(0.0, deadline - time.monotonic())).wait(grace + 1)
+        # NOTE: what still runs after the grace period ends with UNAVAILABLE from the scheduler
+        # (slots released), and the handlers get a moment to send that status before the
+        # server cancels whatever is left.
+        self.core.scheduler.stop()
+        self.stop(grace=1.0).wait(2.0)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.server, name)

@@ -47,7 +47,12 @@ def make_channel(address: str, *, max_message_bytes: int, tls_ca: str | None = N
     options = [("grpc.max_send_message_length", max_message_bytes),
                ("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.keepalive_time_ms", 30_000),
-               ("grpc.enable_retries", 0)]
+               ("grpc.enable_retries", 0),
+               # NOTE: a restarted worker is found within ~1 s: gRPC's default reconnect
+               # backoff grows to 120 s, and calls fail fast meanwhile.
+               ("grpc.initial_reconnect_backoff_ms", 100),
+               ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
     if tls_ca is None:
         return grpc.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(
@@ -272,6 +277,10 @@ class TargetClient(_WorkerClient):
             q.request_id, int(res.output.num_accepted), tuple(int(t) for t in res.output.tokens),
             _hidden_from_wire(res.output.hidden, f"results[{q.request_id}].output.hidden")))
 
+    def reset_streams(self) -> None:
+        """Drop the Verify stream (scheduler thread); the next round opens a fresh one."""
+        self._verify.reset()
+
     def close(self) -> None:
         self._verify.close()
         super().close()
@@ -304,6 +313,10 @@ class DraftClient(_WorkerClient):
             q.request_id, np.asarray(res.proposal.drafts, dtype=np.int64),
             wire.decode_optional_tensor(res.proposal, "draft_probs", f"results[{q.request_id}].proposal.draft_probs",
                                         allowed=("float32",))))
+
+    def reset_streams(self) -> None:
+        """Drop the Propose stream (scheduler thread); the next round opens a fresh one."""
+        self._propose.reset()
 
     def close(self) -> None:
         self._propose.close()

@@ -190,8 +190,14 @@ class RuntimeConfig:
     backend: str = "paddle"
     device: str = "cpu"
     dtype: str = "float32"
+    # Intra-op CPU threads per process. 1 by default: the services run as
+    # several processes on one host, and spinning OpenMP threads of one
+    # process starve the others (seen: 20-100x slower Torch steps on 2 cores).
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.cpu_threads, int) and 1 <= self.cpu_threads <= 1024, "runtime.cpu_threads",
+               "an integer in [1, 1024]", self.cpu_threads)
         _check(self.backend in BACKENDS, "runtime.backend", f"one of {BACKENDS}", self.backend)
         _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
                "runtime.device", "'cpu' or 'cuda:N'", self.device)
@@ -219,12 +225,23 @@ class SecurityConfig:
     tls_client_ca: str | None = None     # require client certificates signed by this CA (mTLS)
     admin_token: str | None = None       # required in `authorization: Bearer <token>` for admin RPCs
     checkpoint_roots: tuple[str, ...] = ()  # checkpoint paths must resolve under one of these (empty = any)
+    generate_token: str | None = None    # generation-only token: Generate needs it (or the admin token) when set;
+                                         # admin RPCs presented with it are PERMISSION_DENIED
+    admin_client_cns: tuple[str, ...] = ()  # mTLS: client-certificate common names allowed to call admin RPCs
+    max_tensor_bytes: int = 64 * 1024 * 1024  # largest tensor (data bytes) a request may carry
 
     def __post_init__(self) -> None:
         _check((self.tls_cert is None) == (self.tls_key is None), "security.tls_cert/tls_key",
                "both set or both unset", (self.tls_cert, self.tls_key))
         _check(self.tls_client_ca is None or self.tls_cert is not None, "security.tls_client_ca",
                "used only together with tls_cert/tls_key", self.tls_client_ca)
+        _check(not self.admin_client_cns or self.tls_client_ca is not None, "security.admin_client_cns",
+               "used only with mutual TLS (tls_client_ca set): a common name is only trusted when the "
+               "certificate was verified", self.admin_client_cns)
+        _check(not self.generate_token or self.generate_token != self.admin_token,
+               "security.generate_token", "different from the admin token", "***")
+        _check(isinstance(self.max_tensor_bytes, int) and 1 <= self.max_tensor_bytes <= 2**31 - 1,
+               "security.max_tensor_bytes", "an integer in [1, 2^31-1]", self.max_tensor_bytes)
 
 
 @dataclass(frozen=True)
@@ -283,8 +300,35 @@ class OrchestratorConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tls_ca: str | None = None            # CA to verify the workers' certificates (TLS to workers)
     worker_admin_token: str | None = None  # token the orchestrator presents to the workers' admin RPCs
+    tls_client_cert: str | None = None   # client certificate shown to mTLS workers (default: security.tls_cert)
+    tls_client_key: str | None = None
+    # --- failures and shutdown (orchestrator.draft_health, graceful shutdown) ---
+    draft_address_file: str | None = None  # file holding the draft's host:port, re-read every second; a new
+                                           # address there moves the orchestrator to that draft
+    shutdown_grace_s: float = 10.0       # SIGTERM: in-flight requests may finish for this long, then exit
+    # --- weight reload (ReloadWeights / PushWeights) ---
+    reload_call_timeout_s: float = 600.0  # deadline of each worker lifecycle call of a reload (loads are slow)
+    reload_wait_timeout_s: float = 60.0   # WAIT policy: longest drain of in-flight requests, then the reload fails
+    reload_rollback_wait_s: float = 60.0  # rollback: how long to wait for an unreachable (restarting) worker
+    generate_wait_during_reload_s: float = 30.0  # a Generate during a reload waits this long, then UNAVAILABLE; 0 = at once
+    push_staging_dir: str | None = None   # PushWeights staging root (workers must read it at the same path); None = off
+    push_max_bytes: int = 64 * 1024**3    # largest PushWeights payload (tensor bytes)
+    push_keep_versions: int = 3           # staged pushes kept on disk (the serving one and its predecessors)
 
     def __post_init__(self) -> None:
+        _check(1.0 <= self.reload_call_timeout_s <= 86400, "reload_call_timeout_s", "in [1, 86400]",
+               self.reload_call_timeout_s)
+        _check(0.0 <= self.reload_wait_timeout_s <= 86400, "reload_wait_timeout_s", "in [0, 86400]",
+               self.reload_wait_timeout_s)
+        _check(0.0 <= self.reload_rollback_wait_s <= 86400, "reload_rollback_wait_s", "in [0, 86400]",
+               self.reload_rollback_wait_s)
+        _check(0.0 <= self.generate_wait_during_reload_s <= 3600, "generate_wait_during_reload_s", "in [0, 3600]",
+               self.generate_wait_during_reload_s)
+        _check(self.push_staging_dir is None or bool(self.push_staging_dir.strip()), "push_staging_dir",
+               "None or a non-empty directory path", self.push_staging_dir)
+        _check(1 <= self.push_max_bytes <= 1 << 50, "push_max_bytes", "in [1, 2^50]", self.push_max_bytes)
+        _check(2 <= self.push_keep_versions <= 100, "push_keep_versions", "in [2, 100] (the serving version and "
+               "the one a rollback returns to)", self.push_keep_versions)
         _check(0 <= self.max_k <= 16, "max_k", "in [0, 16]", self.max_k)
         _check(0 <= self.default_k <= self.max_k, "default_k", f"in [0, max_k={self.max_k}]", self.default_k)
         _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
@@ -293,3 +337,6 @@ class OrchestratorConfig:
         _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
         _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)
         _check(self.tokenizer == "byte", "tokenizer", "'byte'", self.tokenizer)
+        _check((self.tls_client_cert is None) == (self.tls_client_key is None), "tls_client_cert/tls_client_key",
+               "both set or both unset", (self.tls_client_cert, self.tls_client_key))
+        _check(0.0 <= self.shutdown_grace_s <= 3600, "shutdown_grace_s", "in [0, 3600]", self.shutdown_grace_s)

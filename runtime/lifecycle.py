@@ -9,7 +9,8 @@ Also owns ``WorkerBase``: the part of a draft or target worker that both
 roles share and that the lifecycle drives: the ops object, the graph
 registry, the engine (None when EMPTY), loading / in-place updating /
 releasing weights, capturing / clearing graphs in the right order, request
-release and the ``WorkerStatus`` record. Roles add checkpoint checks, the
+release, the ``WorkerStatus`` record and where recent weight versions came
+from (so a rollback can reload the previous version by its tag). Roles add checkpoint checks, the
 engine constructor and their per-item request handling.
 
 Must not know: gRPC, frameworks (all device work goes through ``Ops``, the
@@ -41,7 +42,7 @@ import enum
 import gc
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +57,7 @@ from runtime.graphs import GraphRegistry, graph_backend_name
 from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_device
 
 MAX_EVENTS = 256
+MAX_KEPT_SOURCES = 4     # weights sources a worker remembers for rollback (LoadWeights with empty target_path)
 
 
 class State(enum.Enum):
@@ -325,6 +327,9 @@ class WorkerBase:
         self.weights_version = ""
         self._pool_bytes = 0
         self._check_path = check_path or (lambda p: Path(p))
+        # version -> (target_path, draft_path) of the last MAX_KEPT_SOURCES loads, newest
+        # last: what a rollback reloads (LoadWeights with an empty target_path).
+        self._sources: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     # --- role hooks ----------------------------------------------------------
     def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
@@ -362,11 +367,13 @@ class WorkerBase:
                      in_place: bool = False, validate_only: bool = False) -> None:
         """Load (EMPTY -> LOADED), update in place (LOADED/READY, graphs kept) or only validate.
 
+        An empty ``target_path`` reloads the weights loaded here earlier as ``version``
+        (the last MAX_KEPT_SOURCES are remembered): how a failed reload rolls back.
         Raises ValueError/CheckpointError for a bad path or checkpoint, LifecycleError
         for a wrong state. On any failure the previous weights, version and state are intact.
         """
         if not target_path:
-            raise ValueError("target_path is required")
+            target_path, draft_path, version = self._known_source(version)
         target = self._check_path(target_path)          # ValueError outside the configured roots
         version = version or target_path
         action = LOAD_WEIGHTS_IN_PLACE if in_place else LOAD_WEIGHTS
@@ -385,6 +392,27 @@ class WorkerBase:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
             else:
                 self.lifecycle.apply(action, lambda: self._install(checked.cfg, arrays, version), version)
+            self._sources.pop(version, None)
+            self._sources[version] = (target_path, draft_path)
+            while len(self._sources) > MAX_KEPT_SOURCES:
+                self._sources.popitem(last=False)
+
+    def _known_source(self, version: str) -> tuple[str, str, str]:
+        """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
+
+        An empty target_path in LoadWeights means "reload version X from where it came
+        from": the orchestrator's rollback after a failed reload (it may not know the
+        paths the worker was started with). Empty ``version``: the newest known.
+        """
+        if not self._sources:
+            raise ValueError("target_path is required (this worker has loaded no weights it could reload)")
+        if not version:
+            version = next(reversed(self._sources))
+        if version not in self._sources:
+            raise ValueError(f"target_path is empty and version {version!r} was not loaded here before "
+                             f"(known: {list(self._sources)})")
+        target_path, draft_path = self._sources[version]
+        return target_path, draft_path, version
 
     def _copy_in_place(self, new_cfg: ModelConfig, arrays: dict[str, np.ndarray], version: str) -> None:
         diff = [f for f in self.model_cfg.compatible_with(new_cfg) if f != "torch_dtype"]

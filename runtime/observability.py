@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-_SECRET_FIELDS = ("admin_token", "worker_admin_token", "tls_key")
+_SECRET_FIELDS = ("admin_token", "worker_admin_token", "generate_token", "tls_key", "tls_client_key")
 
 
 def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.BoundLogger:

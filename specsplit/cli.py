@@ -1,7 +1,7 @@
 """The ``specsplit`` command line.
 
 Owns: argument parsing for every subcommand (services, ``up``, ``demo``,
-``generate``, ``status``, ``train``, ``bench``, ``healthcheck``,
+``generate``, ``status``, ``reload``, ``train``, ``bench``, ``healthcheck``,
 ``config-reference``) and process-level concerns: logging set-up, the
 "listening" announcement on stdout, signal handling and child processes of
 ``up``. This is the only place (with ``config_loader``) that parses flags,
@@ -85,11 +85,13 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     log.info("stopping", signal=sig)
     # NOTE: graceful shutdown order: stop admitting new requests first, then
     # let in-flight generations finish within the grace period, then exit.
+    grace = cfg.shutdown_grace_s
     shutdown = getattr(server, "graceful_shutdown", None)
     if shutdown is not None:
-        shutdown(SHUTDOWN_GRACE_S)
+        shutdown(grace)
     else:
-        server.stop(grace=SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
+        server.stop(grace=grace).wait(grace + 1)
+    log.info("stopped")
     return 0
 
 
@@ -156,6 +158,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         err = status.get(f"{name}_error")
         print(f"{name:13s} " + (f"UNREACHABLE: {err}" if err else
               " ".join(f"{k}={v}" for k, v in sorted(part.items()) if not isinstance(v, (list, dict)))))
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Reload the serving weights; prints one line (or JSON object) per progress event."""
+    from orchestrator.client import ReloadFailed, SpecsplitClient
+
+    with SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
+        try:
+            for ev in client.reload_events(args.target_path, args.version, draft_path=args.draft_path or "",
+                                           mode=args.mode, inflight=args.inflight):
+                if args.json:
+                    print(json.dumps(ev.__dict__), flush=True)
+                else:
+                    err = f"  FAILED {ev.error_code}: {ev.error_message}" if ev.error_code else ""
+                    print(f"{ev.phase:13s} {ev.service:12s} {ev.seconds:8.3f}s  {ev.message}{err}", flush=True)
+        except ReloadFailed as exc:
+            print(f"specsplit reload: {exc.code.name}: {exc.details}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -251,6 +272,15 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("reload", help="reload the serving weights on both workers (admin token)")
+    p.add_argument("target_path", help="new target checkpoint dir (under the workers' checkpoint roots)")
+    p.add_argument("--version", required=True, help="version tag of the new weights")
+    p.add_argument("--draft-path", default=None, help="MTP file (default: mtp.safetensors inside target_path)")
+    p.add_argument("--mode", default="recapture", choices=("recapture", "in_place"))
+    p.add_argument("--inflight", default="wait", choices=("wait", "abort", "recompute"))
+    _client_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+
     p = sub.add_parser("healthcheck", help="grpc.health.v1 check; exit 0 when SERVING (for containers)")
     p.add_argument("address")
     p.add_argument("--service", default="")
@@ -284,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
-                    "status": cmd_status, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
+                    "status": cmd_status, "reload": cmd_reload, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
             from runtime.backends.torch_train import run_train
 

@@ -35,6 +35,7 @@ HELP: dict[str, str] = {
     "runtime.backend": "tensor framework: paddle | torch",
     "runtime.device": "cpu | cuda:N",
     "runtime.dtype": "float32 | float16 | bfloat16",
+    "runtime.cpu_threads": "intra-op CPU threads of this process (Torch; Paddle follows OMP_NUM_THREADS)",
     "spec.max_k": "largest number of drafts per round a request may ask for",
     "spec.default_k": "drafts per round when a request does not say",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
@@ -51,6 +52,15 @@ HELP: dict[str, str] = {
     "security.tls_client_ca": "CA bundle; require client certificates signed by it (mTLS)",
     "security.admin_token": "token required for admin/lifecycle RPCs (prefer the env var)",
     "security.checkpoint_roots": "comma-separated directories checkpoint paths must lie under",
+    "security.generate_token": "generation-only token: Generate needs it (or the admin token); admin RPCs "
+                               "presented with it get PERMISSION_DENIED (prefer the env var)",
+    "security.admin_client_cns": "mTLS: comma-separated client-certificate common names allowed to call admin RPCs",
+    "security.max_tensor_bytes": "largest tensor (data bytes) a request may carry",
+    "tls_client_cert": "client certificate shown to mTLS workers (default: security.tls_cert)",
+    "tls_client_key": "private key of tls_client_cert (default: security.tls_key)",
+    "draft_address_file": "file holding the draft's host:port, re-read every second; a new address there moves "
+                          "the orchestrator to that draft",
+    "shutdown_grace_s": "SIGTERM: seconds in-flight requests may take to finish before the orchestrator exits",
     "draft_address": "draft service host:port (unset = target-only serving)",
     "target_address": "target service host:port",
     "default_k": "drafts per round when a request does not say",
@@ -63,6 +73,14 @@ HELP: dict[str, str] = {
     "tokenizer": "tokenizer (byte)",
     "tls_ca": "CA bundle used to verify the workers' TLS certificates",
     "worker_admin_token": "admin token presented to the workers' lifecycle RPCs",
+    "reload_call_timeout_s": "deadline (seconds) of each worker lifecycle call during a weight reload",
+    "reload_wait_timeout_s": "WAIT policy: longest drain (seconds) of in-flight requests before the reload fails",
+    "reload_rollback_wait_s": "rollback: seconds to wait for an unreachable (restarting) worker",
+    "generate_wait_during_reload_s": "a Generate during a reload waits this long (seconds), then UNAVAILABLE with "
+                                     "retry info; 0 = refuse at once",
+    "push_staging_dir": "PushWeights staging root (workers must read it at the same path); unset = PushWeights off",
+    "push_max_bytes": "largest PushWeights payload in tensor bytes",
+    "push_keep_versions": "staged pushes kept on disk (the serving one and those a rollback may return to)",
 }
 
 

@@ -44,7 +44,9 @@ class StackOptions:
     k: int = 3
     max_batch: int = 16
     no_draft: bool = False
-    capture_graphs: bool | None = None
+    capture_graphs: bool | None = None       # None: capture on cuda devices
+    capture_draft: bool | None = None        # per-role overrides of capture_graphs
+    capture_target: bool | None = None
     metrics: bool = False
     log_level: str = "WARNING"
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -102,7 +104,9 @@ class Child:
 
 
 def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
-    capture = opts.capture_graphs if opts.capture_graphs is not None else device.startswith("cuda")
+    override = opts.capture_draft if role == "draft" else opts.capture_target
+    capture = override if override is not None else (
+        opts.capture_graphs if opts.capture_graphs is not None else device.startswith("cuda"))
     argv = [sys.executable, "-m", "specsplit", "--log-level", opts.log_level, role,
             "--target-path", opts.model, "--runtime-backend", opts.backend, "--runtime-device", device,
             "--spec-max-k", str(max(opts.k, 1)), "--spec-default-k", str(opts.k),

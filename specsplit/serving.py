@@ -2,7 +2,7 @@
 
 Owns: building a ``grpc.Server`` from ``ServerConfig``/``SecurityConfig``
 (thread pool, message-size limits, TLS / mTLS, grpc.health.v1, server
-reflection), the admin-token interceptor, the checkpoint-path policy
+reflection), installing the auth interceptor (``specsplit.auth``), the checkpoint-path policy
 (``check_checkpoint_path``), and the pieces both workers' servicers share:
 the lifecycle / status / release RPC handlers (``WorkerServicerMixin``),
 health that follows the lifecycle state, and ``start_worker_service``.
@@ -15,7 +15,6 @@ Secrets: tokens are compared in constant time and never logged or echoed.
 
 from __future__ import annotations
 
-import hmac
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -30,12 +29,9 @@ from runtime.config import SecurityConfig, ServerConfig, WorkerConfig
 from runtime.lifecycle import State, WorkerBase
 from runtime.observability import start_metrics_server
 from specsplit import wire
+# Who may call what (admin token, generation token, mTLS common names) lives in specsplit.auth.
+from specsplit.auth import ADMIN_METHODS, AUTH_HEADER, AuthInterceptor, admin_metadata  # noqa: F401 (re-exported)
 from specsplit.v1 import common_pb2 as pb
-
-# Methods (last component of the gRPC method path) that need the admin token.
-ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
-                           "ReloadWeights", "PushWeights"})
-AUTH_HEADER = "authorization"
 
 
 # --- checkpoint paths ---------------------------------------------------------------
@@ -67,60 +63,6 @@ def check_checkpoint_path(path: str | Path, roots: Iterable[str] = ()) -> Path:
                      f"checkpoint roots {list(roots)}")
 
 
-# --- admin auth ---------------------------------------------------------------------
-
-
-def _deny_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as ``handler`` that answers UNAUTHENTICATED."""
-
-    def unary(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    def streaming(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover  (makes this a generator for response streams)
-
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-
-class AdminAuthInterceptor(grpc.ServerInterceptor):
-    """Admin methods need metadata ``authorization: Bearer <admin_token>``; others pass."""
-
-    def __init__(self, admin_token: str, admin_methods: frozenset[str] = ADMIN_METHODS) -> None:
-        if not admin_token:
-            raise ValueError("admin token must be non-empty")
-        self._expected = f"Bearer {admin_token}".encode()
-        self._admin = admin_methods
-
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        method = details.method.rsplit("/", 1)[-1]
-        if method not in self._admin:
-            return continuation(details)
-        supplied = [v for k, v in (details.invocation_metadata or ()) if k == AUTH_HEADER]
-        if supplied:
-            value = supplied[0].encode() if isinstance(supplied[0], str) else bytes(supplied[0])
-            # NOTE: constant-time compare, so response timing reveals nothing about the token.
-            if hmac.compare_digest(value, self._expected):
-                return continuation(details)
-            message = f"{method} is an admin RPC: the admin token is wrong"
-        else:
-            message = f"{method} is an admin RPC: send metadata '{AUTH_HEADER}: Bearer <admin token>'"
-        handler = continuation(details)
-        return None if handler is None else _deny_handler(handler, message)
-
-
-def admin_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata a client sends to pass the admin check (empty without a token)."""
-    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
-
-
 # --- server -------------------------------------------------------------------------
 
 
@@ -138,8 +80,8 @@ def build_server(server_cfg: ServerConfig, security_cfg: SecurityConfig,
     """A bound (not started) server and its port. ``service_names`` are the full names
     (``specsplit.v1.DraftService``) listed by reflection next to health and reflection."""
     interceptors = []
-    if security_cfg.admin_token:
-        interceptors.append(AdminAuthInterceptor(security_cfg.admin_token, admin_methods))
+    if AuthInterceptor.needed(security_cfg):
+        interceptors.append(AuthInterceptor(security_cfg, admin_methods))
     options = [
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),

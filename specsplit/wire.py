@@ -96,11 +96,14 @@ def is_empty_tensor(t: pb.Tensor) -> bool:
 
 
 def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = None,
-                  bf16_bits: bool = False) -> np.ndarray:
+                  bf16_bits: bool = False, max_bytes: int | None = None) -> np.ndarray:
     """Tensor -> numpy (a writable copy). Raises ValueError naming ``field`` when the dtype
-    is unknown or not ``allowed``, a dimension is negative, or the byte length is not
+    is unknown or not ``allowed``, a dimension is negative, the data is longer than
+    ``max_bytes`` (security.max_tensor_bytes), or the byte length is not
     prod(shape) * itemsize. bfloat16 comes back widened to float32 (exact), or as its
     uint16 bit patterns with ``bf16_bits``."""
+    if max_bytes is not None and len(t.data) > max_bytes:
+        raise ValueError(f"{field}: {len(t.data)} bytes exceed max_tensor_bytes={max_bytes}")
     name = _BY_ENUM.get(t.dtype)
     if name is None:
         label = "DTYPE_UNSPECIFIED" if t.dtype == pb.DTYPE_UNSPECIFIED else f"unknown dtype {t.dtype}"
@@ -126,14 +129,14 @@ def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = No
 
 
 def decode_optional_tensor(msg: Any, name: str, field: str, allowed: tuple[str, ...] | None = None,
-                           bf16_bits: bool = False) -> np.ndarray | None:
+                           bf16_bits: bool = False, max_bytes: int | None = None) -> np.ndarray | None:
     """``msg.<name>`` decoded, or None when unset or the "no tensor" value."""
     if not msg.HasField(name):
         return None
     t = getattr(msg, name)
     if is_empty_tensor(t):
         return None
-    return decode_tensor(t, field, allowed, bf16_bits)
+    return decode_tensor(t, field, allowed, bf16_bits, max_bytes)
 
 
 def as_float32(arr: np.ndarray) -> np.ndarray:

@@ -40,9 +40,10 @@ def _decode_prefill(i: int, item: tpb.TargetPrefillItem) -> PrefillRequest | wir
         return wire.item_error_for(exc)
 
 
-def _decode_verify(i: int, item: tpb.VerifyItem) -> VerifyRequest | wire.ItemError:
+def _decode_verify(i: int, item: tpb.VerifyItem, max_bytes: int | None = None) -> VerifyRequest | wire.ItemError:
     try:
-        probs = wire.decode_optional_tensor(item, "draft_probs", f"items[{i}].draft_probs", wire.FLOAT_DTYPES)
+        probs = wire.decode_optional_tensor(item, "draft_probs", f"items[{i}].draft_probs", wire.FLOAT_DTYPES,
+                                            max_bytes=max_bytes)
         return VerifyRequest(item.request_id, np.asarray(item.drafts, dtype=np.int64),
                              wire.as_float32(probs) if probs is not None else None)
     except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
@@ -68,6 +69,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
     def __init__(self, worker: TargetWorker, log: Any) -> None:
         self.worker = worker
         self.log = log
+        self.max_tensor_bytes = worker.cfg.security.max_tensor_bytes
 
     def Prefill(self, request: tpb.TargetPrefillRequest,
                 context: grpc.ServicerContext) -> tpb.TargetPrefillResponse:
@@ -80,7 +82,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
                context: grpc.ServicerContext) -> Iterator[tpb.VerifyResponse]:
         """One response per request message, in order; the stream ends when the client ends it."""
         for msg in request_iterator:
-            items = [_decode_verify(i, it) for i, it in enumerate(msg.items)]
+            items = [_decode_verify(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
             t0 = time.perf_counter()
             try:
                 results = self.worker.verify(items, msg.round)

@@ -286,8 +286,11 @@ class LoadWeightsRequest(_message.Message):
     IN_PLACE_FIELD_NUMBER: _builtins.int
     VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
     target_path: _builtins.str
-    """Target checkpoint directory (Hugging Face layout). Required. The draft
-    takes the embedding, final norm and output head from it.
+    """Target checkpoint directory (Hugging Face layout). The draft takes the
+    embedding, final norm and output head from it. Empty means: reload the
+    weights this worker loaded earlier under `version` (it remembers the
+    paths of its last 4 versions; the orchestrator's rollback after a failed
+    reload); INVALID_ARGUMENT when that version is unknown here.
     """
     draft_path: _builtins.str
     """MTP file; empty means `mtp.safetensors` inside target_path. Draft only."""

@@ -398,12 +398,19 @@ class ReloadWeightsRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     INFLIGHT_FIELD_NUMBER: _builtins.int
     target_path: _builtins.str
+    """New target checkpoint directory (Hugging Face layout), under the
+    workers' checkpoint roots. Required.
+    """
     draft_path: _builtins.str
     """Empty means mtp.safetensors inside target_path."""
     version: _builtins.str
-    """Required version tag of the new weights."""
+    """Required version tag of the new weights (reported on every chunk
+    produced with them); must differ from the serving version.
+    """
     mode: Global___ReloadMode.ValueType
+    """Required (UNSPECIFIED is INVALID_ARGUMENT)."""
     inflight: Global___InflightPolicy.ValueType
+    """Required (UNSPECIFIED is INVALID_ARGUMENT)."""
     def __init__(
         self,
         *,
@@ -423,7 +430,9 @@ Global___ReloadWeightsRequest: _TypeAlias = ReloadWeightsRequest  # noqa: Y015
 
 @_typing.final
 class ReloadWeightsResponse(_message.Message):
-    """A progress event of a reload; the last one has done = true."""
+    """A progress event of a reload; the last one of a successful reload has
+    done = true (a failed reload ends with an error status instead).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -433,15 +442,23 @@ class ReloadWeightsResponse(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
-    """e.g. "pause", "validate", "clear_graphs", "release", "load", "capture", "resume", "rollback"."""
+    """"validate", "pause", "inflight", "clear_graphs", "release", "load",
+    "capture", "resume", "rollback", "done".
+    """
     service: _builtins.str
     """"draft", "target" or "orchestrator"."""
     seconds: _builtins.float
+    """Duration of this phase on this service."""
     message: _builtins.str
     done: _builtins.bool
     weights_version: _builtins.str
-    """Weights version serving after this event."""
+    """Weights version serving after this event (empty while a worker holds none)."""
+    @_builtins.property
+    def error(self) -> _common_pb2.ItemError:
+        """Set when this phase failed on this service (code: a google.rpc.Code value)."""
+
     def __init__(
         self,
         *,
@@ -451,11 +468,179 @@ class ReloadWeightsResponse(_message.Message):
         message: _builtins.str = ...,
         done: _builtins.bool = ...,
         weights_version: _builtins.str = ...,
+        error: _common_pb2.ItemError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "message", b"message", "phase", b"phase", "seconds", b"seconds", "service", b"service", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "message", b"message", "phase", b"phase", "seconds", b"seconds", "service", b"service", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReloadWeightsResponse: _TypeAlias = ReloadWeightsResponse  # noqa: Y015
+
+@_typing.final
+class PushWeightsHeader(_message.Message):
+    """First message of a push: what is coming and how to apply it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    TARGET_CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """Required version tag of the pushed weights."""
+    target_config_json: _builtins.str
+    """The target's Hugging Face config.json as a JSON object (Llama). The
+    expected tensors (names and shapes) follow from it.
+    """
+    mode: Global___ReloadMode.ValueType
+    """Required, as in ReloadWeightsRequest."""
+    inflight: Global___InflightPolicy.ValueType
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        target_config_json: _builtins.str = ...,
+        mode: Global___ReloadMode.ValueType = ...,
+        inflight: Global___InflightPolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inflight", b"inflight", "mode", b"mode", "target_config_json", b"target_config_json", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushWeightsHeader: _TypeAlias = PushWeightsHeader  # noqa: Y015
+
+@_typing.final
+class TensorChunk(_message.Message):
+    """A piece of one tensor's raw little-endian bytes. Target tensors use the
+    Hugging Face names (e.g. "model.layers.0.self_attn.q_proj.weight"), the MTP
+    layer's tensors the "mtp." names of mtp.safetensors. The chunks of one
+    tensor come one after another, in order, and every tensor comes once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dtype: _builtins.str
+    """"float32", "float16" or "bfloat16"; the same on every chunk of a tensor."""
+    offset: _builtins.int
+    """Byte offset of `data` in the tensor: 0 for its first chunk, then the
+    bytes sent so far.
+    """
+    data: _builtins.bytes
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The whole tensor's shape; the same on every chunk of a tensor."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "dtype", b"dtype", "name", b"name", "offset", b"offset", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorChunk: _TypeAlias = TensorChunk  # noqa: Y015
+
+@_typing.final
+class PushWeightsCommit(_message.Message):
+    """Last message of a push: everything was sent; stage, validate and apply."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    num_tensors: _builtins.int
+    """Tensors sent; 0 means unchecked."""
+    def __init__(
+        self,
+        *,
+        num_tensors: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tensors", b"num_tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushWeightsCommit: _TypeAlias = PushWeightsCommit  # noqa: Y015
+
+@_typing.final
+class PushWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushWeightsHeader: ...
+    @_builtins.property
+    def chunk(self) -> Global___TensorChunk: ...
+    @_builtins.property
+    def commit(self) -> Global___PushWeightsCommit: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PushWeightsHeader | None = ...,
+        chunk: Global___TensorChunk | None = ...,
+        commit: Global___PushWeightsCommit | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "commit", b"commit", "header", b"header", "part", b"part"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "commit", b"commit", "header", b"header", "part", b"part"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_part: _TypeAlias = _typing.Literal["header", "chunk", "commit"]  # noqa: Y015
+    _WhichOneofArgType_part: _TypeAlias = _typing.Literal["part", b"part"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_part) -> _WhichOneofReturnType_part | None: ...
+
+Global___PushWeightsRequest: _TypeAlias = PushWeightsRequest  # noqa: Y015
+
+@_typing.final
+class PushWeightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    STAGED_PATH_FIELD_NUMBER: _builtins.int
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    weights_version: _builtins.str
+    """Version serving now (the pushed one)."""
+    staged_path: _builtins.str
+    """The staged checkpoint directory the workers loaded."""
+    bytes_received: _builtins.int
+    num_tensors: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReloadWeightsResponse]:
+        """The reload's progress events, as ReloadWeights streams them."""
+
+    def __init__(
+        self,
+        *,
+        weights_version: _builtins.str = ...,
+        staged_path: _builtins.str = ...,
+        bytes_received: _builtins.int = ...,
+        num_tensors: _builtins.int = ...,
+        events: _abc.Iterable[Global___ReloadWeightsResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received", "events", b"events", "num_tensors", b"num_tensors", "staged_path", b"staged_path", "weights_version", b"weights_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushWeightsResponse: _TypeAlias = PushWeightsResponse  # noqa: Y015

@@ -50,6 +50,11 @@ class OrchestratorStub:
                 request_serializer=specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/specsplit.v1.Orchestrator/PushWeights',
+                request_serializer=specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -74,6 +79,38 @@ class OrchestratorServicer:
 
     def ReloadWeights(self, request, context):
         """Admin: reload weights on both workers, streaming progress events.
+        Sequence: validate both checkpoints (nothing live changes before this
+        passes) -> pause admission -> settle the in-flight round -> in-flight
+        policy -> RECAPTURE: clear graphs on draft and target, release weights on
+        both, load on both (the draft's embedding / norm / head from the NEW
+        target checkpoint), recapture where graphs were live; IN_PLACE: copy into
+        the existing tensors -> resume. Only one reload (or push) runs at a time:
+        a second one gets FAILED_PRECONDITION at once (it is not queued).
+        Generate calls arriving meanwhile wait up to the configured bound, then
+        get UNAVAILABLE with a google.rpc.RetryInfo detail.
+        On failure at any phase both workers are rolled back to the previous
+        version and serve again; the stream then ends with the failing phase's
+        status code (INVALID_ARGUMENT: bad checkpoint; FAILED_PRECONDITION:
+        IN_PLACE with shapes differing from the running model, WAIT drain bound
+        passed, another reload running; UNAVAILABLE: a worker died) and a message
+        naming the phase, the worker and whether the rollback succeeded; the
+        events before it say what happened where.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushWeights(self, request_iterator, context):
+        """Admin: a trainer streams the new weights as named tensor chunks (no
+        filesystem shared with the trainer): one header, then chunks, then one
+        commit. The orchestrator stages them as a checkpoint directory under its
+        configured staging root (which the workers must be able to read at the
+        same path), validates it, and applies it with the ReloadWeights sequence.
+        Errors: FAILED_PRECONDITION (no staging root configured, another reload
+        running, message order wrong), INVALID_ARGUMENT (bad header, unknown
+        tensor, wrong shape / dtype / offset, missing tensor at commit),
+        RESOURCE_EXHAUSTED (more than the configured byte limit), and the reload's
+        own errors (see ReloadWeights).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +133,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.ReloadWeights,
                     request_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +221,33 @@ class Orchestrator:
             '/specsplit.v1.Orchestrator/ReloadWeights',
             specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsRequest.SerializeToString,
             specsplit_dot_v1_dot_orchestrator__pb2.ReloadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/specsplit.v1.Orchestrator/PushWeights',
+            specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsRequest.SerializeToString,
+            specsplit_dot_v1_dot_orchestrator__pb2.PushWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

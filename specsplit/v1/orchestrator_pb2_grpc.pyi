@@ -41,7 +41,36 @@ class OrchestratorStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _orchestrator_pb2.ClusterStatus]
     """State of the orchestrator and both workers."""
     ReloadWeights: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.ReloadWeightsRequest, _orchestrator_pb2.ReloadWeightsResponse]
-    """Admin: reload weights on both workers, streaming progress events."""
+    """Admin: reload weights on both workers, streaming progress events.
+    Sequence: validate both checkpoints (nothing live changes before this
+    passes) -> pause admission -> settle the in-flight round -> in-flight
+    policy -> RECAPTURE: clear graphs on draft and target, release weights on
+    both, load on both (the draft's embedding / norm / head from the NEW
+    target checkpoint), recapture where graphs were live; IN_PLACE: copy into
+    the existing tensors -> resume. Only one reload (or push) runs at a time:
+    a second one gets FAILED_PRECONDITION at once (it is not queued).
+    Generate calls arriving meanwhile wait up to the configured bound, then
+    get UNAVAILABLE with a google.rpc.RetryInfo detail.
+    On failure at any phase both workers are rolled back to the previous
+    version and serve again; the stream then ends with the failing phase's
+    status code (INVALID_ARGUMENT: bad checkpoint; FAILED_PRECONDITION:
+    IN_PLACE with shapes differing from the running model, WAIT drain bound
+    passed, another reload running; UNAVAILABLE: a worker died) and a message
+    naming the phase, the worker and whether the rollback succeeded; the
+    events before it say what happened where.
+    """
+    PushWeights: _grpc.StreamUnaryMultiCallable[_orchestrator_pb2.PushWeightsRequest, _orchestrator_pb2.PushWeightsResponse]
+    """Admin: a trainer streams the new weights as named tensor chunks (no
+    filesystem shared with the trainer): one header, then chunks, then one
+    commit. The orchestrator stages them as a checkpoint directory under its
+    configured staging root (which the workers must be able to read at the
+    same path), validates it, and applies it with the ReloadWeights sequence.
+    Errors: FAILED_PRECONDITION (no staging root configured, another reload
+    running, message order wrong), INVALID_ARGUMENT (bad header, unknown
+    tensor, wrong shape / dtype / offset, missing tensor at commit),
+    RESOURCE_EXHAUSTED (more than the configured byte limit), and the reload's
+    own errors (see ReloadWeights).
+    """
 
 @_typing.type_check_only
 class OrchestratorAsyncStub(OrchestratorStub):
@@ -55,7 +84,36 @@ class OrchestratorAsyncStub(OrchestratorStub):
     GetStatus: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _orchestrator_pb2.ClusterStatus]  # type: ignore[assignment]
     """State of the orchestrator and both workers."""
     ReloadWeights: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.ReloadWeightsRequest, _orchestrator_pb2.ReloadWeightsResponse]  # type: ignore[assignment]
-    """Admin: reload weights on both workers, streaming progress events."""
+    """Admin: reload weights on both workers, streaming progress events.
+    Sequence: validate both checkpoints (nothing live changes before this
+    passes) -> pause admission -> settle the in-flight round -> in-flight
+    policy -> RECAPTURE: clear graphs on draft and target, release weights on
+    both, load on both (the draft's embedding / norm / head from the NEW
+    target checkpoint), recapture where graphs were live; IN_PLACE: copy into
+    the existing tensors -> resume. Only one reload (or push) runs at a time:
+    a second one gets FAILED_PRECONDITION at once (it is not queued).
+    Generate calls arriving meanwhile wait up to the configured bound, then
+    get UNAVAILABLE with a google.rpc.RetryInfo detail.
+    On failure at any phase both workers are rolled back to the previous
+    version and serve again; the stream then ends with the failing phase's
+    status code (INVALID_ARGUMENT: bad checkpoint; FAILED_PRECONDITION:
+    IN_PLACE with shapes differing from the running model, WAIT drain bound
+    passed, another reload running; UNAVAILABLE: a worker died) and a message
+    naming the phase, the worker and whether the rollback succeeded; the
+    events before it say what happened where.
+    """
+    PushWeights: _aio.StreamUnaryMultiCallable[_orchestrator_pb2.PushWeightsRequest, _orchestrator_pb2.PushWeightsResponse]  # type: ignore[assignment]
+    """Admin: a trainer streams the new weights as named tensor chunks (no
+    filesystem shared with the trainer): one header, then chunks, then one
+    commit. The orchestrator stages them as a checkpoint directory under its
+    configured staging root (which the workers must be able to read at the
+    same path), validates it, and applies it with the ReloadWeights sequence.
+    Errors: FAILED_PRECONDITION (no staging root configured, another reload
+    running, message order wrong), INVALID_ARGUMENT (bad header, unknown
+    tensor, wrong shape / dtype / offset, missing tensor at commit),
+    RESOURCE_EXHAUSTED (more than the configured byte limit), and the reload's
+    own errors (see ReloadWeights).
+    """
 
 class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -84,6 +142,41 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
         request: _orchestrator_pb2.ReloadWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_orchestrator_pb2.ReloadWeightsResponse], _abc.AsyncIterator[_orchestrator_pb2.ReloadWeightsResponse]]:
-        """Admin: reload weights on both workers, streaming progress events."""
+        """Admin: reload weights on both workers, streaming progress events.
+        Sequence: validate both checkpoints (nothing live changes before this
+        passes) -> pause admission -> settle the in-flight round -> in-flight
+        policy -> RECAPTURE: clear graphs on draft and target, release weights on
+        both, load on both (the draft's embedding / norm / head from the NEW
+        target checkpoint), recapture where graphs were live; IN_PLACE: copy into
+        the existing tensors -> resume. Only one reload (or push) runs at a time:
+        a second one gets FAILED_PRECONDITION at once (it is not queued).
+        Generate calls arriving meanwhile wait up to the configured bound, then
+        get UNAVAILABLE with a google.rpc.RetryInfo detail.
+        On failure at any phase both workers are rolled back to the previous
+        version and serve again; the stream then ends with the failing phase's
+        status code (INVALID_ARGUMENT: bad checkpoint; FAILED_PRECONDITION:
+        IN_PLACE with shapes differing from the running model, WAIT drain bound
+        passed, another reload running; UNAVAILABLE: a worker died) and a message
+        naming the phase, the worker and whether the rollback succeeded; the
+        events before it say what happened where.
+        """
+
+    @_abc_1.abstractmethod
+    def PushWeights(
+        self,
+        request_iterator: _MaybeAsyncIterator[_orchestrator_pb2.PushWeightsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.PushWeightsResponse, _abc.Awaitable[_orchestrator_pb2.PushWeightsResponse]]:
+        """Admin: a trainer streams the new weights as named tensor chunks (no
+        filesystem shared with the trainer): one header, then chunks, then one
+        commit. The orchestrator stages them as a checkpoint directory under its
+        configured staging root (which the workers must be able to read at the
+        same path), validates it, and applies it with the ReloadWeights sequence.
+        Errors: FAILED_PRECONDITION (no staging root configured, another reload
+        running, message order wrong), INVALID_ARGUMENT (bad header, unknown
+        tensor, wrong shape / dtype / offset, missing tensor at commit),
+        RESOURCE_EXHAUSTED (more than the configured byte limit), and the reload's
+        own errors (see ReloadWeights).
+        """
 
 def add_OrchestratorServicer_to_server(servicer: OrchestratorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

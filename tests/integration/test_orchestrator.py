@@ -405,7 +405,7 @@ def test_graceful_shutdown_lets_in_flight_requests_finish(workers, reference):
 
 
 # --- operations ----------------------------------------------------------------------------------------
-def test_status_health_reflection_metrics_and_reload_unimplemented(orch, client):
+def test_status_health_reflection_metrics_and_reload_checks_its_request(orch, client):
     server, address = orch
     st = client.status()
     assert st["target"]["role"] == "target" and st["draft"]["role"] == "draft"
@@ -426,7 +426,8 @@ def test_status_health_reflection_metrics_and_reload_unimplemented(orch, client)
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.ReloadWeights(orchestrator_pb2.ReloadWeightsRequest(), timeout=TIMEOUT))
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # An empty request is refused naming the field (reload itself: tests/integration/test_reload.py).
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "target_path" in info.value.details()
     finally:
         channel.close()
     client.generate_text(prompt_of(90, 5), 30, k=3, ignore_eos=True)

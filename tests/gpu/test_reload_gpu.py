@@ -1,0 +1,146 @@
+"""Weight reload on a real GPU (Torch, cuda:0). Skipped without CUDA.
+
+Run on an H200 host: ``python3 -m pytest -m gpu tests/gpu/test_reload_gpu.py -s`` (docs/gpu.md records
+the output). Draft and target services run in this process on cuda:0 (so
+``torch.cuda.memory_allocated`` sees both), with an orchestrator on loopback;
+every reload goes through ``ReloadWeights``. What is shown:
+- 20 RECAPTURE cycles alternating two checkpoints (CUDA graphs live before and
+  after each): device memory falls to the empty baseline when both workers
+  have released (weights, KV caches and graph pools all freed) and comes back
+  to the loaded baseline after each reload, with no growth over the cycles;
+- greedy output after every reload equals the output first seen with that
+  checkpoint (graph replays over the newly loaded weights);
+- IN_PLACE vs RECAPTURE timings (per phase), printed as a table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from draft_service.server import start as start_draft  # noqa: E402
+from orchestrator.client import SpecsplitClient  # noqa: E402
+from orchestrator.server import create_server  # noqa: E402
+from runtime.checkpoint import save_safetensors, save_target  # noqa: E402
+from runtime.config import (CacheConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,  # noqa: E402
+                            ServerConfig, SpecConfig, WorkerConfig)
+from runtime.model import mtp_tensor_shapes, target_tensor_shapes  # noqa: E402
+from target_service.server import start as start_target  # noqa: E402
+
+CFG = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024)
+CYCLES = 20
+IN_PLACE_CYCLES = 5
+MIB = 1 << 20
+TOLERANCE = 2 * MIB          # loaded memory after a reload vs the loaded baseline
+PROMPT = [1, 17, 4242, 99, 7, 31337, 5]
+
+
+def _write(root, seed: int):
+    rng = np.random.default_rng(seed)
+    shapes = {**target_tensor_shapes(CFG), **mtp_tensor_shapes(CFG)}
+    t = {n: (np.ones(s, np.float32) if len(s) == 1 else rng.standard_normal(s, dtype=np.float32) * 0.05)
+         for n, s in shapes.items()}
+    save_target(root, CFG, {n: v for n, v in t.items() if not n.startswith("mtp.")}, dtype="bfloat16")
+    save_safetensors(root / "mtp.safetensors", {n: v for n, v in t.items() if n.startswith("mtp.")}, dtype="bfloat16")
+    return root
+
+
+def _phases(events) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ev in events:
+        if ev.service in ("draft", "target"):
+            out[ev.phase] = max(out.get(ev.phase, 0.0), ev.seconds)
+    out["total"] = events[-1].seconds
+    return out
+
+
+@pytest.fixture
+def quiet_logs():
+    """Service logs at WARNING on stderr for this test (the table is the output); restored after."""
+    import structlog
+
+    from runtime.observability import configure_logging
+    saved = structlog.get_config()
+    configure_logging("test-reload-gpu", "WARNING")
+    yield
+    structlog.configure(**saved)
+
+
+def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(tmp_path, quiet_logs):
+    models = {"A": _write(tmp_path / "A", 0), "B": _write(tmp_path / "B", 1)}
+    torch.cuda.synchronize()
+    empty0 = torch.cuda.memory_allocated()
+
+    def wcfg(role):
+        return WorkerConfig(role=role, target_path=str(models["A"]), weights_version="A-0", capture_on_start=True,
+                            runtime=RuntimeConfig(backend="torch", device="cuda:0", dtype="bfloat16"),
+                            spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
+                            graphs=GraphConfig(batch_buckets=(1, 4, 8)), server=ServerConfig(port=0))
+    target, draft = start_target(wcfg("target")), start_draft(wcfg("draft"))
+    released: list[int] = []
+    for w in (target.worker, draft.worker):          # memory right after each release (both EMPTY: the later one)
+        drop = type(w)._drop_engine.__get__(w)
+        w._drop_engine = lambda drop=drop: (drop(), torch.cuda.synchronize(), released.append(torch.cuda.memory_allocated()))
+    server, port = create_server(OrchestratorConfig(
+        draft_address=f"127.0.0.1:{draft.port}", target_address=f"127.0.0.1:{target.port}",
+        worker_timeout_s=120, reload_call_timeout_s=600, server=ServerConfig(port=0)))
+    client = SpecsplitClient(f"127.0.0.1:{port}", timeout=600)
+    try:
+        def tokens():
+            return client.generate_text(PROMPT, 32, k=3, ignore_eos=True).tokens
+        seen = {"A": tokens()}
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        assert client.status()["target"]["state"] == "LIFECYCLE_STATE_READY"
+        rows = []
+        for i in range(1, CYCLES + 1):
+            name = "B" if i % 2 else "A"
+            released.clear()
+            events = client.reload(str(models[name]), f"{name}-{i}", mode="recapture", inflight="wait")
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated()
+            st = client.status()
+            assert st["target"]["state"] == st["draft"]["state"] == "LIFECYCLE_STATE_READY"
+            out = tokens()
+            assert out == seen.setdefault(name, out), f"cycle {i}: {name} output changed after reload"
+            rows.append((i, name, _phases(events), min(released), after))
+        in_place, in_place_after = [], []
+        for i in range(IN_PLACE_CYCLES):
+            name = "B" if i % 2 == 0 else "A"
+            events = client.reload(str(models[name]), f"{name}-ip{i}", mode="in_place", inflight="wait")
+            in_place.append(_phases(events))
+            assert tokens() == seen[name]
+            torch.cuda.synchronize()
+            in_place_after.append(torch.cuda.memory_allocated())
+    finally:
+        client.close()
+        server.stop(0).wait(10)
+        target.stop(grace=None)
+        draft.stop(grace=None)
+
+    print(f"\nreload on {torch.cuda.get_device_name(0)}: d={CFG.hidden_size} L={CFG.num_hidden_layers} "
+          f"vocab={CFG.vocab_size} bf16; empty {empty0 / MIB:.1f} MiB, loaded baseline {baseline / MIB:.1f} MiB")
+    print(f"{'cycle':>5s} {'ver':>3s} {'total s':>8s} {'clear':>7s} {'release':>8s} {'load':>7s} {'capture':>8s} "
+          f"{'MiB released':>13s} {'MiB after':>10s} {'delta B':>8s}")
+    for i, name, ph, rel, after in rows:
+        print(f"{i:5d} {name:>3s} {ph['total']:8.3f} {ph.get('clear_graphs', 0):7.3f} {ph.get('release', 0):8.3f} "
+              f"{ph.get('load', 0):7.3f} {ph.get('capture', 0):8.3f} {rel / MIB:13.1f} {after / MIB:10.1f} "
+              f"{after - baseline:8d}")
+    rec = statistics.median(r[2]["total"] for r in rows)
+    ip = statistics.median(p["total"] for p in in_place)
+    ip_load = statistics.median(p.get("load", 0.0) for p in in_place)
+    print(f"RECAPTURE median {rec:.3f}s (load {statistics.median(r[2].get('load', 0) for r in rows):.3f}s, capture "
+          f"{statistics.median(r[2].get('capture', 0) for r in rows):.3f}s); IN_PLACE median {ip:.3f}s "
+          f"(load {ip_load:.3f}s); IN_PLACE / RECAPTURE = {ip / rec:.2f}")
+    # Asserted after printing, so a failure still shows the table.
+    for i, _name, _ph, rel, after in rows:
+        assert abs(after - baseline) <= TOLERANCE, f"cycle {i}: {after} bytes after reload, baseline {baseline}"
+        assert rel < empty0 + 0.05 * (baseline - empty0) + 64 * MIB, f"cycle {i}: {rel} bytes held with both EMPTY"
+    assert all(abs(a - baseline) <= TOLERANCE for a in in_place_after), in_place_after
