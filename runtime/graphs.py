@@ -28,6 +28,11 @@ from runtime.backends.base import Ops, Tensor
 
 StepFn = Callable[..., tuple]
 
+# NOTE: one capture at a time per process. Two registries (draft and target
+# workers in one process, as in tests and `bench reload`) capturing from two
+# threads at once invalidate each other's capture (cudaErrorStreamCapture*).
+_CAPTURE_LOCK = threading.Lock()
+
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -132,7 +137,7 @@ class GraphRegistry:
     # --- capture / clear -------------------------------------------------
     def capture_all(self, warmup: int = 2) -> None:
         """Capture every registered kind at every bucket, largest bucket first."""
-        with self._lock:
+        with self._lock, _CAPTURE_LOCK:
             if self.live:
                 return  # idempotent
             try:
@@ -210,7 +215,9 @@ class GraphRegistry:
 
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: CUDA calls other threads make meanwhile (another
+            # worker serving eagerly) neither fail nor invalidate this capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 outputs = tuple(fn(**views))
             return graph, outputs
         if self.ops.device.startswith("cuda") and self.ops.name == "paddle":

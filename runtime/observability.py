@@ -18,6 +18,11 @@ from typing import Any
 
 import structlog
 
+# Structured tracebacks WITHOUT local variables: locals can hold tensors
+# (megabytes of text per line) and secrets (tokens, keys) that must never be logged.
+_TRACEBACKS = structlog.processors.ExceptionRenderer(
+    structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+
 _SECRET_FIELDS = ("admin_token", "worker_admin_token", "generate_token", "tls_key", "tls_client_key")
 
 
@@ -29,7 +34,7 @@ def configure_logging(service: str, level: str = "INFO") -> structlog.stdlib.Bou
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     structlog.configure(
-        processors=[*shared, structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()],
+        processors=[*shared, _TRACEBACKS, structlog.processors.JSONRenderer()],
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         cache_logger_on_first_use=False,
