@@ -121,21 +121,26 @@ def validate(infos: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]],
             raise CheckpointError(f"{what}: unexpected tensor {extra[0]!r}")
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """Read one tensor as float32 (bf16/f16 widened on the host)."""
+def read_tensor(info: TensorInfo, bf16_bits: bool = False) -> np.ndarray:
+    """Read one tensor as float32 (bf16/f16 widened on the host), or, with
+    ``bf16_bits``, a bf16 tensor as its raw uint16 bit patterns (no decode:
+    the device reinterprets them, which halves host work for bf16 models)."""
     with open(info.file, "rb") as f:
         f.seek(info.start)
         buf = f.read(info.end - info.start)
     if len(buf) != info.end - info.start:
         raise CheckpointError(f"{info.file}: tensor data truncated")
     arr = np.frombuffer(buf, dtype=_ST_DTYPES[info.dtype]).reshape(info.shape)
+    if info.dtype == "BF16" and bf16_bits:
+        return arr
     if info.dtype == "BF16":
         return (arr.astype(np.uint32) << 16).view(np.float32)
     return arr.astype(np.float32) if info.dtype == "F16" else arr.copy()
 
 
-def load_tensors(infos: dict[str, TensorInfo], names: list[str] | None = None) -> dict[str, np.ndarray]:
-    return {n: read_tensor(infos[n]) for n in (names if names is not None else list(infos))}
+def load_tensors(infos: dict[str, TensorInfo], names: list[str] | None = None,
+                 bf16_bits: bool = False) -> dict[str, np.ndarray]:
+    return {n: read_tensor(infos[n], bf16_bits) for n in (names if names is not None else list(infos))}
 
 
 def _to_bf16_bits(arr: np.ndarray) -> np.ndarray:

@@ -69,8 +69,10 @@ def _shared_names(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(names)
 
 
-def read_arrays(checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
-    return checkpoint.load_tensors(checked.infos, list(checked.names))
+def read_arrays(checked: CheckedCheckpoint, bf16_bits: bool = False) -> dict[str, np.ndarray]:
+    """Host arrays: float32, or (``bf16_bits``) bf16 tensors kept as uint16 bit
+    patterns for ``Ops.from_numpy`` to reinterpret on the device."""
+    return checkpoint.load_tensors(checked.infos, list(checked.names), bf16_bits)
 
 
 def to_device(ops: Ops, arrays: dict[str, np.ndarray]) -> Params:
@@ -89,4 +91,4 @@ def copy_in_place(ops: Ops, params: Params, arrays: dict[str, np.ndarray]) -> No
             raise CheckpointError(f"in-place update: tensor {name!r} has shape {list(arrays[name].shape)}, "
                                   f"running shape is {list(ops.shape(tensor))}")
     for name, tensor in params.items():
-        ops.copy_(tensor, ops.from_numpy(arrays[name]))
+        ops.copy_from_numpy(tensor, arrays[name])

@@ -59,6 +59,8 @@ class PaddleOps:
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):
         arr = np.ascontiguousarray(arr)
+        if arr.dtype == np.uint16:  # bf16 bit patterns: widen on the host
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
         if dtype is None:
             dtype = "int64" if arr.dtype.kind in "iu" else ("bool" if arr.dtype.kind == "b" else self.dtype)
         if arr.dtype.kind in "iu":

@@ -124,3 +124,23 @@ def test_validate_reports_unexpected_tensor_when_strict(tmp_path):
     save_safetensors(tmp_path / "x.safetensors", {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)})
     with pytest.raises(CheckpointError, match="unexpected tensor 'b'"):
         validate(index_checkpoint(tmp_path / "x.safetensors"), {"a": (2,)}, "x", allow_extra=False)
+
+
+def test_bf16_bits_reach_the_device_exactly(tmp_path):
+    """bf16 checkpoints load as raw bits into a bf16 Torch worker (no float32 detour), same values."""
+    from runtime.backends.torch_ops import TorchOps
+    from runtime.weights import copy_in_place
+
+    x = np.random.default_rng(1).standard_normal((6, 3)).astype(np.float32)
+    save_safetensors(tmp_path / "b.safetensors", {"x": x}, "bfloat16")
+    infos = index_checkpoint(tmp_path / "b.safetensors")
+    bits = load_tensors(infos, bf16_bits=True)["x"]
+    widened = load_tensors(infos)["x"]
+    assert bits.dtype == np.uint16
+    ops = TorchOps("cpu", "bfloat16")
+    on_device = ops.from_numpy(bits)
+    assert ops.dtype_name(on_device) == "bfloat16" and np.array_equal(ops.to_numpy(on_device), widened)
+    params = {"x": ops.zeros((6, 3))}
+    ptr = ops.data_ptr(params["x"])
+    copy_in_place(ops, params, {"x": bits})
+    assert ops.data_ptr(params["x"]) == ptr and np.array_equal(ops.to_numpy(params["x"]), widened)
