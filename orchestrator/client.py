@@ -144,12 +144,16 @@ class SpecsplitClient:
     """``with SpecsplitClient("127.0.0.1:50051") as c: print(c.generate_text("hi", max_tokens=16).text)``"""
 
     def __init__(self, address: str, timeout: float = 60.0, tls_ca: str | None = None, token: str | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        """TLS when ``tls_ca`` is set; ``tls_cert``/``tls_key``: the client certificate (mutual TLS)."""
         self.address, self.timeout = address, timeout
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         if tls_ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes(),
+                                                 private_key=Path(tls_key).read_bytes() if tls_key else None,
+                                                 certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None)
             self._channel = grpc.secure_channel(address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(address, options=options)

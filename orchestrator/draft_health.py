@@ -46,7 +46,8 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from orchestrator.scheduler import (ItemFailures, RequestError, Scheduler, _GuardedDraft)  # noqa: PLC2701
+# _GuardedDraft: the scheduler's own wrapper that turns a draft's per-item failures into a dict.
+from orchestrator.scheduler import ItemFailures, RequestError, Scheduler, _GuardedDraft
 from runtime.round_driver import Sequence, attach_draft
 from runtime.types import PrefillRequest
 from specsplit.v1 import common_pb2

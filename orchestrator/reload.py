@@ -241,7 +241,8 @@ class _Run:
             try:
                 st = calls[role](self.workers[role])
                 results[role] = st
-                self._event(phase, role, t0, f"state {common_pb2.LifecycleState.Name(st.state)}"
+                valid = "checkpoint valid, " if phase == "validate" else ""
+                self._event(phase, role, t0, f"{valid}state {common_pb2.LifecycleState.Name(st.state)}"
                             if st is not None else "", st.weights_version if st is not None else "")
             except Exception as exc:  # noqa: BLE001 - every failure is reported, then rolled back
                 err = exc if isinstance(exc, RequestError) else RequestError("INTERNAL", f"{type(exc).__name__}: {exc}")

@@ -118,10 +118,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from orchestrator.client import SpecsplitClient
-
     k = 0 if args.no_spec else args.k
-    with SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
+    with _client(args) as client:
         if args.json:
             res = client.generate_text(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k)
@@ -146,9 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.client import SpecsplitClient
-
-    with SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
+    with _client(args) as client:
         status = client.status()
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
@@ -165,7 +161,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Reload the serving weights; prints one line (or JSON object) per progress event."""
     from orchestrator.client import ReloadFailed, SpecsplitClient
 
-    with SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
+    with _client(args) as client:
         try:
             for ev in client.reload_events(args.target_path, args.version, draft_path=args.draft_path or "",
                                            mode=args.mode, inflight=args.inflight):
@@ -186,7 +182,9 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     if args.tls_ca:
-        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+        creds = grpc.ssl_channel_credentials(
+            Path(args.tls_ca).read_bytes(), Path(args.tls_key).read_bytes() if args.tls_key else None,
+            Path(args.tls_cert).read_bytes() if args.tls_cert else None)
         channel = grpc.secure_channel(args.address, creds)
     else:
         channel = grpc.insecure_channel(args.address)
@@ -221,7 +219,16 @@ def _client_args(p: argparse.ArgumentParser) -> None:
                    help="orchestrator host:port [env SPECSPLIT_ADDRESS]")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call in seconds")
     p.add_argument("--tls-ca", default=None, help="CA bundle to verify the server (enables TLS)")
+    p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mutual TLS (with --tls-ca)")
+    p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
     p.add_argument("--token", default=os.environ.get("SPECSPLIT_TOKEN"), help="bearer token [env SPECSPLIT_TOKEN]")
+
+
+def _client(args: argparse.Namespace):
+    from orchestrator.client import SpecsplitClient
+
+    return SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token,
+                           tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
 def _stack_args(p: argparse.ArgumentParser) -> None:
@@ -286,6 +293,8 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--service", default="")
     p.add_argument("--timeout", type=float, default=3.0)
     p.add_argument("--tls-ca", default=None)
+    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS")
+    p.add_argument("--tls-key", default=None)
 
     p = sub.add_parser("train", help="train the tiny target and its MTP head (Torch)")
     if train_args:

@@ -17,7 +17,6 @@ Every stub call has a deadline; every wait is bounded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import select
@@ -407,11 +406,11 @@ from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, ServerConfig
 from target_service.server import start
 model, version, port, hang_on = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_read = lc.read_arrays
-def read_arrays(checked):
+def read_arrays(checked, *a, **kw):
     if hang_on and any(hang_on in str(i.file) for i in checked.infos.values()):
         print(json.dumps({"event": "loading"}), flush=True)
         time.sleep(600)                                  # killed here
-    return real_read(checked)
+    return real_read(checked, *a, **kw)
 lc.read_arrays = read_arrays
 svc = start(WorkerConfig(role="target", target_path=model, weights_version=version, capture_on_start=True,
                          runtime=RuntimeConfig(backend="paddle"), spec=SpecConfig(max_k=3, default_k=3),
@@ -529,10 +528,10 @@ def test_one_reload_at_a_time_generate_waits_or_gets_retry_info(stacks, models, 
     gate, loading = threading.Event(), threading.Event()
     real = lc.read_arrays
 
-    def blocked(checked):
+    def blocked(checked, *a, **kw):
         loading.set()
         assert gate.wait(TIMEOUT)
-        return real(checked)
+        return real(checked, *a, **kw)
     monkeypatch.setattr(lc, "read_arrays", blocked)
     first = in_thread(lambda: s.client.reload(str(models["B"]), "B"))
     assert loading.wait(TIMEOUT)
@@ -582,6 +581,11 @@ def test_reload_requests_are_checked_and_need_the_admin_token(stacks, models):
     assert cli.main(["reload", str(models["B"]), "--version", "B", "--address", s.address, "--token", "s3cret",
                      "--mode", "in_place", "--inflight", "abort", "--json"]) == 0
     assert_serving(s, "B")
+    from prometheus_client import generate_latest
+    text = generate_latest(s.server.core.metrics.registry).decode()
+    assert 'specsplit_reloads_total{mode="in_place",outcome="ok"} 1.0' in text
+    assert 'specsplit_reloads_total{mode="recapture",outcome="failed"}' in text       # the refused ones
+    assert 'specsplit_reload_phase_seconds_count{phase="load",service="draft"} 1.0' in text
 
 
 # --- PushWeights --------------------------------------------------------------------------------------------

@@ -8,11 +8,8 @@ which starts real service processes. Every stub call has a deadline.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -122,6 +119,15 @@ def test_mtls_everywhere_generation_is_exact_and_speculates(mtls_stack, certs, r
         assert status.orchestrator.speculation_available and not status.target_error and not status.draft_error
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+    # The Python client and the CLI speak mTLS too.
+    address = f"127.0.0.1:{mtls_stack['orch']}"
+    with SpecsplitClient(address, timeout=TIMEOUT, tls_ca=certs["ca"], token=GEN, tls_cert=certs["client.pem"],
+                         tls_key=certs["client.key"]) as client:
+        assert client.generate_text(prompt_of(2, 5), 20, k=3, ignore_eos=True).tokens == reference(prompt_of(2, 5), 20)
+    from specsplit.cli import main as cli_main
+    tls = ["--tls-ca", certs["ca"], "--tls-cert", certs["client.pem"], "--tls-key", certs["client.key"]]
+    for port in mtls_stack.values():
+        assert cli_main(["healthcheck", f"127.0.0.1:{port}", *tls]) == 0
 
 
 @pytest.mark.parametrize("service", ["orch", "target", "draft"])
