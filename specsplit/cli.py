@@ -114,6 +114,9 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specsplit.demo import run_demo
 
+    # The demo's terminal shows the generation: services log warnings only,
+    # unless SPECSPLIT_LOG_LEVEL asks for more.
+    args.log_level = os.environ.get("SPECSPLIT_LOG_LEVEL", "WARNING")
     return cmd_up(args, then=lambda stack: run_demo(stack.orchestrator_address, args))
 
 

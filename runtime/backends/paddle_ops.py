@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import numpy as np
 
 _root_level = logging.getLogger().level
+# Paddle warns at import that ccache (for building C++ extensions) is missing; specsplit builds none.
+warnings.filterwarnings("ignore", message="No ccache found")
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 
