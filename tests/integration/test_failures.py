@@ -9,6 +9,7 @@ Every wait is bounded; every stub call has a deadline.
 from __future__ import annotations
 
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -185,6 +186,23 @@ def test_stalled_draft_falls_back_after_the_timeout_and_is_reattached(procs, orc
     assert a.error is None and a.final.tokens == reference(prompt_of(6, 8), LONG)
     assert a.drafted_after(t_back) > 0
     wait_until(lambda: client.status(timeout=10)["draft"]["used_slots"] == 0, "the draft's stale caches freed")
+
+
+def test_orchestrator_starts_without_its_draft_and_attaches_it_later(procs, orchestrator, reference):
+    """A draft that is not up yet when the orchestrator starts: serving begins target-only."""
+    with socket.socket() as s:                          # a port nobody listens on (yet)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = procs.start("target")
+    missing = type("Missing", (), {"address": f"127.0.0.1:{port}"})()
+    server, client = orchestrator(target, missing)
+    assert not speculating(client) and health(server) == SERVING
+    res = client.generate_text(prompt_of(7, 6), 40, k=3, ignore_eos=True)
+    assert res.tokens == reference(prompt_of(7, 6), 40) and res.drafted == 0
+    procs.start("draft", port=port)
+    wait_until(lambda: speculating(client), "the late draft to be attached", timeout=20)
+    res = client.generate_text(prompt_of(8, 6), 40, k=3, ignore_eos=True)
+    assert res.tokens == reference(prompt_of(8, 6), 40) and res.drafted > 0
 
 
 # --- the target ------------------------------------------------------------------------------------------
