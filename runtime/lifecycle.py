@@ -54,6 +54,7 @@ from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig, WorkerConfig
 from runtime.graphs import GraphRegistry, graph_backend_name
+from runtime.device_thread import DeviceThread
 from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_device
 
 MAX_EVENTS = 256
@@ -298,9 +299,10 @@ def repeated_ids(ids: list[str]) -> set[str]:
 class WorkerBase:
     """Lifecycle-driven weights and graphs of one worker; subclasses add the role's work.
 
-    Threading: gRPC calls arrive on many threads. ``self.lock`` serializes all
-    model work (steps, loads, capture, clear, release); ``status()`` never takes
-    it, so GetStatus answers during a long step or load.
+    Threading: gRPC calls arrive on many threads. All model work (steps, loads,
+    capture, clear, release) runs on one ``DeviceThread``, which also serializes
+    it; ``status()`` never waits for it, so GetStatus answers during a long step
+    or load. Reading checkpoint files stays on the caller's thread.
     """
 
     role = "worker"
@@ -321,7 +323,7 @@ class WorkerBase:
         self.registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets,
                                       log=lambda msg: self.log.debug("graph_registry", detail=msg))
         self.lifecycle = Lifecycle([self._log_transition, self._count_transition])
-        self.lock = threading.RLock()
+        self.device = DeviceThread(f"{self.role}-device", self.ops.bind_thread)
         self.engine: Any = None                 # role engine; None when EMPTY
         self.model_cfg: ModelConfig | None = None
         self.weights_version = ""
@@ -388,7 +390,7 @@ class WorkerBase:
             return
         # host memory; serving goes on meanwhile. bf16 stays raw bits for a bf16 Torch worker.
         arrays = read_arrays(checked, bf16_bits=(self.ops.name == "torch" and self.ops.dtype == "bfloat16"))
-        with self.lock:
+        def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
             else:
@@ -397,6 +399,8 @@ class WorkerBase:
             self._sources[version] = (target_path, draft_path)
             while len(self._sources) > MAX_KEPT_SOURCES:
                 self._sources.popitem(last=False)
+
+        self.device.run(apply)
 
     def _known_source(self, version: str) -> tuple[str, str, str]:
         """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
@@ -437,8 +441,7 @@ class WorkerBase:
 
     def release_weights(self) -> bool:
         """LOADED -> EMPTY (refused while READY; no-op when EMPTY). Drops every request."""
-        with self.lock:
-            return self.lifecycle.apply(RELEASE_WEIGHTS, self._drop_engine)
+        return self.device.run(lambda: self.lifecycle.apply(RELEASE_WEIGHTS, self._drop_engine))
 
     def _drop_engine(self) -> None:
         # NOTE: order matters. The lifecycle refused this while graphs were live, so
@@ -460,12 +463,11 @@ class WorkerBase:
 
     def capture_graphs(self) -> bool:
         """LOADED -> READY (no-op when READY; refused when EMPTY). No-op when graphs are disabled."""
-        with self.lock:
-            if not self.cfg.graphs.enabled:
-                self.lifecycle.require_serving("CaptureGraphs")
-                self.log.info("capture_skipped", reason="graphs.enabled is false")
-                return False
-            return self.lifecycle.apply(CAPTURE_GRAPHS, self._capture)
+        if not self.cfg.graphs.enabled:
+            self.lifecycle.require_serving("CaptureGraphs")
+            self.log.info("capture_skipped", reason="graphs.enabled is false")
+            return False
+        return self.device.run(lambda: self.lifecycle.apply(CAPTURE_GRAPHS, self._capture))
 
     def _capture(self) -> None:
         before = self.ops.memory_allocated()
@@ -476,8 +478,7 @@ class WorkerBase:
 
     def clear_graphs(self) -> bool:
         """READY -> LOADED (no-op when LOADED or EMPTY)."""
-        with self.lock:
-            return self.lifecycle.apply(CLEAR_GRAPHS, self._clear)
+        return self.device.run(lambda: self.lifecycle.apply(CLEAR_GRAPHS, self._clear))
 
     def _clear(self) -> None:
         self.registry.clear()
@@ -493,7 +494,7 @@ class WorkerBase:
     # --- requests ----------------------------------------------------------------
     def release(self, request_ids: list[str]) -> list[str]:
         """Free the caches of these requests; unknown ids are ignored. Returns those that were held."""
-        with self.lock:
+        def work() -> list[str]:
             eng = self.engine
             if eng is None:
                 return []
@@ -501,6 +502,8 @@ class WorkerBase:
             if self.metrics is not None:
                 self.metrics.slots(eng.cache.used_slots, eng.cache.free_slots)
             return released
+
+        return self.device.run(work)
 
     def _batch(self, step: str, items: list[Any], validate: Callable, run: Callable,
                round_: int | None = None) -> list[Any]:
@@ -514,7 +517,8 @@ class WorkerBase:
         Raises LifecycleError for the whole batch when no weights are loaded.
         """
         t0 = time.perf_counter()
-        with self.lock:
+
+        def work() -> list[Any]:
             engine = self._serving_engine(step.capitalize())
             out: list[Any] = list(items)
             ok = [(i, it) for i, it in enumerate(items) if not isinstance(it, self.error_type)]
@@ -531,6 +535,9 @@ class WorkerBase:
             if self.metrics is not None:
                 self.metrics.graphs(stats.replays, stats.eager_runs)
                 self.metrics.slots(engine.cache.used_slots, engine.cache.free_slots)
+            return out
+
+        out = self.device.run(work)
         errors = [(i, e) for i, e in enumerate(out) if isinstance(e, self.error_type)]
         if self.metrics is not None:
             self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])
@@ -540,7 +547,7 @@ class WorkerBase:
         return out
 
     def _serving_engine(self, what: str) -> Any:
-        """The engine, or LifecycleError when EMPTY. Call with ``self.lock`` held."""
+        """The engine, or LifecycleError when EMPTY. Call on the device thread."""
         self.lifecycle.require_serving(what)
         return self.engine
 

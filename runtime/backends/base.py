@@ -64,6 +64,8 @@ class Ops(Protocol):
     def clip(self, x: Tensor, lo: int, hi: int) -> Tensor: ...
 
     # --- memory / device ---------------------------------------------------
+    def bind_thread(self) -> None:
+        """Called once on a worker's device thread (e.g. sets the current CUDA device)."""
     def synchronize(self) -> None: ...
     def memory_allocated(self) -> int:
         """Bytes held by the framework allocator on this device (0 on CPU)."""

@@ -157,6 +157,9 @@ class PaddleOps:
         return paddle.clip(x, lo, hi)
 
     # --- memory / device ---------------------------------------------------
+    def bind_thread(self):
+        """Paddle's device choice is process-wide (set in __init__): nothing per thread."""
+
     def synchronize(self):
         if self.device.startswith("cuda"):
             paddle.device.synchronize()

@@ -128,6 +128,11 @@ class TorchOps:
         return torch.clamp(x, lo, hi)
 
     # --- memory / device ---------------------------------------------------
+    def bind_thread(self):
+        """Make this ops object's device the calling thread's current device."""
+        if self._dev.type == "cuda":
+            torch.cuda.set_device(self._dev)
+
     def synchronize(self):
         if self._dev.type == "cuda":
             torch.cuda.synchronize(self._dev)

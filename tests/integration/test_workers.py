@@ -179,11 +179,20 @@ def test_draft_teardown_clears_graphs_before_releasing_weights(worker_server):
 
 def test_get_status_does_not_wait_for_model_work(worker_server):
     t = worker_server("target")
-    with t.worker.lock:                       # a long step holds the model lock
+    busy, release_busy = threading.Event(), threading.Event()
+    # A long step occupies the worker's device thread.
+    step = threading.Thread(target=lambda: t.worker.device.run(lambda: (busy.set(), release_busy.wait(10))),
+                            daemon=True)
+    step.start()
+    assert busy.wait(5.0)
+    try:
         done = threading.Event()
         result = {}
         threading.Thread(target=lambda: (result.update(s=status(t)), done.set()), daemon=True).start()
         assert done.wait(5.0), "GetStatus blocked behind model work"
+    finally:
+        release_busy.set()
+        step.join(10)
     assert result["s"].state == pb.LIFECYCLE_STATE_LOADED
 
 
