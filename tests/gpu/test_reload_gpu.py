@@ -42,7 +42,9 @@ CYCLES = 20
 IN_PLACE_CYCLES = 6
 MIB = 1 << 20
 EMPTY_TOLERANCE = 1 * MIB    # both workers EMPTY, cuBLAS workspaces dropped: vs the first cycle's level
-LOADED_SLACK = 96 * MIB      # loaded, graphs live: vs the baseline (new per-thread cuBLAS workspaces only)
+LOADED_SLACK = 2 * MIB       # loaded, graphs live: every cycle vs the first cycle (flat, no growth)
+# The start-up baseline may sit above the steady state: it still holds cuBLAS
+# workspaces that the first graph clear frees (seen on H200: 752.6 -> 630.8 MiB).
 PROMPT = [1, 17, 4242, 99, 7, 31337, 5]
 
 
@@ -159,5 +161,7 @@ def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(t
         assert abs(rel - empty) <= EMPTY_TOLERANCE, f"cycle {i}: {rel} bytes held with both workers EMPTY, " \
                                                     f"first cycle {empty}"
         assert rel < baseline - 0.9 * weights_mib * MIB, f"cycle {i}: the weights were not freed ({rel} bytes)"
-        assert abs(after - baseline) <= LOADED_SLACK, f"cycle {i}: {after} bytes after reload, baseline {baseline}"
-    assert all(abs(a - baseline) <= LOADED_SLACK for a in in_place_after), in_place_after
+        assert after <= baseline + LOADED_SLACK, f"cycle {i}: {after} bytes after reload, baseline {baseline}"
+        assert abs(after - rows[0][4]) <= LOADED_SLACK, f"cycle {i}: {after} bytes after reload, cycle 1 {rows[0][4]}"
+    assert all(abs(a - in_place_after[0]) <= LOADED_SLACK and a <= baseline + LOADED_SLACK
+               for a in in_place_after), in_place_after
