@@ -1,6 +1,6 @@
 """The draft worker: lifecycle + the MTP proposer's batched work.
 
-Owns: a ``DraftEngine`` behind the lifecycle (``runtime.lifecycle.WorkerBase``:
+Owns: a ``DraftEngine`` behind the lifecycle (``runtime.worker_base.WorkerBase``:
 load / in-place update / release of weights, graph capture and clear, status),
 the draft's checkpoint rules (the MTP file plus the embedding, final norm and
 head copied from the target checkpoint), per-item validation of Prefill and
@@ -25,7 +25,7 @@ from draft_service.metrics import DraftMetrics
 from runtime.config import ModelConfig, WorkerConfig
 from runtime.draft_engine import DraftEngine
 from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.lifecycle import (WorkerBase, check_hidden, check_request_id, check_token_range,
+from runtime.worker_base import (WorkerBase, check_hidden, check_request_id, check_token_range,
                                repeated_ids)
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
 from runtime.weights import CheckedCheckpoint, check_draft, check_target, resolve_draft_path

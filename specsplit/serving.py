@@ -26,7 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from runtime.config import SecurityConfig, ServerConfig, WorkerConfig
-from runtime.lifecycle import State, WorkerBase
+from runtime.lifecycle import State
+from runtime.worker_base import WorkerBase
 from runtime.observability import start_metrics_server
 from specsplit import wire
 # Who may call what (admin token, generation token, mTLS common names) lives in specsplit.auth.

@@ -32,7 +32,8 @@ import numpy as np
 
 from runtime.config import SamplingParams
 from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.lifecycle import LifecycleError, State, WorkerStatus
+from runtime.lifecycle import LifecycleError, State
+from runtime.worker_base import WorkerStatus
 from specsplit.v1 import common_pb2 as pb
 
 MAX_TENSOR_DIMS = 8

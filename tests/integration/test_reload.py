@@ -401,7 +401,7 @@ TARGET_WORKER = r"""
 import json, sys, time
 from runtime.observability import configure_logging
 configure_logging("target-subprocess", "WARNING")
-import runtime.lifecycle as lc
+import runtime.worker_base as lc
 from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, ServerConfig, SpecConfig, WorkerConfig
 from target_service.server import start
 model, version, port, hang_on = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -523,7 +523,7 @@ def _health(address: str, service: str = "") -> int:
 
 
 def test_one_reload_at_a_time_generate_waits_or_gets_retry_info(stacks, models, ref, monkeypatch):
-    import runtime.lifecycle as lc
+    import runtime.worker_base as lc
     s = stacks(models["A"], "A", generate_wait_during_reload_s=2.0)
     gate, loading = threading.Event(), threading.Event()
     real = lc.read_arrays

@@ -9,7 +9,8 @@ import pytest
 from runtime.checkpoint import CheckpointError
 from runtime.config import ConfigError, SamplingParams
 from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.lifecycle import LifecycleError, State, WorkerStatus
+from runtime.lifecycle import LifecycleError, State
+from runtime.worker_base import WorkerStatus
 from specsplit import wire
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import target_pb2 as tpb

@@ -1,0 +1,378 @@
+"""The part of a draft or target worker that both roles share and the lifecycle drives.
+
+Owns: the ops object, the graph registry, the engine (None when EMPTY),
+loading / in-place updating / releasing weights and capturing / clearing
+graphs in the right order (all on the worker's one device thread), request
+release, the ``WorkerStatus`` record, request-field checks both roles use,
+and where recent weight versions came from (so a rollback can reload the
+previous version by its tag). Roles add checkpoint checks, the engine
+constructor and their per-item request handling.
+
+Must not know: gRPC, frameworks (all device work goes through ``Ops``, the
+registry and the engines), scheduling.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+
+from runtime.backends import make_ops
+from runtime.checkpoint import CheckpointError
+from runtime.config import ModelConfig, RuntimeConfig, WorkerConfig
+from runtime.device_thread import DeviceThread
+from runtime.graphs import GraphRegistry, graph_backend_name
+from runtime.lifecycle import (CAPTURE_GRAPHS, CLEAR_GRAPHS, LOAD_WEIGHTS, LOAD_WEIGHTS_IN_PLACE, RELEASE_WEIGHTS,
+                               Lifecycle, State)
+from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_device
+
+MAX_KEPT_SOURCES = 4     # weights sources a worker remembers for rollback (LoadWeights with empty target_path)
+
+MAX_REQUEST_ID_CHARS = 256
+GRAPHS_PADDLE_NO_CUDA = "eager (paddle without CUDA)"
+GRAPHS_DISABLED = "disabled"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What GetStatus reports (field meanings: ``common.proto`` WorkerStatus)."""
+
+    role: str
+    state: State
+    weights_version: str
+    graph_keys: tuple[str, ...]
+    graph_pool_bytes: int
+    graphs_mode: str
+    max_k: int
+    backend: str
+    device: str
+    free_slots: int
+    used_slots: int
+    graph_replays: int
+    eager_runs: int
+    device_memory_bytes: int
+    active_request_ids: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    max_len: int
+    eos_token_id: int | None
+    lifecycle_events: tuple[str, ...]
+
+
+def check_request_id(request_id: str, field: str) -> None:
+    if not request_id:
+        raise ValueError(f"{field}: request_id is required (empty)")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"{field}: request_id is {len(request_id)} characters, at most {MAX_REQUEST_ID_CHARS}")
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, field: str) -> None:
+    """Every id in [0, vocab_size); names the first offender."""
+    if tokens.size == 0:
+        return
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{field}[{i}]: token id {int(tokens[i])} is out of range [0, {vocab_size})")
+
+
+def check_hidden(hidden: np.ndarray, rows: int, width: int, field: str) -> None:
+    """hidden must be float [rows, width] and finite."""
+    if hidden.dtype.kind != "f":
+        raise ValueError(f"{field}: dtype {hidden.dtype} is not a float type")
+    if hidden.shape != (rows, width):
+        raise ValueError(f"{field}: shape {list(hidden.shape)}, expected [{rows}, {width}]")
+    if not np.isfinite(hidden).all():
+        raise ValueError(f"{field}: contains NaN or infinite values")
+
+
+def repeated_ids(ids: list[str]) -> set[str]:
+    seen: set[str] = set()
+    dup: set[str] = set()
+    for rid in ids:
+        (dup if rid in seen else seen).add(rid)
+    return dup
+
+
+class WorkerBase:
+    """Lifecycle-driven weights and graphs of one worker; subclasses add the role's work.
+
+    Threading: gRPC calls arrive on many threads. All model work (steps, loads,
+    capture, clear, release) runs on one ``DeviceThread``, which also serializes
+    it; ``status()`` never waits for it, so GetStatus answers during a long step
+    or load. Reading checkpoint files stays on the caller's thread.
+    """
+
+    role = "worker"
+    # Role hooks for per-item errors: the error record type and exception -> error.
+    # (Set by the service; kept abstract here so this module stays free of gRPC.)
+    error_type: type = type("NoItemErrors", (), {})
+    error_for: Callable[[BaseException], Any] = staticmethod(lambda exc: exc)
+    # Duck-typed metrics adapter: on_transition(...), step(...), graphs(...), slots(...).
+    metrics: Any = None
+
+    def __init__(self, cfg: WorkerConfig, check_path: Callable[[str], Path] | None = None,
+                 log: Any = None) -> None:
+        self.cfg = cfg
+        self.log = (log or structlog.get_logger()).bind(role=self.role)
+        self.ops, self.graphs_mode = self._make_ops(cfg.runtime)
+        if not cfg.graphs.enabled:
+            self.graphs_mode = GRAPHS_DISABLED
+        self.registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets,
+                                      log=lambda msg: self.log.debug("graph_registry", detail=msg))
+        self.lifecycle = Lifecycle([self._log_transition, self._count_transition])
+        self.device = DeviceThread(f"{self.role}-device", self.ops.bind_thread)
+        self.engine: Any = None                 # role engine; None when EMPTY
+        self.model_cfg: ModelConfig | None = None
+        self.weights_version = ""
+        self._pool_bytes = 0
+        self._check_path = check_path or (lambda p: Path(p))
+        # version -> (target_path, draft_path) of the last MAX_KEPT_SOURCES loads, newest
+        # last: what a rollback reloads (LoadWeights with an empty target_path).
+        self._sources: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+    # --- role hooks ----------------------------------------------------------
+    def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
+        """Validate the role's checkpoint from headers only (no tensor data read)."""
+        raise NotImplementedError
+
+    def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    # --- construction ----------------------------------------------------------
+    def _make_ops(self, rt: RuntimeConfig) -> tuple[Any, str]:
+        try:
+            ops = make_ops(rt)
+        except RuntimeError as exc:
+            if rt.backend != "paddle" or not rt.device.startswith("cuda"):
+                raise
+            # Paddle built without CUDA cannot use the GPU at all: run on the CPU
+            # and say so in GetStatus (device "cpu", graphs "eager (paddle without
+            # CUDA)") rather than pretend to be on the GPU.
+            self.log.warning("paddle_without_cuda", requested_device=rt.device, error=str(exc))
+            return make_ops(RuntimeConfig(backend="paddle", device="cpu", dtype=rt.dtype)), GRAPHS_PADDLE_NO_CUDA
+        return ops, graph_backend_name(ops)
+
+    def _log_transition(self, action: str, outcome: str, before: State, after: State, detail: str) -> None:
+        level = self.log.info if outcome in ("ok", "noop") else self.log.warning
+        level("lifecycle", action=action, outcome=outcome, state=after.value, previous_state=before.value,
+              weights_version=detail or self.weights_version)
+
+    def _count_transition(self, *args: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.on_transition(*args)
+
+    # --- lifecycle operations ----------------------------------------------------
+    def load_weights(self, target_path: str, draft_path: str = "", version: str = "",
+                     in_place: bool = False, validate_only: bool = False) -> None:
+        """Load (EMPTY -> LOADED), update in place (LOADED/READY, graphs kept) or only validate.
+
+        An empty ``target_path`` reloads the weights loaded here earlier as ``version``
+        (the last MAX_KEPT_SOURCES are remembered): how a failed reload rolls back.
+        Raises ValueError/CheckpointError for a bad path or checkpoint, LifecycleError
+        for a wrong state. On any failure the previous weights, version and state are intact.
+        """
+        if not target_path:
+            target_path, draft_path, version = self._known_source(version)
+        target = self._check_path(target_path)          # ValueError outside the configured roots
+        version = version or target_path
+        action = LOAD_WEIGHTS_IN_PLACE if in_place else LOAD_WEIGHTS
+        if not validate_only:
+            self.lifecycle.check(action)                # fail fast, before reading gigabytes
+        # NOTE: validate the whole checkpoint (config, every name/shape/dtype) from
+        # the headers before any live weight is touched: a bad checkpoint must leave
+        # the running weights and graphs exactly as they were.
+        checked = self._checkpoint(target, draft_path, self.model_cfg if in_place else None)
+        if validate_only:
+            self.log.info("weights_validated", target_path=target_path, weights_version=version)
+            return
+        # host memory; serving goes on meanwhile. bf16 stays raw bits for a bf16 Torch worker.
+        arrays = read_arrays(checked, bf16_bits=(self.ops.name == "torch" and self.ops.dtype == "bfloat16"))
+        def apply() -> None:
+            if in_place:
+                self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
+            else:
+                self.lifecycle.apply(action, lambda: self._install(checked.cfg, arrays, version), version)
+            self._sources.pop(version, None)
+            self._sources[version] = (target_path, draft_path)
+            while len(self._sources) > MAX_KEPT_SOURCES:
+                self._sources.popitem(last=False)
+
+        self.device.run(apply)
+
+    def _known_source(self, version: str) -> tuple[str, str, str]:
+        """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
+
+        An empty target_path in LoadWeights means "reload version X from where it came
+        from": the orchestrator's rollback after a failed reload (it may not know the
+        paths the worker was started with). Empty ``version``: the newest known.
+        """
+        if not self._sources:
+            raise ValueError("target_path is required (this worker has loaded no weights it could reload)")
+        if not version:
+            version = next(reversed(self._sources))
+        if version not in self._sources:
+            raise ValueError(f"target_path is empty and version {version!r} was not loaded here before "
+                             f"(known: {list(self._sources)})")
+        target_path, draft_path = self._sources[version]
+        return target_path, draft_path, version
+
+    def _copy_in_place(self, new_cfg: ModelConfig, arrays: dict[str, np.ndarray], version: str) -> None:
+        diff = [f for f in self.model_cfg.compatible_with(new_cfg) if f != "torch_dtype"]
+        if diff:
+            raise CheckpointError(f"in-place update: config differs from the running model in {diff}")
+        # NOTE: copy_ into the existing parameter tensors (addresses unchanged), so
+        # live graphs stay valid; copy_in_place checks every name and shape before
+        # the first copy, so a mismatch changes nothing.
+        copy_in_place(self.ops, self.engine.params, arrays)
+        self.weights_version = version
+
+    def _install(self, model_cfg: ModelConfig, arrays: dict[str, np.ndarray], version: str) -> None:
+        try:
+            engine = self._new_engine(model_cfg, to_device(self.ops, arrays))
+        except BaseException:
+            # The engine may have registered step kinds before failing; the registry
+            # is not live in EMPTY, so dropping them is allowed.
+            self.registry.unregister_all()
+            raise
+        self.engine, self.model_cfg, self.weights_version = engine, model_cfg, version
+
+    def release_weights(self) -> bool:
+        """LOADED -> EMPTY (refused while READY; no-op when EMPTY). Drops every request."""
+        return self.device.run(lambda: self.lifecycle.apply(RELEASE_WEIGHTS, self._drop_engine))
+
+    def _drop_engine(self) -> None:
+        # NOTE: order matters. The lifecycle refused this while graphs were live, so
+        # the registry holds no graph that reads these weights or caches; only then
+        # drop the step kinds (they close over the engine), then the engine (its
+        # params and KV cache), then return the memory to the device. Dropping the
+        # engine under live graphs would free memory a replay still reads.
+        assert not self.registry.live, "graphs must be cleared before weights are released"
+        dropped = len(self.engine.cache.request_ids()) if self.engine is not None else 0
+        self.registry.unregister_all()
+        self.engine = None
+        self.model_cfg = None
+        self.weights_version = ""
+        gc.collect()
+        self.ops.synchronize()
+        self.ops.empty_cache()
+        if dropped:
+            self.log.warning("requests_dropped_with_weights", count=dropped)
+
+    def capture_graphs(self) -> bool:
+        """LOADED -> READY (no-op when READY; refused when EMPTY). No-op when graphs are disabled."""
+        if not self.cfg.graphs.enabled:
+            self.lifecycle.require_serving("CaptureGraphs")
+            self.log.info("capture_skipped", reason="graphs.enabled is false")
+            return False
+        return self.device.run(lambda: self.lifecycle.apply(CAPTURE_GRAPHS, self._capture))
+
+    def _capture(self) -> None:
+        before = self.ops.memory_allocated()
+        self.registry.capture_all()
+        # The registry does not expose its pool; the allocator's growth over the
+        # capture is the pool plus static buffers (0 on CPU).
+        self._pool_bytes = max(0, self.ops.memory_allocated() - before)
+
+    def clear_graphs(self) -> bool:
+        """READY -> LOADED (no-op when LOADED or EMPTY)."""
+        return self.device.run(lambda: self.lifecycle.apply(CLEAR_GRAPHS, self._clear))
+
+    def _clear(self) -> None:
+        self.registry.clear()
+        self._pool_bytes = 0
+
+    def close(self) -> None:
+        """Shutdown teardown: graphs first, then weights."""
+        # NOTE: clear graphs before releasing weights, always (also at exit): the
+        # graphs read the weights and caches that release frees.
+        self.clear_graphs()
+        self.release_weights()
+
+    # --- requests ----------------------------------------------------------------
+    def release(self, request_ids: list[str]) -> list[str]:
+        """Free the caches of these requests; unknown ids are ignored. Returns those that were held."""
+        def work() -> list[str]:
+            eng = self.engine
+            if eng is None:
+                return []
+            released = [rid for rid in dict.fromkeys(request_ids) if eng.release(rid)]
+            if self.metrics is not None:
+                self.metrics.slots(eng.cache.used_slots, eng.cache.free_slots)
+            return released
+
+        return self.device.run(work)
+
+    def _batch(self, step: str, items: list[Any], validate: Callable, run: Callable,
+               round_: int | None = None) -> list[Any]:
+        """Answer every item of a batch, in order.
+
+        ``validate(engine, [(i, item)], out)`` returns the valid (i, item) pairs and
+        writes an error into ``out[i]`` for the others; ``run(engine, valid, out)``
+        runs the valid ones as one batch and writes their results. Items that are
+        already errors (the servicer could not decode them) pass through. If the
+        batch itself fails, each of its items gets that error; the worker goes on.
+        Raises LifecycleError for the whole batch when no weights are loaded.
+        """
+        t0 = time.perf_counter()
+
+        def work() -> list[Any]:
+            engine = self._serving_engine(step.capitalize())
+            out: list[Any] = list(items)
+            ok = [(i, it) for i, it in enumerate(items) if not isinstance(it, self.error_type)]
+            good = validate(engine, ok, out)
+            if good:
+                try:
+                    run(engine, good, out)
+                except Exception as exc:  # noqa: BLE001 - the batch failed: every item says why
+                    err = self.error_for(exc)
+                    self.log.exception("batch_failed", step=step, round=round_, items=len(good))
+                    for i, _ in good:
+                        out[i] = err
+            stats = self.registry.stats
+            if self.metrics is not None:
+                self.metrics.graphs(stats.replays, stats.eager_runs)
+                self.metrics.slots(engine.cache.used_slots, engine.cache.free_slots)
+            return out
+
+        out = self.device.run(work)
+        errors = [(i, e) for i, e in enumerate(out) if isinstance(e, self.error_type)]
+        if self.metrics is not None:
+            self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])
+        for i, e in errors:
+            self.log.info("item_error", step=step, round=round_, request_id=getattr(items[i], "request_id", ""),
+                          code=e.code.name, error=e.message)
+        return out
+
+    def _serving_engine(self, what: str) -> Any:
+        """The engine, or LifecycleError when EMPTY. Call on the device thread."""
+        self.lifecycle.require_serving(what)
+        return self.engine
+
+    # --- status ----------------------------------------------------------------------
+    def status(self) -> WorkerStatus:
+        """Cheap snapshot; never waits for model work."""
+        eng, mc = self.engine, self.model_cfg
+        cache = eng.cache if eng is not None else None
+        stats = self.registry.stats
+        return WorkerStatus(
+            role=self.role, state=self.lifecycle.state, weights_version=self.weights_version,
+            graph_keys=tuple(f"{kind}@{bucket}" for bucket, kind in self.registry.keys()),
+            graph_pool_bytes=self._pool_bytes, graphs_mode=self.graphs_mode, max_k=self.cfg.spec.max_k,
+            backend=self.ops.name, device=self.ops.device,
+            free_slots=cache.free_slots if cache is not None else 0,
+            used_slots=cache.used_slots if cache is not None else 0,
+            graph_replays=stats.replays, eager_runs=stats.eager_runs,
+            device_memory_bytes=int(self.ops.memory_allocated()),
+            active_request_ids=tuple(cache.request_ids()) if cache is not None else (),
+            vocab_size=mc.vocab_size if mc is not None else 0, hidden_size=mc.hidden_size if mc is not None else 0,
+            max_len=cache.max_len if cache is not None else 0,
+            eos_token_id=mc.eos_token_id if mc is not None else None,
+            lifecycle_events=tuple(self.lifecycle.event_names()))
