@@ -1,0 +1,171 @@
+"""What the scheduler and its callers exchange: errors, request events, timing.
+
+Owns: the error contract between ports and the scheduler (``RequestError``,
+``WorkerUnavailable``, ``ItemFailures``), a request and the events it
+streams (``GenerationRequest``, ``TokensEvent``/``FinalEvent``/``ErrorEvent``,
+``RequestHandle``), and the per-round timing record with its ``Observer``.
+
+Must not know: gRPC, frameworks, how rounds are scheduled
+(``orchestrator/scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from runtime.config import SamplingParams
+from runtime.kv_cache import CapacityError
+from runtime.round_driver import SeqStats
+
+# --- the port error contract ---------------------------------------------------
+class RequestError(Exception):
+    """One request failed. ``code`` is a gRPC status code name, e.g. "INVALID_ARGUMENT"."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class WorkerUnavailable(RequestError):
+    """A whole call to a worker failed (stream broken, deadline passed, worker down)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
+
+
+class ItemFailures(Exception):
+    """Some items of a batched call failed on the worker; the others succeeded.
+
+    ``results`` has one entry per request of the call, ``None`` where
+    ``errors`` (request id -> RequestError) says why that item failed.
+    """
+
+    def __init__(self, results: list[Any], errors: dict[str, RequestError]) -> None:
+        super().__init__("; ".join(f"{rid}: {e}" for rid, e in errors.items()))
+        self.results, self.errors = results, errors
+
+
+def error_of(exc: BaseException) -> RequestError:
+    """The status a whole-call exception gives every request of that call."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, CapacityError):
+        return RequestError("RESOURCE_EXHAUSTED", str(exc))
+    if isinstance(exc, (ValueError, KeyError)):
+        return RequestError("INVALID_ARGUMENT", str(exc))
+    return RequestError("INTERNAL", f"{type(exc).__name__}: {exc}")
+
+
+# --- what a request sees ---------------------------------------------------------
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: tuple[int, ...]          # t_0..t_{n-1}, validated by the caller
+    params: SamplingParams
+    k: int                           # drafts per round; 0 = target-only
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    tokens: tuple[int, ...]
+    round: int
+    num_accepted: int
+    num_drafted: int
+    weights_version: str
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    finish_reason: str               # "stop" | "length" | "cancelled"
+    output: tuple[int, ...]
+    prompt_tokens: int
+    stats: SeqStats
+    weights_version: str
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: str                        # gRPC status code name
+    message: str
+    output: tuple[int, ...]          # what was streamed before the failure
+
+
+Event = TokensEvent | FinalEvent | ErrorEvent
+
+
+class QueueFull(Exception):
+    """The admission queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class RequestHandle:
+    """A submitted request: read its events; ``cancel`` from any thread."""
+
+    def __init__(self, req: GenerationRequest, wake: Callable[[], None]) -> None:
+        self.request = req
+        self.events: queue.Queue[Event] = queue.Queue()
+        self._cancelled = threading.Event()
+        self._wake = wake
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def next_event(self, timeout: float) -> Event | None:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def cancel(self) -> None:
+        """Mark cancelled; the scheduler frees its slots at the next round boundary."""
+        if not self._cancelled.is_set():
+            self._cancelled.set()
+            self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+# --- timing and observation ------------------------------------------------------
+@dataclass(frozen=True)
+class RoundTiming:
+    round: int
+    batch: int
+    draft_s: float                   # draft compute (worker-reported, else call wall time)
+    target_s: float                  # target compute
+    overhead_s: float                # round wall time - draft_s - target_s
+    wall_s: float
+
+
+@dataclass
+class TimingTotals:
+    rounds: int = 0
+    batch_sum: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    overhead_s: float = 0.0
+    wall_s: float = 0.0
+
+    def add(self, t: RoundTiming) -> None:
+        self.rounds += 1
+        self.batch_sum += t.batch
+        self.draft_s += t.draft_s
+        self.target_s += t.target_s
+        self.overhead_s += t.overhead_s
+        self.wall_s += t.wall_s
+
+
+class Observer(Protocol):
+    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None: ...
+    def on_outcome(self, finish_reason: str | None, code: str) -> None: ...
+    def on_load(self, active: int, queued: int) -> None: ...
+
+
+class NullObserver:
+    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None: ...
+    def on_outcome(self, finish_reason: str | None, code: str) -> None: ...
+    def on_load(self, active: int, queued: int) -> None: ...
