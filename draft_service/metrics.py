@@ -1,69 +1,27 @@
 """Prometheus metrics of the draft service (prefix ``specsplit_draft_``).
 
-Owns: the metric definitions the draft worker updates and the small
-``DraftMetrics`` adapter that turns worker events into metric updates.
-Served by ``runtime.observability.start_metrics_server`` when
+Owns: the draft's own counter (proposed tokens) and ``DraftMetrics``; the
+families every worker shares come from ``specsplit.worker_metrics``. Served
+by ``runtime.observability.start_metrics_server`` when
 ``server.metrics_port`` is set.
 
-Must not know: gRPC, models, frameworks. Module-level metrics are shared by
-every draft worker in a process (tests start several); gauges then show the
-most recent worker's values.
+Must not know: gRPC, models, frameworks.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter
 
-_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+from specsplit.worker_metrics import WorkerMetrics, families
 
-LIFECYCLE_TRANSITIONS = Counter(
-    "specsplit_draft_lifecycle_transitions_total",
-    "Lifecycle transition attempts by action and outcome (ok, noop, refused, failed).",
-    ["action", "outcome"])
-GRAPH_STEPS = Counter(
-    "specsplit_draft_graph_steps_total",
-    "Draft steps (catch-up and substeps) run by CUDA-graph replay vs eagerly.", ["mode"])
-ACTIVE_REQUESTS = Gauge("specsplit_draft_active_requests", "Requests holding a draft cache slot.")
-FREE_SLOTS = Gauge("specsplit_draft_free_slots", "Free draft cache slots (0 when no weights are loaded).")
-COMPUTE_SECONDS = Histogram(
-    "specsplit_draft_compute_seconds", "Worker compute time of one batch, by step.", ["step"],
-    buckets=_STEP_BUCKETS)
-BATCH_ITEMS = Histogram(
-    "specsplit_draft_batch_items", "Items per batch, by step.", ["step"],
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-ITEM_ERRORS = Counter(
-    "specsplit_draft_item_errors_total", "Batch items answered with an error, by step and status code.",
-    ["step", "code"])
+FAMILIES = families("draft", "Draft steps (catch-up and substeps) run by CUDA-graph replay vs eagerly.",
+                    "draft cache")
 PROPOSED_TOKENS = Counter("specsplit_draft_proposed_tokens_total", "Draft tokens proposed.")
 
 
-class DraftMetrics:
-    """Per-worker adapter: remembers the registry counters it already exported."""
-
+class DraftMetrics(WorkerMetrics):
     def __init__(self) -> None:
-        self._replays = 0
-        self._eager = 0
-
-    def on_transition(self, action: str, outcome: str, *_: object) -> None:
-        LIFECYCLE_TRANSITIONS.labels(action, outcome).inc()
-
-    def step(self, step: str, seconds: float, items: int, error_codes: list[str]) -> None:
-        COMPUTE_SECONDS.labels(step).observe(seconds)
-        BATCH_ITEMS.labels(step).observe(items)
-        for code in error_codes:
-            ITEM_ERRORS.labels(step, code).inc()
-
-    def graphs(self, replays: int, eager_runs: int) -> None:
-        """Export the registry's cumulative counters as increments."""
-        if replays > self._replays:
-            GRAPH_STEPS.labels("replay").inc(replays - self._replays)
-        if eager_runs > self._eager:
-            GRAPH_STEPS.labels("eager").inc(eager_runs - self._eager)
-        self._replays, self._eager = replays, eager_runs
-
-    def slots(self, used: int, free: int) -> None:
-        ACTIVE_REQUESTS.set(used)
-        FREE_SLOTS.set(free)
+        super().__init__(FAMILIES)
 
     def proposed(self, tokens: int) -> None:
         PROPOSED_TOKENS.inc(tokens)

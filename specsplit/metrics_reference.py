@@ -20,8 +20,9 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
     import target_service.metrics as target
     from orchestrator.metrics import OrchestratorMetrics
 
-    return [("orchestrator", _metrics_of(OrchestratorMetrics())), ("draft service", _metrics_of(draft)),
-            ("target service", _metrics_of(target))]
+    return [("orchestrator", _metrics_of(OrchestratorMetrics())),
+            ("draft service", _metrics_of(draft) + draft.FAMILIES.all()),
+            ("target service", _metrics_of(target) + target.FAMILIES.all())]
 
 
 def reference_markdown() -> str:
