@@ -164,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if opt.kind == "bool":
             group.add_argument(opt.flag, dest=opt.dest, default=None, action=argparse.BooleanOptionalAction, help=helptext)
         else:
-            group.add_argument(opt.flag, dest=opt.dest, default=None, help=helptext)
+            metavar = {"int": "N", "float": "X", "str": "TEXT", "ints": "N,N,...", "strs": "A,B,..."}[opt.kind]
+            group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=metavar, help=helptext)
 
 
 def _toml_lookup(data: dict[str, Any], key: str) -> Any:
