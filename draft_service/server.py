@@ -12,7 +12,6 @@ RPCs come from ``specsplit.serving.WorkerServicerMixin``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator
 
 import grpc
@@ -83,15 +82,8 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
         """One response per request message, in order; the stream ends when the client ends it."""
         for msg in request_iterator:
             items = [_decode_propose(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
-            t0 = time.perf_counter()
-            try:
-                results = self.worker.propose(items, msg.round)
-            except Exception as exc:  # noqa: BLE001 - the whole batch failed (e.g. no weights)
-                err = wire.item_error_for(exc)
-                if err.code == grpc.StatusCode.INTERNAL:
-                    self.log.exception("propose_failed", round=msg.round)
-                results = [err] * len(items)
-            seconds = time.perf_counter() - t0
+            results, seconds = self._round_results("propose", lambda: self.worker.propose(items, msg.round),
+                                                   len(items), msg.round)
             yield dpb.ProposeResponse(round=msg.round, compute_seconds=seconds, results=[
                 _proposal(it.request_id, res) for it, res in zip(msg.items, results)])
 

@@ -144,12 +144,19 @@ class DraftEngine:
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         active = list(range(len(reqs)))                                  # rows of g/logits -> request index
         for s in range(1, max(r.k for r in reqs) + 1):
-            logits_np = self.ops.to_numpy(logits)                        # [A, V]
+            # Greedy drafts need only the argmax ([A] to the host); the full
+            # logits ([A, V]) come over only when some row samples its draft.
+            states = [self.requests[reqs[i].request_id] for i in active]
+            sampled = [st.params.draft_sampling and not st.params.greedy for st in states]
+            greedy = self.ops.to_numpy(self.ops.argmax(logits, -1))       # [A]
+            logits_np = self.ops.to_numpy(logits) if any(sampled) else None  # [A, V]
             for row, i in enumerate(active):
-                tok, q = self._draw(logits_np[row], self.requests[reqs[i].request_id])
-                drafts[i].append(tok)
-                if q is not None:
+                if sampled[row]:
+                    tok, q = self._sample_draft(logits_np[row], states[row])
                     probs[i].append(q)
+                else:
+                    tok = int(greedy[row])
+                drafts[i].append(tok)
             keep = [row for row, i in enumerate(active) if reqs[i].k > s]
             if not keep:
                 break
@@ -168,17 +175,13 @@ class DraftEngine:
                          np.stack(probs[i]).astype(np.float32) if probs[i] else None)
                 for i, r in enumerate(reqs)]
 
-    def _draw(self, logits: np.ndarray, req: _DraftRequest) -> tuple[int, np.ndarray | None]:
-        """Greedy draft (q one-hot, nothing sent) or a sample from q (q sent for rejection sampling)."""
+    def _sample_draft(self, logits: np.ndarray, req: _DraftRequest) -> tuple[int, np.ndarray]:
+        """A draft sampled from q (q is sent along for rejection sampling). Greedy drafts
+        (q one-hot, nothing sent) are the device-side argmax in ``propose``."""
         p = req.params
-        if p.greedy or not p.draft_sampling:
-            return sampling.greedy_token(logits), None
         q = sampling.process_logits(logits, p.temperature, p.top_k, p.top_p)
         return sampling.sample_token(q, req.rng), q
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)
         return self.cache.free(request_id)
-
-    def pairs(self, request_id: str) -> int:
-        return self.cache.get(request_id).length

@@ -95,9 +95,3 @@ class KVCache:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
-    def nbytes(self) -> int:
-        k, _ = self.layers[0]
-        shape = self.ops.shape(k)
-        per = shape[0] * shape[1] * shape[2]
-        width = 4 if self.ops.dtype == "float32" else 2
-        return 2 * len(self.layers) * per * width

@@ -156,6 +156,3 @@ class TargetEngine:
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)
         return self.cache.free(request_id)
-
-    def committed_length(self, request_id: str) -> int:
-        return self.cache.get(request_id).length

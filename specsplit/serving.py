@@ -155,6 +155,23 @@ class WorkerServicerMixin:
         self.log.debug("rpc_done", rpc=rpc, seconds=round(time.perf_counter() - t0, 6))
         return out
 
+    def _round_results(self, step: str, work: Callable[[], list[Any]], n_items: int,
+                       round_: int) -> tuple[list[Any], float]:
+        """One round message of a Propose/Verify stream: (per-item results, compute seconds).
+
+        A failure of the whole batch (e.g. no weights) becomes that error for every
+        item, so the persistent stream stays open for the next round.
+        """
+        t0 = time.perf_counter()
+        try:
+            results = work()
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed
+            err = wire.item_error_for(exc)
+            if err.code == grpc.StatusCode.INTERNAL:
+                self.log.exception(f"{step}_failed", round=round_)
+            results = [err] * n_items
+        return results, time.perf_counter() - t0
+
     def _status(self) -> pb.WorkerStatus:
         return wire.status_to_proto(self.worker.status())
 
