@@ -26,34 +26,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SamplingParams, SpecConfig
-from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
 from specsplit.launcher import Child
+from tests.byte_model import write_byte_model
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0
 
 
 def make_model(path: Path, max_len: int = 1024, seed: int = 0) -> Path:
-    """Byte vocabulary (256 bytes + BOS 256 + EOS 257); peaked logits; an MTP that often guesses right."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
-                      bos_token_id=256, eos_token_id=257)
-    rng = np.random.default_rng(seed + 1)
-    t = init_params(cfg, seed, target_tensor_shapes(cfg))
-    t["model.embed_tokens.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    t["lm_head.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    for name in t:
-        if name.startswith("model.layers.") and t[name].ndim == 2:
-            t[name] = t[name] * 6
-    m = init_params(cfg, seed + 2, mtp_tensor_shapes(cfg))
-    eh = np.zeros((32, 64), np.float32)
-    eh[:, 32:] = np.eye(32)
-    m["mtp.eh_proj.weight"] = eh
-    path.mkdir(parents=True, exist_ok=True)
-    save_target(path, cfg, t)
-    save_safetensors(path / "mtp.safetensors", m)
+    """The shared byte-vocabulary tiny target + MTP (tests/byte_model.py) in ``path``."""
+    write_byte_model(path, seed, max_len)
     return path
 
 

@@ -28,15 +28,14 @@ from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
 from orchestrator.worker_clients import DraftClient, TargetClient
 from orchestrator.scheduler import WorkerUnavailable
-from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,
+from runtime.config import (CacheConfig, EngineConfig, GraphConfig, OrchestratorConfig, RuntimeConfig,
                             SamplingParams, ServerConfig, SpecConfig, WorkerConfig)
 from runtime.engine import GenRequest, SpecEngine
-from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from runtime.tokenizer import ByteTokenizer
 from runtime.types import ProposeRequest
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from target_service.server import start as start_target
+from tests.byte_model import write_byte_model
 
 pytestmark = pytest.mark.integration
 
@@ -47,23 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_tiny_model(path: Path, seed: int = 0) -> None:
-    """Byte vocabulary; peaked logits (no near-ties); an MTP that often guesses right."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-                      bos_token_id=256, eos_token_id=257)
-    rng = np.random.default_rng(seed + 1)
-    t = init_params(cfg, seed, target_tensor_shapes(cfg))
-    t["model.embed_tokens.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    t["lm_head.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    for name in t:
-        if name.startswith("model.layers.") and t[name].ndim == 2:
-            t[name] = t[name] * 6
-    m = init_params(cfg, seed + 2, mtp_tensor_shapes(cfg))
-    eh = np.zeros((32, 64), np.float32)
-    eh[:, 32:] = np.eye(32)
-    m["mtp.eh_proj.weight"] = eh
-    save_target(path, cfg, t)
-    save_safetensors(path / "mtp.safetensors", m)
+    write_byte_model(path, seed, MAX_LEN)
 
 
 def worker_cfg(role: str, model: Path, backend: str = "paddle") -> WorkerConfig:

@@ -41,9 +41,9 @@ from runtime.checkpoint import index_checkpoint, load_tensors, save_safetensors,
 from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,
                             SamplingParams, SecurityConfig, ServerConfig, SpecConfig, WorkerConfig)
 from runtime.engine import GenRequest, SpecEngine
-from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from specsplit.v1 import common_pb2
 from target_service.server import start as start_target
+from tests.byte_model import write_byte_model
 
 pytestmark = pytest.mark.integration
 
@@ -55,24 +55,8 @@ READY, LOADED = common_pb2.LIFECYCLE_STATE_READY, common_pb2.LIFECYCLE_STATE_LOA
 
 
 def make_model(path: Path, seed: int, ffn: int = 64) -> Path:
-    """Byte vocabulary (258, EOS 257), peaked logits (no near-ties); the MTP guesses from enorm(embed(t))."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=ffn, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
-                      bos_token_id=256, eos_token_id=257)
-    rng = np.random.default_rng(seed + 1)
-    t = init_params(cfg, seed, target_tensor_shapes(cfg))
-    t["model.embed_tokens.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    t["lm_head.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    t["model.norm.weight"] = (1.0 + 0.3 * rng.standard_normal(32)).astype(np.float32)
-    for name in t:
-        if name.startswith("model.layers.") and t[name].ndim == 2:
-            t[name] = t[name] * 6
-    m = init_params(cfg, seed + 2, mtp_tensor_shapes(cfg))
-    eh = np.zeros((32, 64), np.float32)
-    eh[:, 32:] = np.eye(32)
-    m["mtp.eh_proj.weight"] = eh
-    save_target(path, cfg, t)
-    save_safetensors(path / "mtp.safetensors", m)
+    """tests/byte_model.py's model; the final norm varies too, so versions differ in every shared tensor."""
+    write_byte_model(path, seed, MAX_LEN, ffn, vary_final_norm=True)
     return path
 
 

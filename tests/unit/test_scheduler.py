@@ -15,35 +15,16 @@ import pytest
 
 from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
                                     RequestError, RoundTiming, Scheduler, TokensEvent, WorkerUnavailable)
-from runtime.checkpoint import save_safetensors, save_target
 from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SamplingParams, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
-from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+from tests.byte_model import write_byte_model
 
 EVENT_TIMEOUT_S = 30.0
 SLOTS = 8
 
 
 def make_tiny_model(path: Path, seed: int = 0) -> ModelConfig:
-    """A random byte-vocabulary target whose next token depends mostly on the current one
-    (peaked logits: no near-ties), and an MTP that mostly guesses it (partial acceptance)."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=256, eos_token_id=257)
-    rng = np.random.default_rng(seed + 1)
-    t = init_params(cfg, seed, target_tensor_shapes(cfg))
-    t["model.embed_tokens.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    t["lm_head.weight"] = rng.standard_normal((258, 32)).astype(np.float32)
-    for name in t:
-        if name.startswith("model.layers.") and t[name].ndim == 2:
-            t[name] = t[name] * 6
-    m = init_params(cfg, seed + 2, mtp_tensor_shapes(cfg))
-    eh = np.zeros((32, 64), np.float32)
-    eh[:, 32:] = np.eye(32)                        # x = enorm(embed(t)): a bigram guess
-    m["mtp.eh_proj.weight"] = eh
-    save_target(path, cfg, t)
-    save_safetensors(path / "mtp.safetensors", m)
-    return cfg
+    return write_byte_model(path, seed, 512)
 
 
 @pytest.fixture(scope="module")
