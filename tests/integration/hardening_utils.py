@@ -165,7 +165,9 @@ class Stream:
 
 
 # --- certificates ---------------------------------------------------------------------------------------
-def _cert(name: str, issuer_key=None, issuer_name=None, ca: bool = False):
+def make_cert(name: str, issuer_key=None, issuer_name=None, ca: bool = False):
+    """(key, subject, PEM key, PEM certificate) for CN ``name``, self-signed when no issuer;
+    leaf certificates carry SAN localhost + 127.0.0.1."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -193,16 +195,16 @@ def make_certs(directory: Path, names: tuple[str, ...] = ("server", "orchestrato
     """``ca.pem`` plus ``<name>.pem`` / ``<name>.key`` (CN = name, SAN localhost + 127.0.0.1) signed by it;
     ``rogue.pem`` / ``rogue.key``: a self-signed certificate no CA vouches for. Returns name -> path."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca_name, _, ca_pem = _cert("specsplit-test-ca", ca=True)
+    ca_key, ca_name, _, ca_pem = make_cert("specsplit-test-ca", ca=True)
     out = {"ca": str(directory / "ca.pem")}
     (directory / "ca.pem").write_bytes(ca_pem)
     for name in names:
-        _, _, key, pem = _cert(name, ca_key, ca_name)
+        _, _, key, pem = make_cert(name, ca_key, ca_name)
         (directory / f"{name}.key").write_bytes(key)
         (directory / f"{name}.pem").write_bytes(pem)
         out[f"{name}.key"], out[f"{name}.pem"] = str(directory / f"{name}.key"), str(directory / f"{name}.pem")
     if rogue:
-        _, _, key, pem = _cert("admin")                 # self-signed, claims the admin CN
+        _, _, key, pem = make_cert("admin")                 # self-signed, claims the admin CN
         (directory / "rogue.key").write_bytes(key)
         (directory / "rogue.pem").write_bytes(pem)
         out["rogue.key"], out["rogue.pem"] = str(directory / "rogue.key"), str(directory / "rogue.pem")

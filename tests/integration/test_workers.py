@@ -26,6 +26,7 @@ from runtime.types import DraftPrefillRequest, PrefillRequest, ProposeRequest, V
 from runtime.weights import check_draft, check_target, read_arrays, resolve_draft_path, to_device
 from specsplit import wire
 from specsplit.serving import admin_metadata
+from tests.integration.hardening_utils import make_cert
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import target_pb2 as tpb
@@ -549,36 +550,12 @@ def test_paddle_without_cuda_says_so(worker_server):
 # --- TLS ----------------------------------------------------------------------------------
 
 
-def _cert(name: str, issuer_key=None, issuer_name=None, ca: bool = False):
-    """A key and certificate for ``name`` (self-signed when no issuer), PEM bytes."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-    cert = builder.sign(issuer_key or key, hashes.SHA256())
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return key, subject, pem_key, cert.public_bytes(serialization.Encoding.PEM)
-
-
 def test_tls_and_mutual_tls(worker_server, tmp_path):
     from grpc_health.v1 import health_pb2_grpc
 
-    ca_key, ca_name, _, ca_pem = _cert("specsplit-test-ca", ca=True)
-    _, _, srv_key, srv_pem = _cert("localhost", ca_key, ca_name)
-    _, _, cli_key, cli_pem = _cert("client", ca_key, ca_name)
+    ca_key, ca_name, _, ca_pem = make_cert("specsplit-test-ca", ca=True)
+    _, _, srv_key, srv_pem = make_cert("localhost", ca_key, ca_name)
+    _, _, cli_key, cli_pem = make_cert("client", ca_key, ca_name)
     files = {}
     for name, data in (("ca.pem", ca_pem), ("srv.key", srv_key), ("srv.pem", srv_pem)):
         (tmp_path / name).write_bytes(data)
