@@ -61,11 +61,13 @@ class OrchestratorMetrics:
                                ["worker"], registry=r)
 
     # --- scheduler.Observer ---------------------------------------------------------
-    def on_round(self, timing: RoundTiming, ks_and_accepts: list[tuple[int, int]]) -> None:
-        for part, value in (("draft", timing.draft_s), ("target", timing.target_s),
-                            ("overhead", timing.overhead_s), ("total", timing.wall_s)):
-            self.round_seconds.labels(part).observe(value)
-        self.batch.observe(timing.batch)
+    def on_round(self, timing: RoundTiming | None, ks_and_accepts: list[tuple[int, int]]) -> None:
+        """``timing`` once per round (None: acceptance only, e.g. a second request of a round)."""
+        if timing is not None:
+            for part, value in (("draft", timing.draft_s), ("target", timing.target_s),
+                                ("overhead", timing.overhead_s), ("total", timing.wall_s)):
+                self.round_seconds.labels(part).observe(value)
+            self.batch.observe(timing.batch)
         for k, a in ks_and_accepts:
             if k == 0:
                 continue

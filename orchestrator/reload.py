@@ -1,8 +1,8 @@
 """Weight reload across both workers (DESIGN § Worker lifecycle, "Orchestrator reload").
 
 Owns: the reload sequence and its order, one reload at a time, the in-flight
-policies (WAIT / ABORT / RECOMPUTE, applied through the scheduler's reload
-hooks at a round boundary), rollback of both workers to the previous version
+policies (WAIT / ABORT / RECOMPUTE, applied by the target's round loop at a
+round boundary through ``RemoteRounds``), rollback of both workers to the previous version
 when any phase fails, the progress events (phase, service, seconds), the
 "reloading" gate that Generate calls wait on, and reload metrics.
 
@@ -24,14 +24,14 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from orchestrator.scheduler import RequestError, Scheduler
+from orchestrator.round_client import RemoteRounds
+from orchestrator.scheduler_types import RequestError
 from runtime.config import OrchestratorConfig
 from specsplit.v1 import common_pb2
 
@@ -117,7 +117,7 @@ class ReloadMetrics:
 class ReloadCoordinator:
     """Drives reloads; one at a time. ``reload`` blocks the calling thread until done."""
 
-    def __init__(self, scheduler: Scheduler, clients: Callable[[], dict[str, Any]], cfg: OrchestratorConfig,
+    def __init__(self, scheduler: RemoteRounds, clients: Callable[[], dict[str, Any]], cfg: OrchestratorConfig,
                  refresh: Callable[[], None] = lambda: None, registry: CollectorRegistry | None = None) -> None:
         # clients() -> {"target": client, "draft": client}: looked up per reload (the draft's
         # client changes when it moves to a new address); no "draft" key = target-only.
@@ -255,18 +255,16 @@ class _Run:
             raise _PhaseFailed(phase, failures)
         return results
 
-    def _boundary(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` on the scheduler thread between two rounds (bounded wait: a round is
+    def _boundary(self, action: Callable[..., Any], what: str, *args: Any) -> Any:
+        """Run a round-loop action in the target, between two rounds (bounded wait: a round is
         bounded by the worker timeouts)."""
         bound = 3 * self.cfg.worker_timeout_s + 10
         phase = "resume" if what == "resume" else "inflight"
         try:
-            return self.sched.at_round_boundary(fn).result(timeout=bound)
-        except FutureTimeout:
+            return action(*args, timeout=bound)
+        except RequestError as exc:                 # a timeout, the target gone, shutting down
             raise _PhaseFailed(phase, {ORCH: RequestError(
-                "UNAVAILABLE", f"the scheduler did not reach a round boundary within {bound:g}s ({what})")}) from None
-        except RequestError as exc:                 # e.g. the orchestrator is shutting down
-            raise _PhaseFailed(phase, {ORCH: exc}) from None
+                exc.code, f"the round loop did not reach a round boundary ({what}): {exc.message}")}) from None
 
     # --- the sequence ------------------------------------------------------------------------
     def execute(self) -> str:
@@ -275,7 +273,11 @@ class _Run:
         self._snapshot()
         self._validate()
         phase_t = time.monotonic()
-        self.sched.pause_admission()
+        try:
+            self.sched.pause_admission()
+        except RequestError as exc:
+            raise ReloadError(exc.code, f"cannot pause admission in the target's round loop, nothing changed: "
+                                        f"{exc.message}") from None
         self._event("pause", ORCH, phase_t, "admission paused")
         try:
             self._inflight()
@@ -349,16 +351,15 @@ class _Run:
         if policy == WAIT:
             bound = self.cfg.reload_wait_timeout_s
             deadline = time.monotonic() + bound
-            while self.sched.snapshot()[0] > 0:
+            while (active := self._active()) > 0:
                 if time.monotonic() > deadline:
-                    active = self.sched.snapshot()[0]
                     raise _PhaseFailed("inflight", {ORCH: RequestError(
                         "FAILED_PRECONDITION", f"WAIT: {active} requests still running after {bound:g}s "
                                                "(reload_wait_timeout_s); retry, or use ABORT or RECOMPUTE")})
                 time.sleep(_POLL_S)
             # NOTE: a barrier even with nothing running: no round may be in flight when
             # graphs or weights change.
-            self._boundary(lambda: None, "settle")
+            self._boundary(self.sched.settle, "settle")
             message = "in-flight requests finished (WAIT)"
         elif policy == ABORT:
             message = f"{self._boundary(self.sched.abort_running, 'abort')} requests aborted with their partial output"
@@ -366,8 +367,9 @@ class _Run:
             try:
                 n = self._boundary(self.sched.park_running, "park")
             except _PhaseFailed:
-                # The park may still run later: queue its undo behind it.
-                self.sched.at_round_boundary(self.sched.resume_parked)
+                # The park may still run later: queue its undo behind it (best effort; the
+                # rollback's resume below tries again).
+                threading.Thread(target=self._resume_quietly, name="reload-unpark", daemon=True).start()
                 raise
             message = f"{n} requests paused, caches released (RECOMPUTE re-prefills them)"
         self._event("inflight", ORCH, t0, message)
@@ -409,20 +411,32 @@ class _Run:
     def _resume(self, version: str | None) -> None:
         t0 = time.monotonic()
 
-        def at_boundary() -> int:
-            # NOTE: fresh round streams before the first round: a worker may have been
-            # restarted during the reload, and its old stream would fail that round.
-            for client in self.workers.values():
-                getattr(client, "reset_streams", lambda: None)()
-            return self.sched.resume_parked(version)
         try:
-            n = self._boundary(at_boundary, "resume")
+            # NOTE: the target opens a fresh draft stream before the first round
+            # (reset_streams): the draft may have been restarted during the reload.
+            n = self._boundary(self.sched.resume_parked, "resume", version)
             message = f"admission resumed; {n} paused requests re-prefilled and continuing"
         except _PhaseFailed as failed:
             message = f"admission resumed; {failed}"
         finally:
-            self.sched.resume_admission()
+            try:
+                self.sched.resume_admission()
+            except RequestError as exc:
+                message = f"{message}; resuming admission failed: {exc.message}"
+                log.error("resume_admission_failed", error=exc.message)
         self._event("resume", ORCH, t0, message, version or "")
+
+    def _active(self) -> int:
+        try:
+            return self.sched.snapshot()[0]
+        except RequestError as exc:
+            raise _PhaseFailed("inflight", {ORCH: exc}) from None
+
+    def _resume_quietly(self) -> None:
+        try:
+            self.sched.resume_parked(None, timeout=3 * self.cfg.worker_timeout_s + 10)
+        except RequestError as exc:
+            log.warning("unpark_failed", error=exc.message)
 
     # --- rollback ------------------------------------------------------------------------------
     def _rollback(self) -> tuple[bool, str]:

@@ -152,6 +152,10 @@ class Scheduler:
             self._cv.notify()
         return handle
 
+    @property
+    def admission_paused(self) -> bool:
+        return self._paused
+
     def snapshot(self) -> tuple[int, int]:
         """(active, queued) request counts."""
         with self._cv:
@@ -390,13 +394,15 @@ class Scheduler:
             d0, a0 = before[rid]
             nd, na = x.seq.stats.drafted - d0, x.seq.stats.accepted - a0
             ks_acc.append((nd, na))
-            self._push_tokens(x, emitted.get(rid, []), na, nd)
+            self._push_tokens(x, emitted.get(rid, []), na, nd, timing)
         self.observer.on_round(timing, ks_acc)
 
-    def _push_tokens(self, live: _Live, tokens: list[int], accepted: int, drafted: int) -> None:
+    def _push_tokens(self, live: _Live, tokens: list[int], accepted: int, drafted: int,
+                     timing: RoundTiming | None = None) -> None:
         if tokens:
             live.streamed.extend(tokens)
-            live.handle.events.put(TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version))
+            live.handle.events.put(TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version,
+                                               timing))
 
     def _retire(self) -> None:
         for live in [x for x in self._running if x.seq.finish_reason is not None]:

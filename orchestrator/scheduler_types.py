@@ -75,6 +75,7 @@ class TokensEvent:
     num_accepted: int
     num_drafted: int
     weights_version: str
+    timing: "RoundTiming | None" = None  # the round these tokens came from (None at admission)
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,14 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_status import rpc_status
 
-from orchestrator.draft_health import DraftLink
+from orchestrator.draft_health import read_address_file
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.push import PushError, PushStaging
 from orchestrator.reload import (ABORT, IN_PLACE, RECAPTURE, RECOMPUTE, WAIT, ReloadCoordinator, ReloadError,
                                  ReloadEvent, ReloadSpec)
-from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, Scheduler,
-                                    TokensEvent)
+from orchestrator.round_client import RemoteRounds
+from orchestrator.scheduler_types import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError,
+                                          TokensEvent)
 from orchestrator.worker_clients import DraftClient, TargetClient
 from runtime.config import OrchestratorConfig
 from runtime.observability import start_metrics_server
@@ -86,15 +87,16 @@ class Orchestrator:
         self.facts_error = "worker status not polled yet"
         self.draining = False
         self.target_up = True                        # last poll reached a serving target
-        self.scheduler = Scheduler(self.target, None, max_batch=cfg.max_batch, max_queue=cfg.max_queue,
-                                   eos_token_id=None, observer=metrics)
-        # The draft is optional at run time: a failed draft call degrades to target-only
-        # decoding, and the link reconnects (same or new address) and re-attaches live requests.
-        self.draft_link = DraftLink(
-            self.scheduler, lambda address: DraftClient(address, **kw), cfg.draft_address, cfg.draft_address_file,
-            probe_timeout_s=min(cfg.worker_timeout_s, 5.0), target_status=lambda: self._status(self.target)[0],
-            on_change=lambda available: self.metrics.speculation.set(int(available)),
-        ) if (cfg.draft_address or cfg.draft_address_file) else None
+        # The round loop runs in the target service (DESIGN § Topology): requests join it
+        # with one Decode call each; it talks to the draft itself. The orchestrator keeps
+        # admission checks, streaming to clients, lifecycle and the draft's address.
+        self.scheduler = RemoteRounds(self.target, observer=metrics, control_timeout_s=cfg.worker_timeout_s)
+        self.rounds: Any = None                      # last RoundsStatus polled from the target
+        self._make_draft = lambda address: DraftClient(address, **kw)
+        self.draft_configured = bool(cfg.draft_address or cfg.draft_address_file)
+        self.draft_address = read_address_file(cfg.draft_address_file) or cfg.draft_address
+        self._draft = self._make_draft(self.draft_address) if self.draft_address else None
+        self._draft_lock = threading.Lock()
         self.reloader = ReloadCoordinator(self.scheduler, self._worker_clients, cfg, refresh=self.poll,
                                           registry=metrics.registry)
         self.push = PushStaging(cfg.push_staging_dir, cfg.push_max_bytes, cfg.push_keep_versions)
@@ -103,8 +105,9 @@ class Orchestrator:
 
     @property
     def draft(self) -> DraftClient | None:
-        """The client of the draft's current address (None: no draft configured); see ``draft_link``."""
-        return self.draft_link.client if self.draft_link is not None else None
+        """The client of the draft's current address, for lifecycle and status (None: no draft
+        configured). The target's round loop keeps its own stream to the same address."""
+        return self._draft
 
     def _worker_clients(self) -> dict[str, Any]:
         """The workers a reload drives: the target, and the draft at its current address."""
@@ -113,20 +116,33 @@ class Orchestrator:
 
     @property
     def speculation_available(self) -> bool:
-        """A draft is attached: rounds speculate (False: no draft, or degraded to target-only)."""
-        return self.draft_link is not None and self.draft_link.available
+        """A draft is attached to the target's round loop: rounds speculate."""
+        return self.draft_configured and self.rounds is not None and self.rounds.speculation_available
 
     def set_draft_address(self, address: str) -> None:
-        """Admin: move to the draft at ``address`` (live requests are re-attached there)."""
-        if self.draft_link is None:
+        """Admin: move to the draft at ``address`` (the target re-attaches live requests there)."""
+        if not self.draft_configured:
             raise RequestError("FAILED_PRECONDITION", "no draft configured (target-only serving)")
-        self.draft_link.set_address(address)
+        with self._draft_lock:
+            if address == self.draft_address:
+                return
+            old, self.draft_address, self._draft = self._draft, address, self._make_draft(address)
+        log.info("draft_address_changed", address=address)
+        if old is not None:
+            old.close()
+        self._configure_rounds()
+
+    def _configure_rounds(self) -> None:
+        """Tell the target's round loop where the draft is and the batch limits."""
+        try:
+            self.rounds = self.scheduler.configure(self.draft_address or "", self.cfg.max_batch, self.cfg.max_queue,
+                                                   self.cfg.worker_timeout_s)
+        except RequestError as exc:
+            log.warning("configure_rounds_failed", error=exc.message)
 
     def start(self) -> None:
-        if self.draft_link is not None:
-            self.draft_link.start()                  # attach now if the draft is there, else keep trying
+        self._configure_rounds()                     # this orchestrator's limits and draft, whatever was set before
         self.poll()                                  # facts and health before the first request
-        self.scheduler.start()
         self._poller.start()
 
     # --- worker poller ---------------------------------------------------------------
@@ -138,9 +154,9 @@ class Orchestrator:
 
     def poll(self) -> None:
         """Refresh model facts, scheduler limits, health and worker gauges from GetStatus."""
-        epoch = self.reloader.epoch
-        if self.draft_link is not None:
-            self.draft_link.check_address()          # draft_address_file may name a new draft
+        new = read_address_file(self.cfg.draft_address_file)
+        if new and new != self.draft_address:        # draft_address_file names a new draft
+            self.set_draft_address(new)
         t, t_err = self._status(self.target)
         d, d_err = self._status(self.draft) if self.draft is not None else (None, "")
         target_ok = t is not None and t.state in _SERVING_STATES and t.vocab_size > 0
@@ -151,16 +167,32 @@ class Orchestrator:
                 max_len, slots = min(max_len, d.max_len), min(slots, d.free_slots + d.used_slots)
             self.facts = ModelFacts(t.vocab_size, max_len, t.eos_token_id if t.HasField("eos_token_id") else None,
                                     t.weights_version, slots, d.max_k if draft_ok else None)
-            # NOTE: the scheduler reads these at each round boundary; never more live
-            # sequences than the workers have cache slots.
-            self.scheduler.eos_token_id = self.facts.eos_token_id
-            # NOTE: during a reload the coordinator owns the version (set when rounds
-            # resume); a poll that overlapped a reload's start or end read stale status.
-            if not self.reloader.active and self.reloader.epoch == epoch:
-                self.scheduler.weights_version = self.facts.weights_version
-            self.scheduler.max_batch = max(1, min(self.cfg.max_batch, slots))
+            try:
+                self.rounds = self.scheduler.status(timeout=min(self.cfg.worker_timeout_s, 5.0))
+            except RequestError as exc:
+                self.rounds = None
+                log.warning("rounds_status_failed", error=exc.message)
+            # NOTE: a target that restarted has forgotten the draft address and limits.
+            if self.rounds is not None and (not self.rounds.configured
+                                            or self.rounds.draft_address != (self.draft_address or "")):
+                self._configure_rounds()
+            if self.rounds is not None:
+                self.metrics.on_load(self.rounds.active_requests, self.rounds.queued_requests)
         else:
             self.facts_error = t_err or f"target is not serving (state {t.state if t else '?'})"
+        if t is None and self.scheduler.open_calls():
+            # NOTE: a stalled target (no answer within the worker timeout) would hold every
+            # stream until its deadline: end them now; the target frees their slots when it
+            # answers again (cancellations are honoured before anyone joins).
+            n = self.scheduler.fail_all(f"target stopped answering: {t_err}")
+            log.warning("target_unresponsive", ended=n, error=t_err)
+        if self.scheduler.orphaned and self.draft is not None:
+            ids = sorted(self.scheduler.orphaned)
+            try:
+                self.draft.release_many(ids)
+                self.scheduler.orphaned.difference_update(ids)
+            except RequestError as exc:
+                log.warning("orphan_release_failed", count=len(ids), error=exc.message)
         # NOTE: a missing draft does not make the orchestrator NOT_SERVING: requests go on
         # target-only (speculation_available / specsplit_speculation_available say so).
         self.target_up = target_ok
@@ -179,7 +211,13 @@ class Orchestrator:
                 log.exception("poll_failed")
 
     def cluster_status(self) -> opb.ClusterStatus:
-        active, queued = self.scheduler.snapshot()
+        try:
+            self.rounds = self.scheduler.status(timeout=min(self.cfg.worker_timeout_s, 5.0))
+        except RequestError:
+            pass                                     # the target's own status says why
+        r = self.rounds
+        self.metrics.speculation.set(int(self.speculation_available))
+        active, queued = (r.active_requests, r.queued_requests) if r is not None else (0, 0)
         facts = self.facts
         out = opb.ClusterStatus(orchestrator=opb.OrchestratorStatus(
             active_requests=active, queued_requests=queued,
@@ -196,8 +234,8 @@ class Orchestrator:
             d, d_err = self._status(self.draft)
             if d is not None:
                 out.draft.CopyFrom(d)
-            link = self.draft_link
-            out.draft_error = d_err or ("" if link.available else f"target-only: {link.last_error}")
+            why = r.draft_error if r is not None else "the target's round loop is unreachable"
+            out.draft_error = d_err or ("" if self.speculation_available else f"target-only: {why}")
         return out
 
     def close(self) -> None:
@@ -207,8 +245,8 @@ class Orchestrator:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.scheduler.stop()
         self.target.close()
-        if self.draft_link is not None:
-            self.draft_link.close()
+        if self._draft is not None:
+            self._draft.close()
 
 
 # --- validation --------------------------------------------------------------------------
@@ -469,7 +507,7 @@ class OrchestratorServer:
         self.core.draining = True
         self.core.poll()                               # health -> NOT_SERVING now
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.core.scheduler.snapshot() != (0, 0):
+        while time.monotonic() < deadline and self.core.scheduler.open_calls() > 0:
             time.sleep(0.05)
         # NOTE: what still runs after the grace period ends with UNAVAILABLE from the scheduler
         # (slots released), and the handlers get a moment to send that status before the

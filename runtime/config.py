@@ -277,9 +277,18 @@ class WorkerConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
+    draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft)
+    draft_client_cert: str | None = None  # client certificate shown to an mTLS draft
+    draft_client_key: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
+        _check((self.draft_client_cert is None) == (self.draft_client_key is None),
+               "draft_client_cert/draft_client_key", "both set or both unset",
+               (self.draft_client_cert, self.draft_client_key))
+        _check(self.draft_client_cert is None or self.draft_tls_ca is not None, "draft_client_cert",
+               "used only together with draft_tls_ca", self.draft_client_cert)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import grpc
 from runtime.config import SecurityConfig
 
 ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
-                           "ReloadWeights", "PushWeights"})
+                           "ReloadWeights", "PushWeights", "ControlRounds"})
 GENERATE_METHODS = frozenset({"Generate"})
 AUTH_HEADER = "authorization"
 

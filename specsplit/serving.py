@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -216,10 +216,16 @@ class WorkerService:
     worker: WorkerBase
     health: health.HealthServicer
     metrics_port: int | None = None
+    before_close: list[Callable[[], None]] = field(default_factory=list)   # run after the server stops
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        # NOTE: hosted loops end first (their streams get their status while the server
+        # drains), then the worker's ordered teardown (graphs, then weights).
+        for fn in self.before_close:
+            fn()
+        stopped.wait()
         self.worker.close()
 
 

@@ -12,19 +12,26 @@ RPCs come from ``specsplit.serving.WorkerServicerMixin``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 import grpc
 import numpy as np
 import structlog
 
+from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, SeqStats,
+                                    TokensEvent)
 from runtime.config import WorkerConfig
 from runtime.observability import redact
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
+from runtime.worker_base import check_request_id, check_token_range
 from specsplit import wire
 from specsplit.serving import WorkerService, WorkerServicerMixin, start_worker_service
+from specsplit.v1 import common_pb2
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
+from target_service.rounds import (ABORT, CONFIGURE, PARK, PAUSE, RESUME, RESUME_PARKED, SETTLE, STATUS, RoundHost,
+                                   RoundsState)
 from target_service.worker import TargetWorker
 
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TargetService"].full_name   # "specsplit.v1.TargetService"
@@ -64,11 +71,113 @@ def _verify_result(request_id: str, res: VerifyResult | wire.ItemError) -> tpb.V
         hidden=wire.encode_tensor(res.hidden, "float32")))                               # [a+1, d]
 
 
+_ACTIONS = {tpb.ROUNDS_ACTION_STATUS: STATUS, tpb.ROUNDS_ACTION_PAUSE_ADMISSION: PAUSE,
+            tpb.ROUNDS_ACTION_RESUME_ADMISSION: RESUME, tpb.ROUNDS_ACTION_SETTLE: SETTLE,
+            tpb.ROUNDS_ACTION_ABORT_RUNNING: ABORT, tpb.ROUNDS_ACTION_PARK_RUNNING: PARK,
+            tpb.ROUNDS_ACTION_RESUME_PARKED: RESUME_PARKED, tpb.ROUNDS_ACTION_CONFIGURE: CONFIGURE}
+EVENT_POLL_S = 0.25                # how often a Decode handler checks that its caller is still there
+
+
+def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRequest:
+    """DecodeRequest -> GenerationRequest; ValueError naming the bad field."""
+    check_request_id(req.request_id, "request_id")
+    mc = worker.model_cfg
+    vocab = mc.vocab_size if mc is not None else 0
+    prompt = np.asarray(req.prompt, dtype=np.int64)
+    if prompt.size == 0:
+        raise ValueError("prompt: must hold at least one token (empty)")
+    if mc is not None:
+        check_token_range(prompt, vocab, "prompt")
+        check_token_range(np.asarray(req.stop_token_ids, dtype=np.int64), vocab, "stop_token_ids")
+    if req.max_tokens < 1:
+        raise ValueError(f"max_tokens: {req.max_tokens} must be >= 1")
+    max_k = worker.cfg.spec.max_k
+    if not 0 <= req.k <= max_k:
+        raise ValueError(f"k: {req.k} is out of range [0, {max_k}]")
+    params = dataclasses.replace(wire.params_from_proto(req.params, "params"), max_tokens=int(req.max_tokens),
+                                 stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
+                                 ignore_eos=bool(req.ignore_eos))
+    return GenerationRequest(req.request_id, tuple(int(t) for t in prompt), params, int(req.k))
+
+
+def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:
+    return tpb.DecodeStats(drafted=s.drafted, accepted=s.accepted, rounds=s.rounds, spec_rounds=s.spec_rounds,
+                           emitted_in_rounds=s.emitted_in_rounds, position_drafted=s.pos_drafted,
+                           position_accepted=s.pos_accepted)
+
+
+def _event_proto(ev: Any) -> tpb.DecodeEvent:
+    if isinstance(ev, TokensEvent):
+        chunk = tpb.DecodeChunk(tokens=ev.tokens, round=ev.round, num_accepted=ev.num_accepted,
+                                num_drafted=ev.num_drafted, weights_version=ev.weights_version)
+        t = ev.timing
+        if t is not None:
+            chunk.timing.CopyFrom(tpb.RoundTiming(round=t.round, batch=t.batch, draft_seconds=t.draft_s,
+                                                  target_seconds=t.target_s, overhead_seconds=t.overhead_s,
+                                                  total_seconds=t.wall_s))
+        return tpb.DecodeEvent(chunk=chunk)
+    if isinstance(ev, FinalEvent):
+        return tpb.DecodeEvent(final=tpb.DecodeFinal(
+            finish_reason=ev.finish_reason, output=ev.output, prompt_tokens=ev.prompt_tokens,
+            stats=stats_to_proto(ev.stats), weights_version=ev.weights_version))
+    return tpb.DecodeEvent(error=tpb.DecodeError(
+        error=common_pb2.ItemError(code=grpc.StatusCode[ev.code].value[0], message=ev.message), streamed=ev.output))
+
+
+def _rounds_proto(st: RoundsState) -> tpb.RoundsStatus:
+    return tpb.RoundsStatus(**dataclasses.asdict(st))
+
+
 class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, worker: TargetWorker, log: Any) -> None:
+    def __init__(self, worker: TargetWorker, log: Any, rounds: RoundHost) -> None:
         self.worker = worker
         self.log = log
+        self.rounds = rounds
         self.max_tensor_bytes = worker.cfg.security.max_tensor_bytes
+
+    def Decode(self, request: tpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[tpb.DecodeEvent]:
+        """One request through the round loop: a chunk per round, then the final event
+        (a failure after the first chunk is an ``error`` event, so what streamed stays)."""
+        def check() -> GenerationRequest:
+            self.worker.lifecycle.require_serving("Decode")
+            return decode_request(request, self.worker)
+        greq = self._run(context, "Decode", check)
+        try:
+            handle = self.rounds.submit(greq)
+        except QueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RequestError as err:
+            context.abort(grpc.StatusCode[err.code], err.message)
+        # NOTE: registered after submit: a caller that is already gone cancels at once,
+        # and the scheduler frees the slots at its next round boundary.
+        if not context.add_callback(handle.cancel):
+            handle.cancel()
+        while True:
+            ev = handle.next_event(EVENT_POLL_S)
+            if ev is None:
+                if not context.is_active():
+                    handle.cancel()
+                    return
+                continue
+            yield _event_proto(ev)
+            if not isinstance(ev, TokensEvent):
+                return
+
+    def ControlRounds(self, request: tpb.ControlRoundsRequest,
+                      context: grpc.ServicerContext) -> tpb.ControlRoundsResponse:
+        action = _ACTIONS.get(request.action)
+        if action is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"action: {request.action} is not a known RoundsAction")
+        remaining = context.time_remaining()
+        timeout = min(remaining, 600.0) if remaining is not None else 600.0
+        count = self._run(context, f"ControlRounds.{action}", lambda: self.rounds.control(
+            action, weights_version=request.weights_version, draft_address=request.draft_address,
+            max_batch=request.max_batch, max_queue=request.max_queue if request.action == tpb.ROUNDS_ACTION_CONFIGURE
+            else -1, draft_timeout_s=request.draft_timeout_s, reset_streams=request.reset_streams,
+            timeout=max(timeout, 0.1)))
+        if action != STATUS:
+            self.log.info("rounds_control", action=action, count=count)
+        return tpb.ControlRoundsResponse(count=count, status=_rounds_proto(self.rounds.state()))
 
     def Prefill(self, request: tpb.TargetPrefillRequest,
                 context: grpc.ServicerContext) -> tpb.TargetPrefillResponse:
@@ -95,8 +204,17 @@ def start(cfg: WorkerConfig) -> WorkerService:
     log = structlog.get_logger(service="target")
     log.info("starting", config=redact(cfg))
     worker = TargetWorker(cfg, log=log)
-    return start_worker_service(cfg, worker, TargetServicer(worker, log),
-                                target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, log)
+    rounds = RoundHost(worker, cfg)
+    # NOTE: every Decode call holds a handler thread for its whole life (the running
+    # batch plus the waiting queue), so the pool is sized for that, not for cfg alone.
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_workers=max(cfg.server.max_workers,
+                                                                                        256)))
+    svc = start_worker_service(cfg, worker, TargetServicer(worker, log, rounds),
+                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, log)
+    # NOTE: the round loop stops before the worker tears down (its requests end with
+    # UNAVAILABLE and their slots are released while the weights are still there).
+    svc.before_close.append(rounds.close)
+    return svc
 
 
 def create_server(cfg: WorkerConfig) -> tuple[grpc.Server, int]:

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from specsplit.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -18,6 +19,422 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _RoundsAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoundsActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoundsAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROUNDS_ACTION_UNSPECIFIED: _RoundsAction.ValueType  # 0
+    ROUNDS_ACTION_STATUS: _RoundsAction.ValueType  # 1
+    """Report RoundsStatus only."""
+    ROUNDS_ACTION_PAUSE_ADMISSION: _RoundsAction.ValueType  # 2
+    """No waiting request joins the batch until RESUME_ADMISSION; running ones go on."""
+    ROUNDS_ACTION_RESUME_ADMISSION: _RoundsAction.ValueType  # 3
+    ROUNDS_ACTION_SETTLE: _RoundsAction.ValueType  # 4
+    """Return once no round is in flight (a barrier)."""
+    ROUNDS_ACTION_ABORT_RUNNING: _RoundsAction.ValueType  # 5
+    """End every running request with finish reason "aborted" and its partial output."""
+    ROUNDS_ACTION_PARK_RUNNING: _RoundsAction.ValueType  # 6
+    """Take every running request out of the batch and free its caches (RECOMPUTE)."""
+    ROUNDS_ACTION_RESUME_PARKED: _RoundsAction.ValueType  # 7
+    """Set weights_version, re-prefill every parked request and put it back."""
+    ROUNDS_ACTION_CONFIGURE: _RoundsAction.ValueType  # 8
+    """Set the draft address and the batch limits (fields below)."""
+
+class RoundsAction(_RoundsAction, metaclass=_RoundsActionEnumTypeWrapper): ...
+
+ROUNDS_ACTION_UNSPECIFIED: RoundsAction.ValueType  # 0
+ROUNDS_ACTION_STATUS: RoundsAction.ValueType  # 1
+"""Report RoundsStatus only."""
+ROUNDS_ACTION_PAUSE_ADMISSION: RoundsAction.ValueType  # 2
+"""No waiting request joins the batch until RESUME_ADMISSION; running ones go on."""
+ROUNDS_ACTION_RESUME_ADMISSION: RoundsAction.ValueType  # 3
+ROUNDS_ACTION_SETTLE: RoundsAction.ValueType  # 4
+"""Return once no round is in flight (a barrier)."""
+ROUNDS_ACTION_ABORT_RUNNING: RoundsAction.ValueType  # 5
+"""End every running request with finish reason "aborted" and its partial output."""
+ROUNDS_ACTION_PARK_RUNNING: RoundsAction.ValueType  # 6
+"""Take every running request out of the batch and free its caches (RECOMPUTE)."""
+ROUNDS_ACTION_RESUME_PARKED: RoundsAction.ValueType  # 7
+"""Set weights_version, re-prefill every parked request and put it back."""
+ROUNDS_ACTION_CONFIGURE: RoundsAction.ValueType  # 8
+"""Set the draft address and the batch limits (fields below)."""
+Global___RoundsAction: _TypeAlias = RoundsAction  # noqa: Y015
+
+@_typing.final
+class DecodeRequest(_message.Message):
+    """--- the round loop (orchestrator -> target) ---------------------------------"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    PARAMS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    K_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Unique among the requests the target holds; at most 128 characters."""
+    max_tokens: _builtins.int
+    """Tokens to generate at most (>= 1)."""
+    ignore_eos: _builtins.bool
+    """When true, the model's EOS token does not stop generation."""
+    k: _builtins.int
+    """Drafts per round (0 = target-only); at most the draft's max_k."""
+    @_builtins.property
+    def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """t_0..t_{n-1}; at least one token, each in [0, vocab_size)."""
+
+    @_builtins.property
+    def params(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Generation stops after any of these tokens (it is included in the output)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt: _abc.Iterable[_builtins.int] | None = ...,
+        params: _common_pb2.SamplingParams | None = ...,
+        max_tokens: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        ignore_eos: _builtins.bool = ...,
+        k: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
+
+@_typing.final
+class RoundTiming(_message.Message):
+    """One round's time in the target's round loop (seconds)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    DRAFT_SECONDS_FIELD_NUMBER: _builtins.int
+    TARGET_SECONDS_FIELD_NUMBER: _builtins.int
+    OVERHEAD_SECONDS_FIELD_NUMBER: _builtins.int
+    TOTAL_SECONDS_FIELD_NUMBER: _builtins.int
+    round: _builtins.int
+    batch: _builtins.int
+    draft_seconds: _builtins.float
+    target_seconds: _builtins.float
+    overhead_seconds: _builtins.float
+    """Everything else: host work, the draft exchange's transport, scheduling."""
+    total_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        round: _builtins.int = ...,
+        batch: _builtins.int = ...,
+        draft_seconds: _builtins.float = ...,
+        target_seconds: _builtins.float = ...,
+        overhead_seconds: _builtins.float = ...,
+        total_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "draft_seconds", b"draft_seconds", "overhead_seconds", b"overhead_seconds", "round", b"round", "target_seconds", b"target_seconds", "total_seconds", b"total_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundTiming: _TypeAlias = RoundTiming  # noqa: Y015
+
+@_typing.final
+class DecodeChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_FIELD_NUMBER: _builtins.int
+    NUM_DRAFTED_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    TIMING_FIELD_NUMBER: _builtins.int
+    round: _builtins.int
+    num_accepted: _builtins.int
+    num_drafted: _builtins.int
+    weights_version: _builtins.str
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens committed for this request in this round (accepted drafts + bonus)."""
+
+    @_builtins.property
+    def timing(self) -> Global___RoundTiming:
+        """The round this chunk came from (the same for every request of the round)."""
+
+    def __init__(
+        self,
+        *,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
+        round: _builtins.int = ...,
+        num_accepted: _builtins.int = ...,
+        num_drafted: _builtins.int = ...,
+        weights_version: _builtins.str = ...,
+        timing: Global___RoundTiming | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted", b"num_accepted", "num_drafted", b"num_drafted", "round", b"round", "timing", b"timing", "tokens", b"tokens", "weights_version", b"weights_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeChunk: _TypeAlias = DecodeChunk  # noqa: Y015
+
+@_typing.final
+class DecodeStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DRAFTED_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    SPEC_ROUNDS_FIELD_NUMBER: _builtins.int
+    EMITTED_IN_ROUNDS_FIELD_NUMBER: _builtins.int
+    POSITION_DRAFTED_FIELD_NUMBER: _builtins.int
+    POSITION_ACCEPTED_FIELD_NUMBER: _builtins.int
+    drafted: _builtins.int
+    accepted: _builtins.int
+    rounds: _builtins.int
+    spec_rounds: _builtins.int
+    emitted_in_rounds: _builtins.int
+    """Accepted drafts + bonus tokens, summed over speculative rounds."""
+    @_builtins.property
+    def position_drafted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per draft position 1..k: how often drafted / accepted."""
+
+    @_builtins.property
+    def position_accepted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        drafted: _builtins.int = ...,
+        accepted: _builtins.int = ...,
+        rounds: _builtins.int = ...,
+        spec_rounds: _builtins.int = ...,
+        emitted_in_rounds: _builtins.int = ...,
+        position_drafted: _abc.Iterable[_builtins.int] | None = ...,
+        position_accepted: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "drafted", b"drafted", "emitted_in_rounds", b"emitted_in_rounds", "position_accepted", b"position_accepted", "position_drafted", b"position_drafted", "rounds", b"rounds", "spec_rounds", b"spec_rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeStats: _TypeAlias = DecodeStats  # noqa: Y015
+
+@_typing.final
+class DecodeFinal(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    STATS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    finish_reason: _builtins.str
+    """"stop" | "length" | "aborted" | "cancelled"."""
+    prompt_tokens: _builtins.int
+    weights_version: _builtins.str
+    @_builtins.property
+    def output(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The whole output."""
+
+    @_builtins.property
+    def stats(self) -> Global___DecodeStats: ...
+    def __init__(
+        self,
+        *,
+        finish_reason: _builtins.str = ...,
+        output: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+        stats: Global___DecodeStats | None = ...,
+        weights_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "output", b"output", "prompt_tokens", b"prompt_tokens", "stats", b"stats", "weights_version", b"weights_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeFinal: _TypeAlias = DecodeFinal  # noqa: Y015
+
+@_typing.final
+class DecodeError(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    STREAMED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def error(self) -> _common_pb2.ItemError: ...
+    @_builtins.property
+    def streamed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """What had been streamed before the failure."""
+
+    def __init__(
+        self,
+        *,
+        error: _common_pb2.ItemError | None = ...,
+        streamed: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "streamed", b"streamed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeError: _TypeAlias = DecodeError  # noqa: Y015
+
+@_typing.final
+class DecodeEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> Global___DecodeChunk: ...
+    @_builtins.property
+    def final(self) -> Global___DecodeFinal: ...
+    @_builtins.property
+    def error(self) -> Global___DecodeError: ...
+    def __init__(
+        self,
+        *,
+        chunk: Global___DecodeChunk | None = ...,
+        final: Global___DecodeFinal | None = ...,
+        error: Global___DecodeError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["chunk", "final", "error"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___DecodeEvent: _TypeAlias = DecodeEvent  # noqa: Y015
+
+@_typing.final
+class ControlRoundsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTION_FIELD_NUMBER: _builtins.int
+    WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    DRAFT_ADDRESS_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_QUEUE_FIELD_NUMBER: _builtins.int
+    DRAFT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    RESET_STREAMS_FIELD_NUMBER: _builtins.int
+    action: Global___RoundsAction.ValueType
+    weights_version: _builtins.str
+    """RESUME_PARKED: the version now serving (empty: unchanged)."""
+    draft_address: _builtins.str
+    """CONFIGURE: the draft service's host:port (empty: target-only)."""
+    max_batch: _builtins.int
+    """CONFIGURE: sequences per round (clamped to the cache's slots) and waiting requests."""
+    max_queue: _builtins.int
+    draft_timeout_s: _builtins.float
+    """CONFIGURE: deadline of each call to the draft, seconds."""
+    reset_streams: _builtins.bool
+    """RESUME_PARKED: open a fresh draft stream first (the draft may have restarted)."""
+    def __init__(
+        self,
+        *,
+        action: Global___RoundsAction.ValueType = ...,
+        weights_version: _builtins.str = ...,
+        draft_address: _builtins.str = ...,
+        max_batch: _builtins.int = ...,
+        max_queue: _builtins.int = ...,
+        draft_timeout_s: _builtins.float = ...,
+        reset_streams: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "draft_address", b"draft_address", "draft_timeout_s", b"draft_timeout_s", "max_batch", b"max_batch", "max_queue", b"max_queue", "reset_streams", b"reset_streams", "weights_version", b"weights_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlRoundsRequest: _TypeAlias = ControlRoundsRequest  # noqa: Y015
+
+@_typing.final
+class RoundsStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIVE_REQUESTS_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    SPECULATION_AVAILABLE_FIELD_NUMBER: _builtins.int
+    DRAFT_ADDRESS_FIELD_NUMBER: _builtins.int
+    DRAFT_ERROR_FIELD_NUMBER: _builtins.int
+    DRAFT_RECONNECTS_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    CONFIGURED_FIELD_NUMBER: _builtins.int
+    ADMISSION_PAUSED_FIELD_NUMBER: _builtins.int
+    active_requests: _builtins.int
+    queued_requests: _builtins.int
+    speculation_available: _builtins.bool
+    """A draft is attached: rounds speculate."""
+    draft_address: _builtins.str
+    draft_error: _builtins.str
+    """Why rounds run target-only (empty when speculating or no draft is configured)."""
+    draft_reconnects: _builtins.int
+    round: _builtins.int
+    configured: _builtins.bool
+    """CONFIGURE has been received since this process started."""
+    admission_paused: _builtins.bool
+    def __init__(
+        self,
+        *,
+        active_requests: _builtins.int = ...,
+        queued_requests: _builtins.int = ...,
+        speculation_available: _builtins.bool = ...,
+        draft_address: _builtins.str = ...,
+        draft_error: _builtins.str = ...,
+        draft_reconnects: _builtins.int = ...,
+        round: _builtins.int = ...,
+        configured: _builtins.bool = ...,
+        admission_paused: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "admission_paused", b"admission_paused", "configured", b"configured", "draft_address", b"draft_address", "draft_error", b"draft_error", "draft_reconnects", b"draft_reconnects", "queued_requests", b"queued_requests", "round", b"round", "speculation_available", b"speculation_available"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundsStatus: _TypeAlias = RoundsStatus  # noqa: Y015
+
+@_typing.final
+class ControlRoundsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """ABORT_RUNNING / PARK_RUNNING / RESUME_PARKED: how many requests it touched."""
+    @_builtins.property
+    def status(self) -> Global___RoundsStatus: ...
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        status: Global___RoundsStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlRoundsResponse: _TypeAlias = ControlRoundsResponse  # noqa: Y015
 
 @_typing.final
 class TargetPrefillItem(_message.Message):

@@ -75,6 +75,16 @@ class TargetServiceStub:
                 request_serializer=specsplit_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_common__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specsplit.v1.TargetService/Decode',
+                request_serializer=specsplit_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeEvent.FromString,
+                _registered_method=True)
+        self.ControlRounds = channel.unary_unary(
+                '/specsplit.v1.TargetService/ControlRounds',
+                request_serializer=specsplit_dot_v1_dot_target__pb2.ControlRoundsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_target__pb2.ControlRoundsResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -133,6 +143,28 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """Generation, one call per request: the request joins the target's round
+        loop (continuous batching, speculative rounds against the draft service
+        the orchestrator named with ControlRounds CONFIGURE) and its committed
+        tokens stream back, one DecodeEvent per round, then a final event.
+        Cancelling the call takes the request out at the next round boundary
+        (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
+        when max_batch running + max_queue waiting are taken.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ControlRounds(self, request, context):
+        """Admin: the round loop's admission and in-flight requests (pause, settle,
+        abort, park, resume), its configuration (draft address, batch limits) and
+        status. Every action runs between two rounds, never during one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +207,16 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=specsplit_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_common__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_target__pb2.DecodeEvent.SerializeToString,
+            ),
+            'ControlRounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlRounds,
+                    request_deserializer=specsplit_dot_v1_dot_target__pb2.ControlRoundsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_target__pb2.ControlRoundsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +435,60 @@ class TargetService:
             '/specsplit.v1.TargetService/GetStatus',
             specsplit_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             specsplit_dot_v1_dot_common__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specsplit.v1.TargetService/Decode',
+            specsplit_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
+            specsplit_dot_v1_dot_target__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.TargetService/ControlRounds',
+            specsplit_dot_v1_dot_target__pb2.ControlRoundsRequest.SerializeToString,
+            specsplit_dot_v1_dot_target__pb2.ControlRoundsResponse.FromString,
             options,
             channel_credentials,
             insecure,

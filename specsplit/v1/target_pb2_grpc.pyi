@@ -47,6 +47,20 @@ class TargetServiceStub:
     CaptureGraphs: _grpc.UnaryUnaryMultiCallable[_common_pb2.CaptureGraphsRequest, _common_pb2.CaptureGraphsResponse]
     ClearGraphs: _grpc.UnaryUnaryMultiCallable[_common_pb2.ClearGraphsRequest, _common_pb2.ClearGraphsResponse]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _common_pb2.GetStatusResponse]
+    Decode: _grpc.UnaryStreamMultiCallable[_target_pb2.DecodeRequest, _target_pb2.DecodeEvent]
+    """Generation, one call per request: the request joins the target's round
+    loop (continuous batching, speculative rounds against the draft service
+    the orchestrator named with ControlRounds CONFIGURE) and its committed
+    tokens stream back, one DecodeEvent per round, then a final event.
+    Cancelling the call takes the request out at the next round boundary
+    (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
+    when max_batch running + max_queue waiting are taken.
+    """
+    ControlRounds: _grpc.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]
+    """Admin: the round loop's admission and in-flight requests (pause, settle,
+    abort, park, resume), its configuration (draft address, batch limits) and
+    status. Every action runs between two rounds, never during one.
+    """
 
 @_typing.type_check_only
 class TargetServiceAsyncStub(TargetServiceStub):
@@ -66,6 +80,20 @@ class TargetServiceAsyncStub(TargetServiceStub):
     CaptureGraphs: _aio.UnaryUnaryMultiCallable[_common_pb2.CaptureGraphsRequest, _common_pb2.CaptureGraphsResponse]  # type: ignore[assignment]
     ClearGraphs: _aio.UnaryUnaryMultiCallable[_common_pb2.ClearGraphsRequest, _common_pb2.ClearGraphsResponse]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _common_pb2.GetStatusResponse]  # type: ignore[assignment]
+    Decode: _aio.UnaryStreamMultiCallable[_target_pb2.DecodeRequest, _target_pb2.DecodeEvent]  # type: ignore[assignment]
+    """Generation, one call per request: the request joins the target's round
+    loop (continuous batching, speculative rounds against the draft service
+    the orchestrator named with ControlRounds CONFIGURE) and its committed
+    tokens stream back, one DecodeEvent per round, then a final event.
+    Cancelling the call takes the request out at the next round boundary
+    (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
+    when max_batch running + max_queue waiting are taken.
+    """
+    ControlRounds: _aio.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]  # type: ignore[assignment]
+    """Admin: the round loop's admission and in-flight requests (pause, settle,
+    abort, park, resume), its configuration (draft address, batch limits) and
+    status. Every action runs between two rounds, never during one.
+    """
 
 class TargetServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -130,5 +158,31 @@ class TargetServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.GetStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.GetStatusResponse, _abc.Awaitable[_common_pb2.GetStatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Decode(
+        self,
+        request: _target_pb2.DecodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_target_pb2.DecodeEvent], _abc.AsyncIterator[_target_pb2.DecodeEvent]]:
+        """Generation, one call per request: the request joins the target's round
+        loop (continuous batching, speculative rounds against the draft service
+        the orchestrator named with ControlRounds CONFIGURE) and its committed
+        tokens stream back, one DecodeEvent per round, then a final event.
+        Cancelling the call takes the request out at the next round boundary
+        (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
+        when max_batch running + max_queue waiting are taken.
+        """
+
+    @_abc_1.abstractmethod
+    def ControlRounds(
+        self,
+        request: _target_pb2.ControlRoundsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_target_pb2.ControlRoundsResponse, _abc.Awaitable[_target_pb2.ControlRoundsResponse]]:
+        """Admin: the round loop's admission and in-flight requests (pause, settle,
+        abort, park, resume), its configuration (draft address, batch limits) and
+        status. Every action runs between two rounds, never during one.
+        """
 
 def add_TargetServiceServicer_to_server(servicer: TargetServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
