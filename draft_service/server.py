@@ -69,6 +69,9 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
 
     def Prefill(self, request: dpb.DraftPrefillRequest, context: grpc.ServicerContext) -> dpb.DraftPrefillResponse:
         items = [_decode_prefill(i, it, self.max_tensor_bytes) for i, it in enumerate(request.items)]
+        if request.release_request_ids:
+            # NOTE: releases first: a request id that finished and joins again must find its old cache gone.
+            self._run(context, "Release", lambda: self.worker.release(list(request.release_request_ids)))
         results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
         out = dpb.DraftPrefillResponse()
         for it, res in zip(request.items, results):
@@ -82,6 +85,9 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
         """One response per request message, in order; the stream ends when the client ends it."""
         for msg in request_iterator:
             items = [_decode_propose(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
+            if msg.release_request_ids:
+                ids = list(msg.release_request_ids)
+                self._round_results("release", lambda: self.worker.release(ids), 0, msg.round)
             results, seconds = self._round_results("propose", lambda: self.worker.propose(items, msg.round),
                                                    len(items), msg.round)
             yield dpb.ProposeResponse(round=msg.round, compute_seconds=seconds, results=[

@@ -15,6 +15,7 @@ scheduler is the single owner of the batch; this side never sees a round.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from typing import Any
 
@@ -85,6 +86,8 @@ class RemoteHandle:
             return self._end(ErrorEvent("UNAVAILABLE", "target: the Decode stream ended without a final event",
                                         tuple(self._streamed)))
         except grpc.RpcError as exc:
+            if self._resume_after_reload(exc):
+                return self.next_event(timeout)
             return self._end(self._error(exc))
         which = msg.WhichOneof("event")
         if which == "chunk":
@@ -100,6 +103,30 @@ class RemoteHandle:
         err = msg.error
         return self._end(ErrorEvent(_CODE_NAMES.get(err.error.code, "INTERNAL"), err.error.message,
                                     tuple(err.streamed) or tuple(self._streamed)))
+
+    def _resume_after_reload(self, exc: grpc.RpcError) -> bool:
+        """The target went away during a weight reload (a RECOMPUTE reload parks requests in the
+        target; a target restarted mid-reload lost them): once the reload has ended, rolled
+        forward or back, the request joins again where it was (``resume_output``)."""
+        rounds = self._rounds
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        if (code not in _GONE or self.cancelled or rounds.stopping or self._failure is not None
+                or not rounds.reloading()):
+            return False
+        if not rounds.wait_reload(rounds.resume_wait_s) or self.cancelled:
+            return False
+        req = dataclasses.replace(self.request, resume_output=tuple(self._streamed))
+        try:
+            # NOTE: the draft may still hold this id's cache (its round loop died with the
+            # target): free it before the request joins again under the same id.
+            rounds.release_draft([req.request_id])
+        except Exception:  # noqa: BLE001 - a draft that is away holds nothing to free
+            pass
+        try:
+            self._call = rounds.open_call(req)
+        except Exception:  # noqa: BLE001 - the original error stands
+            return False
+        return True
 
     def _error(self, exc: grpc.RpcError) -> Event:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
@@ -129,8 +156,13 @@ class RemoteRounds:
     """Requests and control actions of the target's round loop, over the target client."""
 
     def __init__(self, target: Any, observer: Any = None, decode_deadline_s: float = 24 * 3600.0,
-                 control_timeout_s: float = 30.0) -> None:
+                 control_timeout_s: float = 30.0, resume_wait_s: float = 120.0) -> None:
         self.target = target                     # orchestrator.worker_clients.TargetClient
+        self.resume_wait_s = resume_wait_s
+        # Hooks the orchestrator sets: is a reload running, wait for it, free a draft cache.
+        self.reloading: Any = lambda: False
+        self.wait_reload: Any = lambda timeout: True
+        self.release_draft: Any = lambda ids: None
         self.observer = observer or NullObserver()
         self.decode_deadline_s, self.control_timeout_s = decode_deadline_s, control_timeout_s
         self.stopping = False
@@ -147,16 +179,19 @@ class RemoteRounds:
         """Start the request's Decode call; its first event may be a refusal (e.g. queue full)."""
         if self.stopping:
             raise RequestError("UNAVAILABLE", "the orchestrator is shutting down")
-        p = req.params
-        msg = tpb.DecodeRequest(request_id=req.request_id, prompt=list(req.prompt), params=wire.params_to_proto(p),
-                                max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
-                                ignore_eos=p.ignore_eos, k=req.k)
-        # NOTE: a generation's only deadline is this generous bound: a dead target ends
-        # the call at once (the channel breaks), and cancel() ends it when the client leaves.
-        handle = RemoteHandle(self, req, self.target.stub.Decode(msg, timeout=self.decode_deadline_s))
+        handle = RemoteHandle(self, req, self.open_call(req))
         with self._lock:
             self._open.add(handle)
         return handle
+
+    def open_call(self, req: GenerationRequest) -> Any:
+        p = req.params
+        msg = tpb.DecodeRequest(request_id=req.request_id, prompt=list(req.prompt), params=wire.params_to_proto(p),
+                                max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
+                                ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output))
+        # NOTE: a generation's only deadline is this generous bound: a dead target ends
+        # the call at once (the channel breaks), and cancel() ends it when the client leaves.
+        return self.target.stub.Decode(msg, timeout=self.decode_deadline_s)
 
     def finished(self, handle: RemoteHandle, ev: Event) -> None:
         with self._lock:

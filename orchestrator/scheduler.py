@@ -35,6 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
+from runtime.adaptive_k import AdaptiveK, RoundCosts
 from runtime.round_driver import DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, run_round
 from runtime.types import PrefillResult, Proposal, VerifyResult
 
@@ -107,13 +108,16 @@ class Scheduler:
     """One thread running rounds over up to ``max_batch`` live sequences."""
 
     def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
-                 eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None) -> None:
+                 eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None,
+                 adaptive_k: bool = False) -> None:
         self.target, self.draft = target, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_token_id = eos_token_id
         self.weights_version = weights_version
         self.observer: Observer = observer or NullObserver()
         self.timing = TimingTotals()
+        # Adaptive speculation length: per-request policies share the loop's round-cost estimates.
+        self.costs: RoundCosts | None = RoundCosts() if adaptive_k else None
         self.round = 0
         self._cv = threading.Condition()
         self._waiting: list[RequestHandle] = []
@@ -298,6 +302,8 @@ class Scheduler:
         if live:
             self._run_round(live)
         self._retire()
+        if not self._running:
+            self._flush_draft_releases()
         with self._cv:
             self._n_running = len(self._running) + len(self._parked)
             active, queued = self._n_running, len(self._waiting)
@@ -306,7 +312,11 @@ class Scheduler:
     def _new_sequence(self, h: RequestHandle) -> Sequence:
         r = h.request
         k = r.k if self.draft is not None else 0
-        return Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id)
+        seq = Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id,
+                       output=list(r.resume_output))
+        if self.costs is not None:
+            seq.adaptive = AdaptiveK(r.k)
+        return seq
 
     def _admit(self, joining: list[RequestHandle]) -> None:
         lives = [_Live(h, self._new_sequence(h)) for h in joining]
@@ -319,8 +329,9 @@ class Scheduler:
             self._flush_unreleased()
             # NOTE: target first, then the draft: the draft's prompt pairs are
             # the target's prefill hidden states. Items the target failed never
-            # reach the draft.
-            emitted = admit(target, None, seqs)
+            # reach the draft. resume=True re-prefills resumed requests (prompt + output
+            # so far); new ones (no output yet) are prefilled as usual.
+            emitted = admit(target, None, seqs, resume=True)
         except Exception as exc:  # noqa: BLE001 - the whole prefill call failed: only the joiners end
             err = error_of(exc)
             log.warning("prefill_failed", round=self.round, error=str(err), requests=len(seqs))
@@ -358,7 +369,7 @@ class Scheduler:
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
         t0 = time.perf_counter()
         try:
-            emitted = run_round(target, draft, [x.seq for x in live])
+            emitted = run_round(target, draft, [x.seq for x in live], self.costs)
         except Exception as exc:  # noqa: BLE001
             err = error_of(exc)
             # NOTE: Propose runs before Verify and the round driver changes no sequence
@@ -385,6 +396,9 @@ class Scheduler:
         timing = RoundTiming(self.round, len(live), draft_s, target.compute_s,
                              max(wall - draft_s - target.compute_s, 0.0), wall)
         self.timing.add(timing)
+        if self.costs is not None:
+            k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
+            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s)
         ks_acc = []
         for x in live:
             rid = x.seq.request_id
@@ -429,6 +443,18 @@ class Scheduler:
                 if self.on_draft_lost is not None:
                     self.draft_failed(error_of(exc))
         seq.drafting = False
+
+    def _flush_draft_releases(self) -> None:
+        """Idle: send the draft releases that would otherwise wait for the next round message."""
+        flush = getattr(self.draft, "flush_releases", None)
+        if flush is None:
+            return
+        try:
+            flush()
+        except Exception as exc:  # noqa: BLE001 - a dead draft's slots are gone anyway
+            log.warning("release_failed", round=self.round, worker="draft", error=str(exc))
+            if self.on_draft_lost is not None:
+                self.draft_failed(error_of(exc))
 
     def _flush_unreleased(self) -> None:
         """Free the target caches of requests ended by a failed target call (raises if it still fails)."""

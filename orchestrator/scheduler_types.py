@@ -66,6 +66,7 @@ class GenerationRequest:
     prompt: tuple[int, ...]          # t_0..t_{n-1}, validated by the caller
     params: SamplingParams
     k: int                           # drafts per round; 0 = target-only
+    resume_output: tuple[int, ...] = ()  # tokens produced before (a resumed request): re-prefilled, not re-sent
 
 
 @dataclass(frozen=True)

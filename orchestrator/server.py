@@ -99,6 +99,10 @@ class Orchestrator:
         self._draft_lock = threading.Lock()
         self.reloader = ReloadCoordinator(self.scheduler, self._worker_clients, cfg, refresh=self.poll,
                                           registry=metrics.registry)
+        self.scheduler.reloading = lambda: self.reloader.active
+        self.scheduler.wait_reload = self.reloader.wait_idle
+        self.scheduler.resume_wait_s = cfg.reload_rollback_wait_s + 3 * cfg.worker_timeout_s + 10
+        self.scheduler.release_draft = lambda ids: self.draft.release_many(ids) if self.draft is not None else None
         self.push = PushStaging(cfg.push_staging_dir, cfg.push_max_bytes, cfg.push_keep_versions)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="orchestrator-poller", daemon=True)

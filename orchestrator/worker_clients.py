@@ -294,12 +294,30 @@ class DraftClient(_WorkerClient):
     def __init__(self, address: str, **kw: Any) -> None:
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, **kw)
         self._propose = _RoundStream("draft", lambda it: self.stub.Propose(it), self.timeout_s)
+        self._pending_release: list[str] = []   # released ids not yet sent (ride on the next message)
+
+    # --- port: release (deferred) ------------------------------------------------
+    def release(self, request_id: str) -> bool:
+        """Free a request's draft cache with the next Prefill/Propose message (no call of its own);
+        ``flush_releases`` sends what is left when no message follows."""
+        self._pending_release.append(request_id)
+        return True
+
+    def _take_releases(self) -> list[str]:
+        ids, self._pending_release = self._pending_release, []
+        return ids
+
+    def flush_releases(self) -> list[str]:
+        """Send the deferred releases now (one Release call); returns the ids the draft held."""
+        ids = self._take_releases()
+        return self.release_many(ids) if ids else []
 
     def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
         items = [draft_pb2.DraftPrefillItem(request_id=r.request_id, tokens=[int(t) for t in r.tokens],
                                             hidden=_hidden_to_wire(r.hidden), params=wire.params_to_proto(r.params))
                  for r in reqs]
-        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items))
+        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items,
+                                                                    release_request_ids=self._take_releases()))
         _collect("draft", reqs, resp.results, lambda q, res: None)
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
@@ -307,7 +325,8 @@ class DraftClient(_WorkerClient):
                                        tokens=[int(t) for t in r.tokens], hidden=_hidden_to_wire(r.hidden), k=int(r.k))
                  for r in reqs]
         self.last_compute_seconds = None
-        resp = self._propose.exchange(draft_pb2.ProposeRequest(round=self._next_round(), items=items), "Propose")
+        resp = self._propose.exchange(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
+                                                               release_request_ids=self._take_releases()), "Propose")
         self.last_compute_seconds = resp.compute_seconds
         return _collect("draft", reqs, resp.results, lambda q, res: Proposal(
             q.request_id, np.asarray(res.proposal.drafts, dtype=np.int64),

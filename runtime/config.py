@@ -126,6 +126,8 @@ class SpecConfig:
 
     max_k: int = 3
     default_k: int = 3
+    adaptive_k: bool = False             # per request, k in [0, the request's k] follows its acceptance and the
+                                         # measured round costs (runtime/adaptive_k.py); target round loop only
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_k, int) and 0 <= self.max_k <= 16, "spec.max_k", "an integer in [0, 16]", self.max_k)
@@ -278,7 +280,8 @@ class WorkerConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
-    draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft)
+    draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
+                                         # mTLS serving: security.tls_client_ca, showing security.tls_cert
     draft_client_cert: str | None = None  # client certificate shown to an mTLS draft
     draft_client_key: str | None = None
 

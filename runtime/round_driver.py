@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.acceptance import truncate_at_stop
+from runtime.adaptive_k import AdaptiveK, RoundCosts
 from runtime.config import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -100,6 +101,7 @@ class Sequence:
     pending_hidden: np.ndarray | None = None
     draft_pairs: int = 0               # pairs the draft holds (start_position of the next Propose)
     drafting: bool = False             # whether the draft holds this request
+    adaptive: AdaptiveK | None = None  # adaptive speculation length (None: always k)
 
     @property
     def remaining(self) -> int:
@@ -172,9 +174,19 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
         s.drafting = True
 
 
-def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence]) -> dict[str, list[int]]:
-    """One speculative round over live sequences; returns tokens emitted per request."""
-    ks = {s.request_id: (min(s.k, s.remaining - 1) if (draft is not None and s.drafting) else 0) for s in seqs}
+def _round_k(s: Sequence, costs: RoundCosts | None) -> int:
+    k = s.adaptive.choose(costs) if (s.adaptive is not None and costs is not None) else s.k
+    return min(k, s.k, s.remaining - 1)
+
+
+def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
+              costs: RoundCosts | None = None) -> dict[str, list[int]]:
+    """One speculative round over live sequences; returns tokens emitted per request.
+
+    With ``costs`` (the loop's round-cost estimates), sequences that carry an
+    ``adaptive`` policy choose their k for this round (``runtime.adaptive_k``).
+    """
+    ks = {s.request_id: (_round_k(s, costs) if (draft is not None and s.drafting) else 0) for s in seqs}
     proposals: dict[str, Proposal] = {}
     to_propose = [s for s in seqs if ks[s.request_id] > 0]
     if to_propose:
@@ -191,6 +203,8 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence])
     out: dict[str, list[int]] = {}
     for s, res in zip(seqs, target.verify(vreqs)):
         s.stats.record(ks[s.request_id], res.num_accepted)
+        if s.adaptive is not None:
+            s.adaptive.observe(ks[s.request_id], res.num_accepted)
         out[s.request_id] = s.emit(res.tokens)
         if s.drafting:
             _append_pending(s, np.asarray(res.tokens, dtype=np.int64), res.hidden)

@@ -107,7 +107,8 @@ class RoundHost:
         self.worker, self.cfg = worker, cfg
         self.target = LocalTarget(worker)
         self.scheduler = Scheduler(self.target, None, max_batch=DEFAULT_MAX_BATCH, max_queue=DEFAULT_MAX_QUEUE,
-                                   eos_token_id=None, observer=observer or NullObserver())
+                                   eos_token_id=None, observer=observer or NullObserver(),
+                                   adaptive_k=cfg.spec.adaptive_k)
         self.draft_link: DraftLink | None = None
         self.draft_timeout_s = 30.0
         self.configured = False
@@ -231,9 +232,14 @@ class RoundHost:
                 log.warning("draft_stale_release_failed", error=exc.message)
 
     def _draft_client(self, address: str) -> DraftClient:
-        c = self.cfg
+        c, sec = self.cfg, self.cfg.security
+        ca, cert, key = c.draft_tls_ca, c.draft_client_cert, c.draft_client_key
+        if ca is None and sec.tls_cert and sec.tls_client_ca:
+            # A target serving mTLS reaches the draft the same way by default: it trusts its own
+            # client CA and shows its own certificate (one CA for the whole deployment).
+            ca, cert, key = sec.tls_client_ca, sec.tls_cert, sec.tls_key
         return DraftClient(address, timeout_s=self.draft_timeout_s, max_message_bytes=c.server.max_message_bytes,
-                           tls_ca=c.draft_tls_ca, client_cert=c.draft_client_cert, client_key=c.draft_client_key)
+                           tls_ca=ca, client_cert=cert, client_key=key)
 
     def _target_status(self) -> Any:
         st = self.worker.status()

@@ -94,10 +94,16 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
     max_k = worker.cfg.spec.max_k
     if not 0 <= req.k <= max_k:
         raise ValueError(f"k: {req.k} is out of range [0, {max_k}]")
+    resume = np.asarray(req.resume_output, dtype=np.int64)
+    if mc is not None:
+        check_token_range(resume, vocab, "resume_output")
+    if resume.size >= req.max_tokens:
+        raise ValueError(f"resume_output: {resume.size} tokens leave nothing to generate (max_tokens={req.max_tokens})")
     params = dataclasses.replace(wire.params_from_proto(req.params, "params"), max_tokens=int(req.max_tokens),
                                  stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
                                  ignore_eos=bool(req.ignore_eos))
-    return GenerationRequest(req.request_id, tuple(int(t) for t in prompt), params, int(req.k))
+    return GenerationRequest(req.request_id, tuple(int(t) for t in prompt), params, int(req.k),
+                             tuple(int(t) for t in resume))
 
 
 def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:

@@ -62,16 +62,24 @@ class DraftPrefillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ITEMS_FIELD_NUMBER: _builtins.int
+    RELEASE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftPrefillItem]: ...
+    @_builtins.property
+    def release_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests to release before the prefill runs (finished since the last message;
+        unknown ids are ignored). Releases ride on the next message instead of their own call.
+        """
+
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___DraftPrefillItem] | None = ...,
+        release_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "release_request_ids", b"release_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -171,19 +179,27 @@ class ProposeRequest(_message.Message):
 
     ROUND_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
+    RELEASE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """Scheduler's round number, echoed in the response."""
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProposeItem]: ...
+    @_builtins.property
+    def release_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests to release before this round runs (finished since the last message;
+        unknown ids are ignored). Releases ride on the round instead of their own call.
+        """
+
     def __init__(
         self,
         *,
         round: _builtins.int = ...,
         items: _abc.Iterable[Global___ProposeItem] | None = ...,
+        release_request_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "release_request_ids", b"release_request_ids", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

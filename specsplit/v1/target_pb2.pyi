@@ -76,6 +76,7 @@ class DecodeRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     K_FIELD_NUMBER: _builtins.int
+    RESUME_OUTPUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the target holds; at most 128 characters."""
     max_tokens: _builtins.int
@@ -94,6 +95,14 @@ class DecodeRequest(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Generation stops after any of these tokens (it is included in the output)."""
 
+    @_builtins.property
+    def resume_output(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Resume a request whose earlier Decode call was lost (e.g. the target restarted
+        during a RECOMPUTE reload): the tokens it already produced. The target re-prefills
+        prompt + these and continues after them; they count towards max_tokens and are
+        not streamed again.
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +113,11 @@ class DecodeRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         k: _builtins.int = ...,
+        resume_output: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

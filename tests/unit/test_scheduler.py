@@ -341,3 +341,21 @@ def test_no_draft_runs_target_only(engines, reference):
         sched.stop()
     assert tuple(tokens) == reference(prompt_of(9, 6), params)
     assert final.stats.drafted == 0 and not sched.speculation_available
+
+
+def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference):
+    """With adaptive k, each round's k follows the request's acceptance (0..k); greedy output stays exact."""
+    sched = Scheduler(engines.target, engines.draft, max_batch=3, max_queue=16, eos_token_id=257,
+                      weights_version="v0", adaptive_k=True).start()
+    try:
+        reqs = [GenerationRequest(f"a{i}", prompt_of(40 + i, 9), SamplingParams(max_tokens=40, ignore_eos=True), 3)
+                for i in range(4)]
+        results = {h.request_id: drain(h) for h in [sched.submit(r) for r in reqs]}
+    finally:
+        sched.stop()
+    assert sched.costs is not None and sched.costs.t_verify > 0
+    for r in reqs:
+        tokens, final, _ = results[r.request_id]
+        assert isinstance(final, FinalEvent) and tuple(tokens) == reference(r.prompt, r.params), r.request_id
+        assert final.stats.rounds >= final.stats.spec_rounds
+    assert slots_free(engines)

@@ -1,0 +1,56 @@
+"""Adaptive speculation length (runtime/adaptive_k.py): the cost model and the per-request policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.adaptive_k import PROBE_EVERY, AdaptiveK, RoundCosts, best_k, expected_tokens, round_cost
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_best_k_matches_brute_force_over_a_grid():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = float(rng.uniform(0, 1))
+        tv, td, tx = (float(x) for x in rng.uniform(1e-4, 3e-3, 3))
+        k = best_k(a, 6, tv, td, tx)
+        rates = [expected_tokens(a, j) / round_cost(j, tv, td, tx) for j in range(7)]
+        assert rates[k] == pytest.approx(max(rates))
+
+
+def test_cheap_drafts_and_high_acceptance_draft_the_most_useless_drafts_none():
+    assert best_k(0.95, 5, t_verify=2e-3, t_draft=5e-5, t_exchange=1e-4) == 5
+    assert best_k(0.02, 5, t_verify=2e-3, t_draft=5e-5, t_exchange=1e-4) == 0
+    # Drafting that costs as much as verifying never pays at modest acceptance.
+    assert best_k(0.5, 5, t_verify=1e-3, t_draft=1e-3, t_exchange=1e-3) == 0
+
+
+def test_policy_learns_acceptance_from_trials_and_probes_when_target_only():
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    pol = AdaptiveK(max_k=4)
+    assert pol.choose(costs) > 0                      # the prior says drafting pays here
+    for _ in range(30):
+        pol.observe(4, 0)                             # every first draft rejected
+    assert pol.acceptance < 0.05 and pol.choose(costs) == 0
+    ks = [pol.choose(costs) for _ in range(3 * PROBE_EVERY)]
+    assert ks.count(1) == 3 and set(ks) == {0, 1}     # one k=1 probe every PROBE_EVERY rounds
+    for _ in range(30):
+        pol.observe(1, 1)                             # the probes start to succeed
+    assert pol.acceptance > 0.9 and pol.choose(costs) == 4
+
+
+def test_round_costs_follow_the_observed_rounds():
+    costs = RoundCosts()
+    for _ in range(200):
+        costs.observe(k_max=3, draft_s=3e-4, verify_s=2e-3, overhead_s=5e-4)
+    assert costs.t_draft == pytest.approx(1e-4, rel=1e-3)
+    assert costs.t_verify == pytest.approx(2e-3, rel=1e-3)
+    assert costs.t_exchange == pytest.approx(5e-4, rel=1e-3)
+    costs.observe(k_max=0, draft_s=0.0, verify_s=2e-3, overhead_s=1e-5)   # a target-only round
+    assert costs.t_draft == pytest.approx(1e-4, rel=1e-3) and costs.t_exchange == pytest.approx(5e-4, rel=1e-3)
