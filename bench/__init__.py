@@ -15,6 +15,8 @@ BENCHES = {
     "graphs": "bench.graphs",      # CUDA graphs vs eager vs bare floor (issue 4)
     "reload": "bench.reload",      # weight reload phases, IN_PLACE vs RECAPTURE vs reading the checkpoint (issue 5)
     "load": "bench.load",          # N concurrent clients for T seconds: latency percentiles, throughput, RSS (issue 6)
+    "profile": "bench.profile_round",  # torch.profiler summary of one round at batch 1 (issue 10)
+    "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
 }
 
 
