@@ -74,6 +74,7 @@ class GraphStats:
     eager_runs: int = 0
     captures: int = 0
     clears: int = 0
+    last_span: int = 0              # context span of the latest replay (0: a kind without spans)
     events: list[str] = field(default_factory=list)
 
 
@@ -335,6 +336,7 @@ class GraphRegistry:
                     self.ops.copy_(cap.inputs[name][:b], value)
                 cap.graph.replay()
                 self.stats.replays += 1
+                self.stats.last_span = span
                 return tuple(o[:b] for o in cap.outputs), True
             tensors = {}
             for s in kind.inputs:
