@@ -78,21 +78,29 @@ def _prompts(model_dir: Path, cfg: ModelConfig, n: int) -> list[list[int]]:
     return [rng.integers(0, cfg.vocab_size, PROMPT_LEN).tolist() for _ in range(n)]
 
 
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def _copy_rate(device: str) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20 over 1 GiB)."""
     import torch
 
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 255)
+    x = torch.empty(1 << 30 if device.startswith("cuda") else 1 << 26, dtype=torch.uint8, device=device).random_(0, 255)
     y = torch.empty_like(x)
     times = []
     for _ in range(23):
-        torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         y.copy_(x)
-        torch.cuda.synchronize(device)
+        _sync(device)
         times.append(time.perf_counter() - t0)
+    n = x.numel()
     del x, y
-    return 2 * (1 << 30) / float(np.median(times[3:]))
+    return 2 * n / float(np.median(times[3:]))
 
 
 def run_peer(model_dir: Path, cfg: ModelConfig, dtype: str, device: str, prompts, max_new: int, batch: int):
@@ -118,14 +126,15 @@ def run_peer(model_dir: Path, cfg: ModelConfig, dtype: str, device: str, prompts
         model.generate(ids, attention_mask=torch.ones_like(ids), **kw)         # warm-up: compiles the decode step
         for i in range(0, len(prompts), batch):
             ids = torch.tensor(prompts[i: i + batch], device=device)
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-            torch.cuda.synchronize()
+            _sync(device)
             seconds += time.perf_counter() - t0
             outs += [tuple(int(t) for t in row[ids.shape[1]:]) for row in out.tolist()]
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return outs, seconds
 
 
@@ -138,7 +147,8 @@ def run_engine(model_dir: Path, dtype: str, device: str, prompts, max_new: int, 
                                      spec=SpecConfig(max_k=k, default_k=k),
                                      cache=CacheConfig(max_slots=batch, max_len=PROMPT_LEN + max_new + k + 8),
                                      graphs=GraphConfig(batch_buckets=tuple(sorted({1, batch})))))
-    engine.capture_graphs()
+    if device.startswith("cuda"):
+        engine.capture_graphs()
     res = {}
     for kk in (0, k):
         params = SamplingParams(max_tokens=max_new, ignore_eos=True)
@@ -192,7 +202,8 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         row = {"model": name, "dtype": dtype, "batch": batch, "k": k, "prompts": len(prompts), "max_new": max_new,
                "floor_tok_s": round(batch * rate / weight_bytes, 1), "copy_rate_TBps": round(rate / 1e12, 3)}
         eng = run_engine(model_dir, dtype, device, prompts, max_new, batch, k)
-        torch.cuda.empty_cache()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
         ref = eng[0][0]
         row["engine_target_tok_s"] = round(n_tokens / eng[0][1], 1)
         row["engine_spec_tok_s"] = round(n_tokens / eng[k][1], 1)
@@ -220,10 +231,10 @@ def _ratio(x, y) -> str:
 
 
 def main(args) -> int:
-    device = args.device if args.device != "cpu" else "cuda:0"
     import torch
 
-    draft_device = "cuda:1" if torch.cuda.device_count() > 1 else device
+    device = args.device
+    draft_device = "cuda:1" if device.startswith("cuda") and torch.cuda.device_count() > 1 else device
     batches = args.batch or [1, 8]
     rows = []
     which = [("tiny", TINY, "float32")]
