@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ATTEND_ALIGN = 64  # eager attention spans are rounded up to this (fewer distinct shapes)
+SPAN_MIN = 256     # smallest context bucket captured as a graph
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,20 @@ def attend_span(positions: np.ndarray, max_len: int) -> int:
     """Cache rows an eager step must read: max position + 1, rounded up."""
     need = int(positions.max()) + 1 if positions.size else 1
     return min(max_len, -(-need // ATTEND_ALIGN) * ATTEND_ALIGN)
+
+
+def attend_need(positions: np.ndarray) -> int:
+    """Cache rows a step must read: max position + 1."""
+    return int(positions.max()) + 1 if positions.size else 1
+
+
+def context_spans(max_len: int) -> tuple[int, ...]:
+    """Context-length buckets captured as graphs: SPAN_MIN, 2*SPAN_MIN, ... and max_len.
+
+    Doubling keeps the capture count logarithmic in max_len while a step never
+    reads more than twice its real context (beyond SPAN_MIN)."""
+    spans, s = [], SPAN_MIN
+    while s < max_len:
+        spans.append(s)
+        s *= 2
+    return tuple(spans) + (max_len,)
