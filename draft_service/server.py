@@ -33,23 +33,34 @@ SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DraftService"].full_name   # "sp
 def _decode_prefill(i: int, item: dpb.DraftPrefillItem,
                     max_bytes: int | None = None) -> DraftPrefillRequest | wire.ItemError:
     try:
+        # NOTE: bf16 rows stay bf16 bit patterns (uint16) up to the device (runtime/types.py).
         hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES,
-                                             max_bytes=max_bytes)
+                                             bf16_bits=True, max_bytes=max_bytes)
         if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
             hidden = np.zeros((0, 0), dtype=np.float32)
         return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
-                                   wire.as_float32(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
+                                   _float_or_bits(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
     except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
         return wire.item_error_for(exc)
 
 
 def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None) -> ProposeRequest | wire.ItemError:
     try:
-        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, max_bytes=max_bytes)
+        if item.ahead:
+            return ProposeRequest(item.request_id, int(item.start_position), np.zeros(0, dtype=np.int64),
+                                  np.zeros((0, 0), dtype=np.float32), int(item.k), ahead=True,
+                                  keep_tail=bool(item.keep_tail))
+        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, bf16_bits=True,
+                                    max_bytes=max_bytes)
         return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
-                              wire.as_float32(hidden), int(item.k))
+                              _float_or_bits(hidden), int(item.k), keep_tail=bool(item.keep_tail))
     except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
         return wire.item_error_for(exc)
+
+
+def _float_or_bits(hidden: np.ndarray) -> np.ndarray:
+    """uint16 (bf16 bits) as is, any float as float32."""
+    return hidden if hidden.dtype == np.uint16 else wire.as_float32(hidden)
 
 
 def _proposal(request_id: str, res: Proposal | wire.ItemError) -> dpb.ProposeResult:

@@ -114,6 +114,12 @@ class DraftWorker(WorkerBase):
                     if not engine.cache.has(it.request_id):
                         raise UnknownRequestError(f"items[{i}].request_id: {it.request_id!r} is unknown here "
                                                   "(never prefilled, or already released)")
+                    if not 1 <= it.k <= engine.max_k:
+                        raise ValueError(f"items[{i}].k: {it.k} is out of range [1, {engine.max_k}]")
+                    if it.ahead:
+                        engine.check_ahead(it.request_id, it.k, f"items[{i}]")
+                        good.append((i, it))
+                        continue
                     held = engine.cache.get(it.request_id).length
                     if it.start_position != held:
                         raise ValueError(f"items[{i}].start_position: {it.start_position} != {held} pairs held "

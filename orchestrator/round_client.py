@@ -37,7 +37,7 @@ _SEEN_ROUNDS = 4096                  # round numbers remembered to record each r
 def stats_from_proto(p: tpb.DecodeStats) -> SeqStats:
     return SeqStats(rounds=p.rounds, drafted=p.drafted, accepted=p.accepted, emitted_in_rounds=p.emitted_in_rounds,
                     spec_rounds=p.spec_rounds, pos_drafted=list(p.position_drafted),
-                    pos_accepted=list(p.position_accepted))
+                    pos_accepted=list(p.position_accepted), ahead_asked=p.ahead_asked, ahead_used=p.ahead_used)
 
 
 def _timing(p: tpb.DecodeChunk) -> RoundTiming | None:

@@ -87,8 +87,32 @@ class _GuardedTarget(_Guard):
 
 
 class _GuardedDraft(_Guard):
+    deferred: Exception | None = None            # an ahead call failed after the verify committed
+
     def prefill(self, reqs):
         return self._call(self.port.prefill, reqs, lambda q: None)
+
+    def propose_async(self, reqs):
+        """Ahead drafting: per-item failures give no drafts (the request goes on); a failed call
+        is kept in ``deferred`` for the scheduler to handle after the round, never raised into it."""
+        send = getattr(self.port, "propose_async", None)
+        try:
+            collect = send(reqs) if send is not None else (lambda done=self.port.propose(reqs): done)
+        except ItemFailures as exc:
+            return lambda: exc.results
+        except Exception as exc:  # noqa: BLE001
+            self.deferred = exc
+            return lambda: [None] * len(reqs)
+
+        def wait():
+            try:
+                return collect()
+            except ItemFailures as exc:
+                return exc.results
+            except Exception as exc:  # noqa: BLE001
+                self.deferred = exc
+                return [None] * len(reqs)
+        return wait
 
     def propose(self, reqs):
         # A failed item verifies no drafts this round (a target-only step), then ends with its error.
@@ -109,7 +133,7 @@ class Scheduler:
 
     def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
                  eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None,
-                 adaptive_k: bool = False) -> None:
+                 adaptive_k: bool = False, ahead: bool = False) -> None:
         self.target, self.draft = target, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_token_id = eos_token_id
@@ -118,6 +142,7 @@ class Scheduler:
         self.timing = TimingTotals()
         # Adaptive speculation length: per-request policies share the loop's round-cost estimates.
         self.costs: RoundCosts | None = RoundCosts() if adaptive_k else None
+        self.ahead = ahead                           # ahead drafting (runtime.round_driver.run_round)
         self.round = 0
         self._cv = threading.Condition()
         self._waiting: list[RequestHandle] = []
@@ -369,7 +394,7 @@ class Scheduler:
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
         t0 = time.perf_counter()
         try:
-            emitted = run_round(target, draft, [x.seq for x in live], self.costs)
+            emitted = run_round(target, draft, [x.seq for x in live], self.costs, self.ahead)
         except Exception as exc:  # noqa: BLE001
             err = error_of(exc)
             # NOTE: Propose runs before Verify and the round driver changes no sequence
@@ -392,6 +417,14 @@ class Scheduler:
                 self._end_error(x, err)
             return
         wall = time.perf_counter() - t0
+        if draft is not None and draft.deferred is not None:
+            # NOTE: the round itself committed (the verify ran); only the ahead call failed.
+            # The draft is treated as lost from the next round on, like a failed Propose.
+            err = error_of(draft.deferred)
+            if self.on_draft_lost is not None:
+                self.draft_failed(err)
+            else:
+                log.warning("ahead_failed", round=self.round, error=err.message)
         draft_s = draft.compute_s if draft is not None else 0.0
         timing = RoundTiming(self.round, len(live), draft_s, target.compute_s,
                              max(wall - draft_s - target.compute_s, 0.0), wall)
@@ -479,7 +512,7 @@ class Scheduler:
         self.draft = None
         for x in self._running:
             s = x.seq
-            s.drafting, s.draft_pairs = False, 0
+            s.drafting, s.draft_pairs, s.ready_drafts = False, 0, None
             s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
         if self.on_draft_lost is not None:
             self.on_draft_lost(err)

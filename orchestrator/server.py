@@ -304,7 +304,7 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
 def _stats_proto(s: SeqStats) -> opb.SpecStats:
     return opb.SpecStats(drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
                          mean_accepted_length=s.mean_accepted_length, acceptance_per_position=s.per_position(),
-                         rounds=s.rounds)
+                         rounds=s.rounds, ahead_asked=s.ahead_asked, ahead_used=s.ahead_used)
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

@@ -152,10 +152,20 @@ class _RoundStream:
             call.cancel()
 
     def exchange(self, request: Any, what: str) -> Any:
+        return self.send(request)(what)
+
+    def send(self, request: Any) -> Callable[[str], Any]:
+        """Put one message on the stream now; the returned function reads its response
+        (the round may do other work in between, e.g. verify while the draft drafts ahead)."""
         if self._call is None:
             self._open()
         call = self._call
         self._requests.put(request)
+        return lambda what: self._receive(call, request, what)
+
+    def _receive(self, call: Any, request: Any, what: str) -> Any:
+        if call is not self._call:               # the stream was reset since the send
+            raise WorkerUnavailable(f"{self.role} {what}: the stream was reset before the response")
         self._deadline = time.monotonic() + self.timeout_s
         try:
             response = next(call)
@@ -321,17 +331,28 @@ class DraftClient(_WorkerClient):
         _collect("draft", reqs, resp.results, lambda q, res: None)
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
-        items = [draft_pb2.ProposeItem(request_id=r.request_id, start_position=int(r.start_position),
-                                       tokens=[int(t) for t in r.tokens], hidden=_hidden_to_wire(r.hidden), k=int(r.k))
+        return self.propose_async(reqs)()
+
+    def propose_async(self, reqs: list[ProposeRequest]) -> Callable[[], list[Proposal]]:
+        """Send the round's Propose now; the returned function waits for the proposals."""
+        items = [draft_pb2.ProposeItem(request_id=r.request_id, k=int(r.k), ahead=True, keep_tail=r.keep_tail)
+                 if r.ahead else
+                 draft_pb2.ProposeItem(request_id=r.request_id, start_position=int(r.start_position),
+                                       tokens=[int(t) for t in r.tokens], hidden=_hidden_to_wire(r.hidden), k=int(r.k),
+                                       keep_tail=r.keep_tail)
                  for r in reqs]
         self.last_compute_seconds = None
-        resp = self._propose.exchange(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
-                                                               release_request_ids=self._take_releases()), "Propose")
-        self.last_compute_seconds = resp.compute_seconds
-        return _collect("draft", reqs, resp.results, lambda q, res: Proposal(
-            q.request_id, np.asarray(res.proposal.drafts, dtype=np.int64),
-            wire.decode_optional_tensor(res.proposal, "draft_probs", f"results[{q.request_id}].proposal.draft_probs",
-                                        allowed=("float32",))))
+        receive = self._propose.send(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
+                                                              release_request_ids=self._take_releases()))
+
+        def collect() -> list[Proposal]:
+            resp = receive("Propose")
+            self.last_compute_seconds = resp.compute_seconds
+            return _collect("draft", reqs, resp.results, lambda q, res: Proposal(
+                q.request_id, np.asarray(res.proposal.drafts, dtype=np.int64),
+                wire.decode_optional_tensor(res.proposal, "draft_probs",
+                                            f"results[{q.request_id}].proposal.draft_probs", allowed=("float32",))))
+        return collect
 
     def reset_streams(self) -> None:
         """Drop the Propose stream (scheduler thread); the next round opens a fresh one."""

@@ -57,8 +57,17 @@ class DraftEngine:
         self.registry = registry
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
-        for name, width in ((self._catchup_kind, self.catchup_width), (SUBSTEP, 1)):
+        # After a round whose drafts came from ahead drafting, the next catch-up carries
+        # two rounds of pairs: a second captured width keeps it off the eager path.
+        self._catchup_wide = f"catchup{2 * self.catchup_width}"
+        for name, width in ((self._catchup_kind, self.catchup_width), (self._catchup_wide, 2 * self.catchup_width),
+                            (SUBSTEP, 1)):
             registry.register(self._kind(name, width))
+        # Ahead drafting: the end (MTP hidden g, last draft) of each request's last proposal,
+        # by cache slot (row max_slots = scratch), and the draft position it continues at.
+        self._tail_g = ops.zeros((cache_cfg.max_slots + 1, cfg.hidden_size))          # [S+1, d]
+        self._tail_tok = ops.zeros((cache_cfg.max_slots + 1,), "int64")                 # [S+1]
+        self._tail_pos: dict[str, int] = {}
 
     def _kind(self, name: str, width: int) -> StepKind:
         scratch = self.cache.scratch_slot
@@ -124,8 +133,9 @@ class DraftEngine:
 
     def _catch_up(self, reqs, starts: list[int], slots: list[int]):
         longest = max(len(r.tokens) for r in reqs)
-        kind = self._catchup_kind if longest <= self.catchup_width else None
-        width = self.catchup_width if kind else longest
+        kind, width = ((self._catchup_kind, self.catchup_width) if longest <= self.catchup_width else
+                       (self._catchup_wide, 2 * self.catchup_width) if longest <= 2 * self.catchup_width else
+                       (None, longest))
         rows = [Row(slot, start, np.asarray(r.tokens, dtype=np.int64)) for r, start, slot in zip(reqs, starts, slots)]
         # bf16 bits travel to the device as bits when the draft computes in bf16; otherwise float32.
         bits = self.ops.dtype == "bfloat16" and all(np.asarray(r.hidden).dtype == np.uint16 for r in reqs)
@@ -135,7 +145,15 @@ class DraftEngine:
         return self._run_rows(kind, rows, hidden, width)
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
-        """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state."""
+        """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state.
+        Ahead items (``ProposeRequest.ahead``) continue from their last proposal instead."""
+        ahead = [r for r in reqs if r.ahead]
+        if ahead:
+            normal = [r for r in reqs if not r.ahead]
+            by_id = {p.request_id: p for p in (self.propose(normal) if normal else []) + self._ahead(ahead)}
+            return [by_id[r.request_id] for r in reqs]
+        for r in reqs:
+            self._tail_pos.pop(r.request_id, None)       # a new proposal: the old end is gone
         slots = []
         for r in reqs:
             state = self.cache.get(r.request_id)
@@ -177,7 +195,68 @@ class DraftEngine:
                 "read_slots": lay.read_slots, "last_index": lay.last_index})
             tok = self.ops.argmax(logits, -1)
             drafts.append(tok)
+        # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
+        keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
+        if keep:
+            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
+                             [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
+        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
+        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+
+    # --- ahead drafting ------------------------------------------------------------
+    def _keep_tails(self, rids: list[str], slots: list[int], g, tok, rows: list[int], positions: list[int]) -> None:
+        """Store rows ``rows`` of g [B, d] / tok [B] as the ends of ``rids`` (by slot)."""
+        idx = self.ops.from_numpy(np.asarray(rows, dtype=np.int64), "int64")
+        at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
+        self.ops.scatter_rows_(self._tail_g, at, self.ops.index_select(g, idx, 0))
+        self.ops.scatter_rows_(self._tail_tok, at, self.ops.index_select(tok, idx, 0))
+        for rid, pos in zip(rids, positions):
+            self._tail_pos[rid] = pos
+
+    def check_ahead(self, request_id: str, k: int, field: str) -> None:
+        """ValueError unless ``request_id`` can continue its last proposal by ``k`` greedy drafts."""
+        if request_id not in self._tail_pos:
+            raise ValueError(f"{field}.ahead: request {request_id!r} has no kept proposal end to continue "
+                             "(keep_tail on its last proposal, greedy drafts only)")
+        req = self.requests[request_id]
+        if req.params.draft_sampling and not req.params.greedy:
+            raise ValueError(f"{field}.ahead: request {request_id!r} samples its drafts; ahead drafting is greedy only")
+        self.cache.check_fits(request_id, self._tail_pos[request_id] + k)
+
+    def _ahead(self, reqs: list[ProposeRequest]) -> list[Proposal]:
+        """Continue each request's last proposal by k greedy substeps on its own hidden states.
+
+        Substep j writes (g, d) at the kept position + j; these rows hold guesses
+        and are overwritten by the next catch-up, exactly like ordinary substeps.
+        """
+        for r in reqs:
+            self.check_ahead(r.request_id, r.k, "ahead")
+        kmax = max(r.k for r in reqs)
+        b, d = len(reqs), self.cfg.hidden_size
+        slots = [self.cache.get(r.request_id).slot for r in reqs]
+        at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
+        g = self.ops.index_select(self._tail_g, at, 0)                        # [B, d]
+        tok = self.ops.index_select(self._tail_tok, at, 0)                    # [B]
+        start = [self._tail_pos[r.request_id] for r in reqs]
+        drafts = []
+        for j in range(kmax):
+            rows = [Row(slots[i], start[i] + j, np.zeros(1, dtype=np.int64)) if r.k > j
+                    else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64)) for i, r in enumerate(reqs)]
+            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
+            (g, logits), _ = self.registry.run(SUBSTEP, {
+                "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
+                "write_slots": lay.write_slots, "positions": lay.positions,
+                "read_slots": lay.read_slots, "last_index": lay.last_index})
+            tok = self.ops.argmax(logits, -1)
+            drafts.append(tok)
+        keep = [i for i, r in enumerate(reqs) if r.k == kmax]
+        for r in reqs:
+            self._tail_pos.pop(r.request_id, None)
+        if keep:
+            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
+                             [start[i] + kmax for i in keep])
+        # NOTE: the only host synchronisation of an ahead call.
         (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
@@ -227,4 +306,5 @@ class DraftEngine:
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)
+        self._tail_pos.pop(request_id, None)
         return self.cache.free(request_id)

@@ -45,6 +45,8 @@ class SeqStats:
     accepted: int = 0
     emitted_in_rounds: int = 0                     # accepted + bonus, summed over spec rounds
     spec_rounds: int = 0
+    ahead_asked: int = 0                           # rounds that asked the draft to draft ahead
+    ahead_used: int = 0                            # rounds whose drafts came from an ahead call
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
 
@@ -73,7 +75,7 @@ class SeqStats:
         return self.emitted_in_rounds / self.spec_rounds if self.spec_rounds else 0.0
 
     def merge(self, other: "SeqStats") -> None:
-        for name in ("rounds", "drafted", "accepted", "emitted_in_rounds", "spec_rounds"):
+        for name in ("rounds", "drafted", "accepted", "emitted_in_rounds", "spec_rounds", "ahead_asked", "ahead_used"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for j in range(len(other.pos_drafted)):
             if j >= len(self.pos_drafted):
@@ -102,6 +104,7 @@ class Sequence:
     draft_pairs: int = 0               # pairs the draft holds (start_position of the next Propose)
     drafting: bool = False             # whether the draft holds this request
     adaptive: AdaptiveK | None = None  # adaptive speculation length (None: always k)
+    ready_drafts: np.ndarray | None = None  # drafts for the next round from ahead drafting (int64 [k])
 
     @property
     def remaining(self) -> int:
@@ -156,7 +159,7 @@ def admit(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
         # Pairs (h_i, t_{i+1}) for the whole body; the last one waits for the first Propose.
         tokens = np.concatenate([req.prompt[1:], [res.first_token]]).astype(np.int64)
         s.pending_tokens, s.pending_hidden = tokens, res.hidden
-        s.draft_pairs, s.drafting = 0, False
+        s.draft_pairs, s.drafting, s.ready_drafts = 0, False, None
     if draft is not None:
         attach_draft(draft, [s for s in seqs if s.k > 0 and s.finish_reason is None])
     return emitted
@@ -180,35 +183,93 @@ def _round_k(s: Sequence, costs: RoundCosts | None) -> int:
 
 
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
-              costs: RoundCosts | None = None) -> dict[str, list[int]]:
+              costs: RoundCosts | None = None, ahead: bool = False) -> dict[str, list[int]]:
     """One speculative round over live sequences; returns tokens emitted per request.
 
     With ``costs`` (the loop's round-cost estimates), sequences that carry an
     ``adaptive`` policy choose their k for this round (``runtime.adaptive_k``).
+
+    With ``ahead`` (post-verify drafting, in the spirit of PEARL and SwiftSpec):
+    while the target verifies this round's drafts d_1..d_k, the draft goes on
+    from d_k on its own hidden states and proposes k+1 more, a_1..a_{k+1}, as if
+    all of d_1..d_k were accepted. If the target accepts all k and its bonus
+    token equals a_1, then a_2..a_{k+1} are drafts conditioned on exactly the
+    committed prefix, so the next round verifies them without a draft call;
+    otherwise they are dropped. Either way the target verifies every token it
+    commits, so the output is unchanged (greedy: identical tokens). Greedy
+    drafts only.
     """
     ks = {s.request_id: (_round_k(s, costs) if (draft is not None and s.drafting) else 0) for s in seqs}
     proposals: dict[str, Proposal] = {}
-    to_propose = [s for s in seqs if ks[s.request_id] > 0]
+    for s in seqs:
+        if s.ready_drafts is not None:
+            k = ks[s.request_id]
+            if k > 0:
+                proposals[s.request_id] = Proposal(s.request_id, s.ready_drafts[:k], None)
+                s.stats.ahead_used += 1
+            s.ready_drafts = None
+    greedy_drafts = {s.request_id: not (s.params.draft_sampling and not s.params.greedy) for s in seqs}
+    to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
     if to_propose:
-        reqs = [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id])
-                for s in to_propose]
+        reqs = [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
+                               keep_tail=ahead and greedy_drafts[s.request_id]) for s in to_propose]
         for s, p in zip(to_propose, draft.propose(reqs)):
             proposals[s.request_id] = p
             s.draft_pairs += len(s.pending_tokens)
             s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+    # NOTE: the ahead call goes out before the verify so the draft works while the target
+    # does. Only right after a catch-up (nothing pending): the next catch-up then carries
+    # at most two rounds of pairs, a width the draft has captured.
+    aheads = [s for s in seqs if ahead and s.request_id in proposals and greedy_drafts[s.request_id]
+              and len(s.pending_tokens) == 0 and len(proposals[s.request_id].drafts) == ks[s.request_id]
+              and s.remaining > ks[s.request_id] + 2] if draft is not None else []
+    collect = _send_ahead(draft, aheads, ks) if aheads else None
     empty = np.zeros(0, dtype=np.int64)
     vreqs = [VerifyRequest(s.request_id, proposals[s.request_id].drafts if s.request_id in proposals else empty,
                            proposals[s.request_id].draft_probs if s.request_id in proposals else None)
              for s in seqs]
+    results = target.verify(vreqs)
+    ahead_out = _collect_ahead(collect, aheads)
     out: dict[str, list[int]] = {}
-    for s, res in zip(seqs, target.verify(vreqs)):
-        s.stats.record(ks[s.request_id], res.num_accepted)
+    for s, res in zip(seqs, results):
+        k = ks[s.request_id]
+        s.stats.record(k, res.num_accepted)
         if s.adaptive is not None:
-            s.adaptive.observe(ks[s.request_id], res.num_accepted)
+            s.adaptive.observe(k, res.num_accepted)
         out[s.request_id] = s.emit(res.tokens)
         if s.drafting:
             _append_pending(s, np.asarray(res.tokens, dtype=np.int64), res.hidden)
+        more = ahead_out.get(s.request_id)
+        if more is not None and res.num_accepted == k and len(more) == k + 1 and int(more[0]) == res.tokens[-1]:
+            s.ready_drafts = np.asarray(more[1:], dtype=np.int64)
     return out
+
+
+def _send_ahead(draft: DraftPort, seqs: list[Sequence], ks: dict[str, int]):
+    """Ask the draft for k+1 drafts past each sequence's proposal; returns the collector."""
+    reqs = [ProposeRequest(s.request_id, 0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32),
+                           ks[s.request_id] + 1, ahead=True, keep_tail=True) for s in seqs]
+    for s in seqs:
+        s.stats.ahead_asked += 1
+    send = getattr(draft, "propose_async", None)
+    if send is None:                                  # an in-process draft: no overlap, same tokens
+        try:
+            done = draft.propose(reqs)
+        except Exception:  # noqa: BLE001 - ahead drafts are optional
+            done = [None] * len(reqs)
+        return lambda: done
+    return send(reqs)
+
+
+def _collect_ahead(collect, seqs: list[Sequence]) -> dict[str, np.ndarray]:
+    """The ahead drafts by request id; failed items (or a failed call) simply give none."""
+    if collect is None:
+        return {}
+    try:
+        got = collect()
+    except Exception as exc:  # noqa: BLE001 - ahead drafts are optional; the port records call failures
+        got = getattr(exc, "results", None) or [None] * len(seqs)
+    return {s.request_id: p.drafts for s, p in zip(seqs, got) if p is not None}
 
 
 def release(target: TargetPort, draft: DraftPort | None, seq: Sequence) -> None:

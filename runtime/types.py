@@ -76,6 +76,8 @@ class ProposeRequest:
     tokens: np.ndarray                 # int64 [m], m >= 1: tokens of the new pairs
     hidden: np.ndarray                 # float32 or uint16 bf16 bits [m, d]: target hidden states of the new pairs
     k: int                             # drafts wanted (>= 1)
+    ahead: bool = False                # continue from the end of the last proposal (tokens/hidden unused)
+    keep_tail: bool = False            # keep this proposal's end so that an ahead request can continue it
 
 
 @dataclass(frozen=True)

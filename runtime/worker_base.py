@@ -84,12 +84,14 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, field: str) -> None:
 
 
 def check_hidden(hidden: np.ndarray, rows: int, width: int, field: str) -> None:
-    """hidden must be float [rows, width] and finite."""
-    if hidden.dtype.kind != "f":
+    """hidden must be float [rows, width] (or uint16 bf16 bit patterns) and finite."""
+    if hidden.dtype.kind != "f" and hidden.dtype != np.uint16:
         raise ValueError(f"{field}: dtype {hidden.dtype} is not a float type")
     if hidden.shape != (rows, width):
         raise ValueError(f"{field}: shape {list(hidden.shape)}, expected [{rows}, {width}]")
-    if not np.isfinite(hidden).all():
+    # bf16 bits: exponent all ones is inf or NaN.
+    finite = (hidden & 0x7F80) != 0x7F80 if hidden.dtype == np.uint16 else np.isfinite(hidden)
+    if not finite.all():
         raise ValueError(f"{field}: contains NaN or infinite values")
 
 

@@ -109,7 +109,8 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
 def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:
     return tpb.DecodeStats(drafted=s.drafted, accepted=s.accepted, rounds=s.rounds, spec_rounds=s.spec_rounds,
                            emitted_in_rounds=s.emitted_in_rounds, position_drafted=s.pos_drafted,
-                           position_accepted=s.pos_accepted)
+                           position_accepted=s.pos_accepted, ahead_asked=s.ahead_asked,
+                           ahead_used=s.ahead_used)
 
 
 def _event_proto(ev: Any) -> tpb.DecodeEvent:

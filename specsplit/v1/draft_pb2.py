@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x8a\x01\n\x10\x44raftPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\"a\n\x13\x44raftPrefillRequest\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.specsplit.v1.DraftPrefillItem\x12\x1b\n\x13release_request_ids\x18\x02 \x03(\t\"P\n\x12\x44raftPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.ItemError\"I\n\x14\x44raftPrefillResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .specsplit.v1.DraftPrefillResult\"z\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12\t\n\x01k\x18\x05 \x01(\x05\"f\n\x0eProposeRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\x12\x1b\n\x13release_request_ids\x18\x03 \x03(\t\"E\n\x08Proposal\x12\x0e\n\x06\x64rafts\x18\x01 \x03(\x03\x12)\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x84\x01\n\rProposeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.ProposalH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"g\n\x0fProposeResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12,\n\x07results\x18\x02 \x03(\x0b\x32\x1b.specsplit.v1.ProposeResult\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x32\xa1\x05\n\x0c\x44raftService\x12P\n\x07Prefill\x12!.specsplit.v1.DraftPrefillRequest\x1a\".specsplit.v1.DraftPrefillResponse\x12J\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12R\n\x0bLoadWeights\x12 .specsplit.v1.LoadWeightsRequest\x1a!.specsplit.v1.LoadWeightsResponse\x12[\n\x0eReleaseWeights\x12#.specsplit.v1.ReleaseWeightsRequest\x1a$.specsplit.v1.ReleaseWeightsResponse\x12X\n\rCaptureGraphs\x12\".specsplit.v1.CaptureGraphsRequest\x1a#.specsplit.v1.CaptureGraphsResponse\x12R\n\x0b\x43learGraphs\x12 .specsplit.v1.ClearGraphsRequest\x1a!.specsplit.v1.ClearGraphsResponse\x12L\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1f.specsplit.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x8a\x01\n\x10\x44raftPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\"a\n\x13\x44raftPrefillRequest\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.specsplit.v1.DraftPrefillItem\x12\x1b\n\x13release_request_ids\x18\x02 \x03(\t\"P\n\x12\x44raftPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.ItemError\"I\n\x14\x44raftPrefillResponse\x12\x31\n\x07results\x18\x01 \x03(\x0b\x32 .specsplit.v1.DraftPrefillResult\"\x9c\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0estart_position\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x03(\x03\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.specsplit.v1.Tensor\x12\t\n\x01k\x18\x05 \x01(\x05\x12\r\n\x05\x61head\x18\x06 \x01(\x08\x12\x11\n\tkeep_tail\x18\x07 \x01(\x08\"f\n\x0eProposeRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12(\n\x05items\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ProposeItem\x12\x1b\n\x13release_request_ids\x18\x03 \x03(\t\"E\n\x08Proposal\x12\x0e\n\x06\x64rafts\x18\x01 \x03(\x03\x12)\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x84\x01\n\rProposeResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.ProposalH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"g\n\x0fProposeResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12,\n\x07results\x18\x02 \x03(\x0b\x32\x1b.specsplit.v1.ProposeResult\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x32\xa1\x05\n\x0c\x44raftService\x12P\n\x07Prefill\x12!.specsplit.v1.DraftPrefillRequest\x1a\".specsplit.v1.DraftPrefillResponse\x12J\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12R\n\x0bLoadWeights\x12 .specsplit.v1.LoadWeightsRequest\x1a!.specsplit.v1.LoadWeightsResponse\x12[\n\x0eReleaseWeights\x12#.specsplit.v1.ReleaseWeightsRequest\x1a$.specsplit.v1.ReleaseWeightsResponse\x12X\n\rCaptureGraphs\x12\".specsplit.v1.CaptureGraphsRequest\x1a#.specsplit.v1.CaptureGraphsResponse\x12R\n\x0b\x43learGraphs\x12 .specsplit.v1.ClearGraphsRequest\x1a!.specsplit.v1.ClearGraphsResponse\x12L\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1f.specsplit.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,16 +40,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTPREFILLRESULT']._serialized_end=389
   _globals['_DRAFTPREFILLRESPONSE']._serialized_start=391
   _globals['_DRAFTPREFILLRESPONSE']._serialized_end=464
-  _globals['_PROPOSEITEM']._serialized_start=466
-  _globals['_PROPOSEITEM']._serialized_end=588
-  _globals['_PROPOSEREQUEST']._serialized_start=590
-  _globals['_PROPOSEREQUEST']._serialized_end=692
-  _globals['_PROPOSAL']._serialized_start=694
-  _globals['_PROPOSAL']._serialized_end=763
-  _globals['_PROPOSERESULT']._serialized_start=766
-  _globals['_PROPOSERESULT']._serialized_end=898
-  _globals['_PROPOSERESPONSE']._serialized_start=900
-  _globals['_PROPOSERESPONSE']._serialized_end=1003
-  _globals['_DRAFTSERVICE']._serialized_start=1006
-  _globals['_DRAFTSERVICE']._serialized_end=1679
+  _globals['_PROPOSEITEM']._serialized_start=467
+  _globals['_PROPOSEITEM']._serialized_end=623
+  _globals['_PROPOSEREQUEST']._serialized_start=625
+  _globals['_PROPOSEREQUEST']._serialized_end=727
+  _globals['_PROPOSAL']._serialized_start=729
+  _globals['_PROPOSAL']._serialized_end=798
+  _globals['_PROPOSERESULT']._serialized_start=801
+  _globals['_PROPOSERESULT']._serialized_end=933
+  _globals['_PROPOSERESPONSE']._serialized_start=935
+  _globals['_PROPOSERESPONSE']._serialized_end=1038
+  _globals['_DRAFTSERVICE']._serialized_start=1041
+  _globals['_DRAFTSERVICE']._serialized_end=1714
 # @@protoc_insertion_point(module_scope)

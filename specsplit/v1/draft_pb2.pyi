@@ -141,6 +141,8 @@ class ProposeItem(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     HIDDEN_FIELD_NUMBER: _builtins.int
     K_FIELD_NUMBER: _builtins.int
+    AHEAD_FIELD_NUMBER: _builtins.int
+    KEEP_TAIL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     start_position: _builtins.int
     """Draft position of the first new pair; must equal the pairs the draft
@@ -148,6 +150,16 @@ class ProposeItem(_message.Message):
     """
     k: _builtins.int
     """Drafts wanted, 1..max_k."""
+    ahead: _builtins.bool
+    """Ahead drafting: continue from the end of this request's last proposal on the
+    draft's own hidden states, as if every draft of it were accepted (k more
+    drafts; tokens, hidden and start_position unused). Needs keep_tail on the
+    proposal it continues. Greedy drafts only.
+    """
+    keep_tail: _builtins.bool
+    """Keep this proposal's last hidden state and token so that an ahead item can
+    continue from it.
+    """
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens of the new pairs (1..k+1 per round)."""
@@ -164,10 +176,12 @@ class ProposeItem(_message.Message):
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         hidden: _common_pb2.Tensor | None = ...,
         k: _builtins.int = ...,
+        ahead: _builtins.bool = ...,
+        keep_tail: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hidden", b"hidden"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden", b"hidden", "k", b"k", "request_id", b"request_id", "start_position", b"start_position", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead", b"ahead", "hidden", b"hidden", "k", b"k", "keep_tail", b"keep_tail", "request_id", b"request_id", "start_position", b"start_position", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -221,6 +221,8 @@ class SpecStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _builtins.int
     ACCEPTANCE_PER_POSITION_FIELD_NUMBER: _builtins.int
     ROUNDS_FIELD_NUMBER: _builtins.int
+    AHEAD_ASKED_FIELD_NUMBER: _builtins.int
+    AHEAD_USED_FIELD_NUMBER: _builtins.int
     drafted: _builtins.int
     accepted: _builtins.int
     acceptance_rate: _builtins.float
@@ -228,6 +230,11 @@ class SpecStats(_message.Message):
     mean_accepted_length: _builtins.float
     """Tokens committed per speculative round (accepted + bonus)."""
     rounds: _builtins.int
+    ahead_asked: _builtins.int
+    """Ahead drafting (target spec.ahead_drafting): rounds that asked the draft to
+    draft past d_k while the target verified, and rounds that used those drafts.
+    """
+    ahead_used: _builtins.int
     @_builtins.property
     def acceptance_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Acceptance rate of draft position 1..k."""
@@ -241,10 +248,12 @@ class SpecStats(_message.Message):
         mean_accepted_length: _builtins.float = ...,
         acceptance_per_position: _abc.Iterable[_builtins.float] | None = ...,
         rounds: _builtins.int = ...,
+        ahead_asked: _builtins.int = ...,
+        ahead_used: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_per_position", b"acceptance_per_position", "acceptance_rate", b"acceptance_rate", "accepted", b"accepted", "drafted", b"drafted", "mean_accepted_length", b"mean_accepted_length", "rounds", b"rounds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_per_position", b"acceptance_per_position", "acceptance_rate", b"acceptance_rate", "accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "mean_accepted_length", b"mean_accepted_length", "rounds", b"rounds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\xc3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\t\n\x01k\x18\x07 \x01(\x05\x12\x15\n\rresume_output\x18\x08 \x03(\x03\"\x8b\x01\n\x0bRoundTiming\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x16\n\x0etarget_seconds\x18\x04 \x01(\x01\x12\x18\n\x10overhead_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x9b\x01\n\x0b\x44\x65\x63odeChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12)\n\x06timing\x18\x06 \x01(\x0b\x32\x19.specsplit.v1.RoundTiming\"\xa5\x01\n\x0b\x44\x65\x63odeStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x0e\n\x06rounds\x18\x03 \x01(\x03\x12\x13\n\x0bspec_rounds\x18\x04 \x01(\x03\x12\x19\n\x11\x65mitted_in_rounds\x18\x05 \x01(\x03\x12\x18\n\x10position_drafted\x18\x06 \x03(\x03\x12\x19\n\x11position_accepted\x18\x07 \x03(\x03\"\x8e\x01\n\x0b\x44\x65\x63odeFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x03(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specsplit.v1.DecodeStats\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\"G\n\x0b\x44\x65\x63odeError\x12&\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.ItemError\x12\x10\n\x08streamed\x18\x02 \x03(\x03\"\x9a\x01\n\x0b\x44\x65\x63odeEvent\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.specsplit.v1.DecodeChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.DecodeFinalH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.DecodeErrorH\x00\x42\x07\n\x05\x65vent\"\xc8\x01\n\x14\x43ontrolRoundsRequest\x12*\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1a.specsplit.v1.RoundsAction\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12\x15\n\rdraft_address\x18\x03 \x01(\t\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x11\n\tmax_queue\x18\x05 \x01(\x05\x12\x17\n\x0f\x64raft_timeout_s\x18\x06 \x01(\x01\x12\x15\n\rreset_streams\x18\x07 \x01(\x08\"\xe2\x01\n\x0cRoundsStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x1d\n\x15speculation_available\x18\x03 \x01(\x08\x12\x15\n\rdraft_address\x18\x04 \x01(\t\x12\x13\n\x0b\x64raft_error\x18\x05 \x01(\t\x12\x18\n\x10\x64raft_reconnects\x18\x06 \x01(\x05\x12\r\n\x05round\x18\x07 \x01(\x04\x12\x12\n\nconfigured\x18\x08 \x01(\x08\x12\x18\n\x10\x61\x64mission_paused\x18\t \x01(\x08\"R\n\x15\x43ontrolRoundsResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.RoundsStatus\"\x91\x01\n\x11TargetPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x19\n\x0cresume_token\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_resume_token\"F\n\x14TargetPrefillRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specsplit.v1.TargetPrefillItem\"J\n\rPrefillOutput\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\x13TargetPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06output\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.PrefillOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"K\n\x15TargetPrefillResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.specsplit.v1.TargetPrefillResult\"[\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x03\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"G\n\rVerifyRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specsplit.v1.VerifyItem\"Z\n\x0cVerifyOutput\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x85\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06output\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.VerifyOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"e\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01*\xa7\x02\n\x0cRoundsAction\x12\x1d\n\x19ROUNDS_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14ROUNDS_ACTION_STATUS\x10\x01\x12!\n\x1dROUNDS_ACTION_PAUSE_ADMISSION\x10\x02\x12\"\n\x1eROUNDS_ACTION_RESUME_ADMISSION\x10\x03\x12\x18\n\x14ROUNDS_ACTION_SETTLE\x10\x04\x12\x1f\n\x1bROUNDS_ACTION_ABORT_RUNNING\x10\x05\x12\x1e\n\x1aROUNDS_ACTION_PARK_RUNNING\x10\x06\x12\x1f\n\x1bROUNDS_ACTION_RESUME_PARKED\x10\x07\x12\x1b\n\x17ROUNDS_ACTION_CONFIGURE\x10\x08\x32\xbf\x06\n\rTargetService\x12R\n\x07Prefill\x12\".specsplit.v1.TargetPrefillRequest\x1a#.specsplit.v1.TargetPrefillResponse\x12G\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12R\n\x0bLoadWeights\x12 .specsplit.v1.LoadWeightsRequest\x1a!.specsplit.v1.LoadWeightsResponse\x12[\n\x0eReleaseWeights\x12#.specsplit.v1.ReleaseWeightsRequest\x1a$.specsplit.v1.ReleaseWeightsResponse\x12X\n\rCaptureGraphs\x12\".specsplit.v1.CaptureGraphsRequest\x1a#.specsplit.v1.CaptureGraphsResponse\x12R\n\x0b\x43learGraphs\x12 .specsplit.v1.ClearGraphsRequest\x1a!.specsplit.v1.ClearGraphsResponse\x12L\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1f.specsplit.v1.GetStatusResponse\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.specsplit.v1.DecodeRequest\x1a\x19.specsplit.v1.DecodeEvent0\x01\x12X\n\rControlRounds\x12\".specsplit.v1.ControlRoundsRequest\x1a#.specsplit.v1.ControlRoundsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\xc3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\t\n\x01k\x18\x07 \x01(\x05\x12\x15\n\rresume_output\x18\x08 \x03(\x03\"\x8b\x01\n\x0bRoundTiming\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x05\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x16\n\x0etarget_seconds\x18\x04 \x01(\x01\x12\x18\n\x10overhead_seconds\x18\x05 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x06 \x01(\x01\"\x9b\x01\n\x0b\x44\x65\x63odeChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12)\n\x06timing\x18\x06 \x01(\x0b\x32\x19.specsplit.v1.RoundTiming\"\xce\x01\n\x0b\x44\x65\x63odeStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x0e\n\x06rounds\x18\x03 \x01(\x03\x12\x13\n\x0bspec_rounds\x18\x04 \x01(\x03\x12\x19\n\x11\x65mitted_in_rounds\x18\x05 \x01(\x03\x12\x18\n\x10position_drafted\x18\x06 \x03(\x03\x12\x19\n\x11position_accepted\x18\x07 \x03(\x03\x12\x13\n\x0b\x61head_asked\x18\x08 \x01(\x03\x12\x12\n\nahead_used\x18\t \x01(\x03\"\x8e\x01\n\x0b\x44\x65\x63odeFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x0e\n\x06output\x18\x02 \x03(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12(\n\x05stats\x18\x04 \x01(\x0b\x32\x19.specsplit.v1.DecodeStats\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\"G\n\x0b\x44\x65\x63odeError\x12&\n\x05\x65rror\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.ItemError\x12\x10\n\x08streamed\x18\x02 \x03(\x03\"\x9a\x01\n\x0b\x44\x65\x63odeEvent\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.specsplit.v1.DecodeChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.DecodeFinalH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.specsplit.v1.DecodeErrorH\x00\x42\x07\n\x05\x65vent\"\xc8\x01\n\x14\x43ontrolRoundsRequest\x12*\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1a.specsplit.v1.RoundsAction\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12\x15\n\rdraft_address\x18\x03 \x01(\t\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12\x11\n\tmax_queue\x18\x05 \x01(\x05\x12\x17\n\x0f\x64raft_timeout_s\x18\x06 \x01(\x01\x12\x15\n\rreset_streams\x18\x07 \x01(\x08\"\xe2\x01\n\x0cRoundsStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x1d\n\x15speculation_available\x18\x03 \x01(\x08\x12\x15\n\rdraft_address\x18\x04 \x01(\t\x12\x13\n\x0b\x64raft_error\x18\x05 \x01(\t\x12\x18\n\x10\x64raft_reconnects\x18\x06 \x01(\x05\x12\r\n\x05round\x18\x07 \x01(\x04\x12\x12\n\nconfigured\x18\x08 \x01(\x08\x12\x18\n\x10\x61\x64mission_paused\x18\t \x01(\x08\"R\n\x15\x43ontrolRoundsResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.RoundsStatus\"\x91\x01\n\x11TargetPrefillItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x19\n\x0cresume_token\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_resume_token\"F\n\x14TargetPrefillRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specsplit.v1.TargetPrefillItem\"J\n\rPrefillOutput\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12$\n\x06hidden\x18\x02 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x8d\x01\n\x13TargetPrefillResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06output\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.PrefillOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"K\n\x15TargetPrefillResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.specsplit.v1.TargetPrefillResult\"[\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x03\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"G\n\rVerifyRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\'\n\x05items\x18\x02 \x03(\x0b\x32\x18.specsplit.v1.VerifyItem\"Z\n\x0cVerifyOutput\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x03\x12$\n\x06hidden\x18\x03 \x01(\x0b\x32\x14.specsplit.v1.Tensor\"\x85\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x06output\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.VerifyOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.ItemErrorH\x00\x42\t\n\x07outcome\"e\n\x0eVerifyResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01*\xa7\x02\n\x0cRoundsAction\x12\x1d\n\x19ROUNDS_ACTION_UNSPECIFIED\x10\x00\x12\x18\n\x14ROUNDS_ACTION_STATUS\x10\x01\x12!\n\x1dROUNDS_ACTION_PAUSE_ADMISSION\x10\x02\x12\"\n\x1eROUNDS_ACTION_RESUME_ADMISSION\x10\x03\x12\x18\n\x14ROUNDS_ACTION_SETTLE\x10\x04\x12\x1f\n\x1bROUNDS_ACTION_ABORT_RUNNING\x10\x05\x12\x1e\n\x1aROUNDS_ACTION_PARK_RUNNING\x10\x06\x12\x1f\n\x1bROUNDS_ACTION_RESUME_PARKED\x10\x07\x12\x1b\n\x17ROUNDS_ACTION_CONFIGURE\x10\x08\x32\xbf\x06\n\rTargetService\x12R\n\x07Prefill\x12\".specsplit.v1.TargetPrefillRequest\x1a#.specsplit.v1.TargetPrefillResponse\x12G\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12R\n\x0bLoadWeights\x12 .specsplit.v1.LoadWeightsRequest\x1a!.specsplit.v1.LoadWeightsResponse\x12[\n\x0eReleaseWeights\x12#.specsplit.v1.ReleaseWeightsRequest\x1a$.specsplit.v1.ReleaseWeightsResponse\x12X\n\rCaptureGraphs\x12\".specsplit.v1.CaptureGraphsRequest\x1a#.specsplit.v1.CaptureGraphsResponse\x12R\n\x0b\x43learGraphs\x12 .specsplit.v1.ClearGraphsRequest\x1a!.specsplit.v1.ClearGraphsResponse\x12L\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1f.specsplit.v1.GetStatusResponse\x12\x42\n\x06\x44\x65\x63ode\x12\x1b.specsplit.v1.DecodeRequest\x1a\x19.specsplit.v1.DecodeEvent0\x01\x12X\n\rControlRounds\x12\".specsplit.v1.ControlRoundsRequest\x1a#.specsplit.v1.ControlRoundsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDSACTION']._serialized_start=2642
-  _globals['_ROUNDSACTION']._serialized_end=2937
+  _globals['_ROUNDSACTION']._serialized_start=2683
+  _globals['_ROUNDSACTION']._serialized_end=2978
   _globals['_DECODEREQUEST']._serialized_start=71
   _globals['_DECODEREQUEST']._serialized_end=266
   _globals['_ROUNDTIMING']._serialized_start=269
@@ -41,39 +41,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODECHUNK']._serialized_start=411
   _globals['_DECODECHUNK']._serialized_end=566
   _globals['_DECODESTATS']._serialized_start=569
-  _globals['_DECODESTATS']._serialized_end=734
-  _globals['_DECODEFINAL']._serialized_start=737
-  _globals['_DECODEFINAL']._serialized_end=879
-  _globals['_DECODEERROR']._serialized_start=881
-  _globals['_DECODEERROR']._serialized_end=952
-  _globals['_DECODEEVENT']._serialized_start=955
-  _globals['_DECODEEVENT']._serialized_end=1109
-  _globals['_CONTROLROUNDSREQUEST']._serialized_start=1112
-  _globals['_CONTROLROUNDSREQUEST']._serialized_end=1312
-  _globals['_ROUNDSSTATUS']._serialized_start=1315
-  _globals['_ROUNDSSTATUS']._serialized_end=1541
-  _globals['_CONTROLROUNDSRESPONSE']._serialized_start=1543
-  _globals['_CONTROLROUNDSRESPONSE']._serialized_end=1625
-  _globals['_TARGETPREFILLITEM']._serialized_start=1628
-  _globals['_TARGETPREFILLITEM']._serialized_end=1773
-  _globals['_TARGETPREFILLREQUEST']._serialized_start=1775
-  _globals['_TARGETPREFILLREQUEST']._serialized_end=1845
-  _globals['_PREFILLOUTPUT']._serialized_start=1847
-  _globals['_PREFILLOUTPUT']._serialized_end=1921
-  _globals['_TARGETPREFILLRESULT']._serialized_start=1924
-  _globals['_TARGETPREFILLRESULT']._serialized_end=2065
-  _globals['_TARGETPREFILLRESPONSE']._serialized_start=2067
-  _globals['_TARGETPREFILLRESPONSE']._serialized_end=2142
-  _globals['_VERIFYITEM']._serialized_start=2144
-  _globals['_VERIFYITEM']._serialized_end=2235
-  _globals['_VERIFYREQUEST']._serialized_start=2237
-  _globals['_VERIFYREQUEST']._serialized_end=2308
-  _globals['_VERIFYOUTPUT']._serialized_start=2310
-  _globals['_VERIFYOUTPUT']._serialized_end=2400
-  _globals['_VERIFYRESULT']._serialized_start=2403
-  _globals['_VERIFYRESULT']._serialized_end=2536
-  _globals['_VERIFYRESPONSE']._serialized_start=2538
-  _globals['_VERIFYRESPONSE']._serialized_end=2639
-  _globals['_TARGETSERVICE']._serialized_start=2940
-  _globals['_TARGETSERVICE']._serialized_end=3771
+  _globals['_DECODESTATS']._serialized_end=775
+  _globals['_DECODEFINAL']._serialized_start=778
+  _globals['_DECODEFINAL']._serialized_end=920
+  _globals['_DECODEERROR']._serialized_start=922
+  _globals['_DECODEERROR']._serialized_end=993
+  _globals['_DECODEEVENT']._serialized_start=996
+  _globals['_DECODEEVENT']._serialized_end=1150
+  _globals['_CONTROLROUNDSREQUEST']._serialized_start=1153
+  _globals['_CONTROLROUNDSREQUEST']._serialized_end=1353
+  _globals['_ROUNDSSTATUS']._serialized_start=1356
+  _globals['_ROUNDSSTATUS']._serialized_end=1582
+  _globals['_CONTROLROUNDSRESPONSE']._serialized_start=1584
+  _globals['_CONTROLROUNDSRESPONSE']._serialized_end=1666
+  _globals['_TARGETPREFILLITEM']._serialized_start=1669
+  _globals['_TARGETPREFILLITEM']._serialized_end=1814
+  _globals['_TARGETPREFILLREQUEST']._serialized_start=1816
+  _globals['_TARGETPREFILLREQUEST']._serialized_end=1886
+  _globals['_PREFILLOUTPUT']._serialized_start=1888
+  _globals['_PREFILLOUTPUT']._serialized_end=1962
+  _globals['_TARGETPREFILLRESULT']._serialized_start=1965
+  _globals['_TARGETPREFILLRESULT']._serialized_end=2106
+  _globals['_TARGETPREFILLRESPONSE']._serialized_start=2108
+  _globals['_TARGETPREFILLRESPONSE']._serialized_end=2183
+  _globals['_VERIFYITEM']._serialized_start=2185
+  _globals['_VERIFYITEM']._serialized_end=2276
+  _globals['_VERIFYREQUEST']._serialized_start=2278
+  _globals['_VERIFYREQUEST']._serialized_end=2349
+  _globals['_VERIFYOUTPUT']._serialized_start=2351
+  _globals['_VERIFYOUTPUT']._serialized_end=2441
+  _globals['_VERIFYRESULT']._serialized_start=2444
+  _globals['_VERIFYRESULT']._serialized_end=2577
+  _globals['_VERIFYRESPONSE']._serialized_start=2579
+  _globals['_VERIFYRESPONSE']._serialized_end=2680
+  _globals['_TARGETSERVICE']._serialized_start=2981
+  _globals['_TARGETSERVICE']._serialized_end=3812
 # @@protoc_insertion_point(module_scope)

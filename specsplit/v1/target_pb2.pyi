@@ -211,12 +211,19 @@ class DecodeStats(_message.Message):
     EMITTED_IN_ROUNDS_FIELD_NUMBER: _builtins.int
     POSITION_DRAFTED_FIELD_NUMBER: _builtins.int
     POSITION_ACCEPTED_FIELD_NUMBER: _builtins.int
+    AHEAD_ASKED_FIELD_NUMBER: _builtins.int
+    AHEAD_USED_FIELD_NUMBER: _builtins.int
     drafted: _builtins.int
     accepted: _builtins.int
     rounds: _builtins.int
     spec_rounds: _builtins.int
     emitted_in_rounds: _builtins.int
     """Accepted drafts + bonus tokens, summed over speculative rounds."""
+    ahead_asked: _builtins.int
+    """Ahead drafting: rounds that asked the draft to draft ahead, and rounds whose
+    drafts came from such a call (no draft call on their critical path).
+    """
+    ahead_used: _builtins.int
     @_builtins.property
     def position_drafted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per draft position 1..k: how often drafted / accepted."""
@@ -233,10 +240,12 @@ class DecodeStats(_message.Message):
         emitted_in_rounds: _builtins.int = ...,
         position_drafted: _abc.Iterable[_builtins.int] | None = ...,
         position_accepted: _abc.Iterable[_builtins.int] | None = ...,
+        ahead_asked: _builtins.int = ...,
+        ahead_used: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "drafted", b"drafted", "emitted_in_rounds", b"emitted_in_rounds", "position_accepted", b"position_accepted", "position_drafted", b"position_drafted", "rounds", b"rounds", "spec_rounds", b"spec_rounds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "emitted_in_rounds", b"emitted_in_rounds", "position_accepted", b"position_accepted", "position_drafted", b"position_drafted", "rounds", b"rounds", "spec_rounds", b"spec_rounds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
