@@ -57,6 +57,7 @@ class DraftEngine:
         self.registry = registry
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
+        self._compiled = ops.compile_step(self._step)
         for name, width in ((self._catchup_kind, self.catchup_width), (SUBSTEP, 1)):
             registry.register(self._kind(name, width))
 
@@ -64,7 +65,7 @@ class DraftEngine:
         scratch = self.cache.scratch_slot
         return StepKind(
             name=name,
-            fn=self._step,
+            fn=self._compiled,
             inputs=(InputSpec("prev_hidden", (width, self.cfg.hidden_size), "compute", 0.0),
                     InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),
