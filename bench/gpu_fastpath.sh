@@ -22,7 +22,9 @@ if [ "${2:-}" = "attention" ]; then
   exit 0
 fi
 if [ "${2:-}" = "peer" ]; then
-  timeout 540 python3 -m specsplit bench peer --device cuda:0 --prompts 8 --max-tokens 128 2>&1 | grep -v USDT | tee "$out/bench_peer.txt"
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"
+  timeout 330 python3 -m specsplit bench peer --device cuda:0 --prompts 8 --max-tokens 128 2>&1 | grep -v -E "USDT|Warning|warn" | tee "$out/bench_peer.txt"
+  timeout 100 python3 -m specsplit bench graphs --device cuda:0 2>&1 | grep -v USDT | tee "$out/bench_graphs.txt"
   exit 0
 fi
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"

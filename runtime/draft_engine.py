@@ -57,6 +57,7 @@ class DraftEngine:
         self.registry = registry
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
+        self._compiled = ops.compile_step(self._step)
         # After a round whose drafts came from ahead drafting, the next catch-up carries
         # two rounds of pairs: a second captured width keeps it off the eager path.
         self._catchup_wide = f"catchup{2 * self.catchup_width}"
@@ -73,7 +74,7 @@ class DraftEngine:
         scratch = self.cache.scratch_slot
         return StepKind(
             name=name,
-            fn=self._step,
+            fn=self._compiled,
             inputs=(InputSpec("prev_hidden", (width, self.cfg.hidden_size), "compute", 0.0),
                     InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),

@@ -60,7 +60,7 @@ class TargetEngine:
         scratch = self.cache.scratch_slot
         registry.register(StepKind(
             name=f"verify{width}",
-            fn=self._step,
+            fn=ops.compile_step(self._step),
             inputs=(InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),
                     InputSpec("positions", (width,), "int64", 0),

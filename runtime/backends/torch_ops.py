@@ -32,26 +32,26 @@ class _StageRing:
 
     def __init__(self) -> None:
         self.bufs = [torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(_STAGE_SLOTS)]
-        self.events: list[torch.cuda.Event | None] = [None] * _STAGE_SLOTS
+        self.events = [torch.cuda.Event() for _ in range(_STAGE_SLOTS)]   # re-recorded, never re-created
+        self.used = [False] * _STAGE_SLOTS
         self.next = 0
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         i = self.next
         self.next = (i + 1) % _STAGE_SLOTS
-        if self.events[i] is not None:
+        if self.used[i]:
             self.events[i].synchronize()
         stage = self.bufs[i][: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
         stage.copy_(src)
         dst.copy_(stage, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self.events[i] = ev
+        self.events[i].record()
+        self.used[i] = True
 
 
 class TorchOps:
     name = "torch"
 
-    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None) -> None:
+    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None, compile_steps: bool = False) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"runtime.device={device!r} but torch sees no CUDA device")
         if cpu_threads is not None:
@@ -61,6 +61,7 @@ class TorchOps:
         self._dev = torch.device(device)
         self._dt = _DTYPES[dtype]
         self._ring: _StageRing | None = None
+        self._compile = compile_steps and self._dev.type == "cuda"
         # Batched sampling / acceptance on the device (numpy runtime.sampling is its oracle).
         self.sampler = TorchSampler(self._dev)
 
@@ -124,6 +125,19 @@ class TorchOps:
         if self._dev.type == "cuda":
             torch.cuda.current_stream(self._dev).synchronize()
         return [x.numpy().view(np.uint16) if bits else x.numpy() for x, bits in staged]
+
+    def compile_step(self, fn):
+        """``fn`` through torch.compile when the worker asked for it (CUDA only), else ``fn``.
+
+        dynamic=True: one compile serves every batch bucket and context span (the
+        registry captures each shape into its own CUDA graph afterwards); batch 1
+        is specialised once more by the compiler."""
+        if not self._compile:
+            return fn
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return torch.compile(fn, dynamic=True)
 
     def data_ptr(self, x):
         return int(x.data_ptr())

@@ -32,7 +32,7 @@ from runtime.target_engine import TargetEngine  # noqa: E402
 
 CFG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2)
-MAX_LEN = 1024           # spans 256, 512, 1024
+MAX_LEN = 1024           # spans 256, 384, 512, 768, 1024
 K = 3
 
 
@@ -50,13 +50,14 @@ def test_context_buckets_pick_the_smallest_span_and_equal_eager():
     params = {k: ops.from_numpy(v * (6 if v.ndim == 2 else 1)) for k, v in init_params(CFG, 0, target_tensor_shapes(CFG)).items()}
     reg = GraphRegistry(ops, (1, 4))
     target = TargetEngine(ops, CFG, params, CacheConfig(max_slots=4, max_len=MAX_LEN), K, reg)
-    assert context_spans(MAX_LEN) == (256, 512, 1024)
+    assert context_spans(MAX_LEN) == (256, 384, 512, 768, 1024)
     rng = np.random.default_rng(0)
     cases = []
     # (slot, start) rows; no two cases write the same cache rows, and a case reads
     # only rows that earlier cases rewrite with the same values (eager then graph).
-    for rows_at, want_span in (([(0, 10)], 256), ([(0, 252)], 256), ([(1, 253), (2, 5), (3, 40)], 512),
-                               ([(1, 700), (2, 300)], 1024), ([(3, 1019)], 1024)):
+    for rows_at, want_span in (([(0, 10)], 256), ([(0, 252)], 256), ([(1, 253), (2, 5), (3, 40)], 384),
+                               ([(1, 500)], 512), ([(1, 700), (2, 300)], 768),
+                               ([(3, 1019)], 1024)):
         rows = [Row(slot, s, rng.integers(0, CFG.vocab_size, K + 1)) for slot, s in rows_at]
         lay = layout_rows(rows, K + 1, 4, MAX_LEN)
         cases.append(({"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
@@ -70,7 +71,7 @@ def test_context_buckets_pick_the_smallest_span_and_equal_eager():
     eager = [[ops.to_numpy(o) for o in reg.run(target._verify_kind, inp)[0]] for inp, _ in cases]
     reg.capture_all()
     spans = {s for _, _, s in reg.span_keys()}
-    assert spans == {256, 512, 1024}
+    assert spans == {256, 384, 512, 768, 1024}
     worst = 0.0
     for (inp, want_span), ref in zip(cases, eager):
         outs, replayed = reg.run(target._verify_kind, inp)
