@@ -34,6 +34,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU)")
     p.add_argument("--compile", action="store_true", help="attention bench: also time torch.compile of the verify step")
     p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run")
+    p.add_argument("--draft-device", default=None, help="services bench: the draft's device (default: --device)")
+    p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
+    p.add_argument("--variants", nargs="*", default=None,
+                   help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,11 +1,16 @@
 """``specsplit bench services``: speculative vs target-only decoding through the gRPC services.
 
-Owns: starting one stack (draft, target, orchestrator as separate processes
-on loopback, metrics on), then for each batch size decoding the same
-held-out prompts twice — k=0 (target-only) and k — with that many concurrent
-clients, side by side; tokens/s of both, the speedup, identical greedy
-output, and the per-round time split read from the orchestrator's
-Prometheus metrics (draft compute, target compute, everything else).
+Owns: for each variant of the target's round loop (``fixed``: k drafts every
+round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``)
+one stack (draft, target, orchestrator as separate processes on loopback,
+metrics on), then for each batch size decoding the same held-out prompts
+twice — k=0 (target-only) and k — with that many concurrent clients, side by
+side; tokens/s of both, the speedup, identical greedy output (within the
+stack and against the first variant's target-only run), how often ahead
+drafts were used, and the per-round time split read from the orchestrator's
+Prometheus metrics (draft compute, target compute, everything else — for
+the round loop in the target that is the draft exchange's transport and the
+host work).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from orchestrator.client import SpecsplitClient
 from specsplit.launcher import Stack, StackOptions
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
+VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive")
 
 
 def round_split(metrics_port: int) -> dict[str, float]:
@@ -54,49 +60,68 @@ def _per_round_ms(before: dict[str, float], after: dict[str, float]) -> dict[str
             for part in ("draft", "target", "overhead", "total")} | {"rounds": int(rounds)}
 
 
+def _stack_options(args, model: Path, batches: list[int], variant: str) -> StackOptions:
+    draft_device = getattr(args, "draft_device", None) or args.device
+    extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
+    return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
+                        k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
+                        ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant, worker_args=extra)
+
+
 def main(args) -> int:
     model = Path(args.model) if args.model else TINY
     batches = args.batch or [1, 16]
-    opts = StackOptions(model=str(model), backend=args.backend, draft_device=args.device, target_device=args.device,
-                        k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING")
+    variants = getattr(args, "variants", None) or ["fixed"]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"specsplit: bench services: --variants: {v!r} is not one of {', '.join(VARIANTS)}")
     rows = []
-    with Stack(opts) as stack:
-        address = stack.orchestrator_address
-        mport = stack.children["orchestrator"].metrics_port
-        for batch in batches:
-            n = max(batch, args.prompts) if batch > 1 else args.prompts
-            prompts = (heldout_prompts(64, model) * 4)[:n]
-            _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
-            m0 = round_split(mport)
-            ref, t_ref = _decode(address, prompts, args.max_tokens, 0, batch)
-            m1 = round_split(mport)
-            spec, t_spec = _decode(address, prompts, args.max_tokens, args.k, batch)
-            m2 = round_split(mport)
-            toks_ref = sum(len(r.tokens) for r in ref)
-            toks_spec = sum(len(r.tokens) for r in spec)
-            drafted = sum(r.drafted for r in spec)
-            rows.append({
-                "batch": batch, "requests": n, "k": args.k,
-                "tokens_per_s_target": round(toks_ref / t_ref, 2), "tokens_per_s_spec": round(toks_spec / t_spec, 2),
-                "speedup": round((toks_spec / t_spec) / (toks_ref / t_ref), 3),
-                "identical": [r.tokens for r in ref] == [r.tokens for r in spec],
-                "acceptance_rate": round(sum(r.accepted for r in spec) / drafted, 4) if drafted else 0.0,
-                "round_ms_target_only": _per_round_ms(m0, m1), "round_ms_spec": _per_round_ms(m1, m2),
-            })
-    result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "rows": rows}
+    first_ref: dict[int, list] = {}
+    for variant in variants:
+        with Stack(_stack_options(args, model, batches, variant)) as stack:
+            address = stack.orchestrator_address
+            mport = stack.children["orchestrator"].metrics_port
+            for batch in batches:
+                n = max(batch, args.prompts) if batch > 1 else args.prompts
+                prompts = (heldout_prompts(64, model) * 4)[:n]
+                _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
+                m0 = round_split(mport)
+                ref, t_ref = _decode(address, prompts, args.max_tokens, 0, batch)
+                m1 = round_split(mport)
+                spec, t_spec = _decode(address, prompts, args.max_tokens, args.k, batch)
+                m2 = round_split(mport)
+                toks_ref = sum(len(r.tokens) for r in ref)
+                toks_spec = sum(len(r.tokens) for r in spec)
+                drafted = sum(r.drafted for r in spec)
+                first_ref.setdefault(batch, [r.tokens for r in ref])
+                rows.append({
+                    "variant": variant, "batch": batch, "requests": n, "k": args.k,
+                    "tokens_per_s_target": round(toks_ref / t_ref, 2),
+                    "tokens_per_s_spec": round(toks_spec / t_spec, 2),
+                    "speedup": round((toks_spec / t_spec) / (toks_ref / t_ref), 3),
+                    "identical": [r.tokens for r in ref] == [r.tokens for r in spec] == first_ref[batch],
+                    "acceptance_rate": round(sum(r.accepted for r in spec) / drafted, 4) if drafted else 0.0,
+                    "tokens_per_round": round(toks_spec / max(1, sum(r.rounds for r in spec)), 3),
+                    "ahead_used": f"{sum(r.ahead_used for r in spec)}/{sum(r.ahead_asked for r in spec)}",
+                    "round_ms_target_only": _per_round_ms(m0, m1), "round_ms_spec": _per_round_ms(m1, m2),
+                })
+    result = {"backend": args.backend, "device": args.device, "draft_device": getattr(args, "draft_device", None)
+              or args.device, "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"bench services: backend={args.backend} device={args.device} k={args.k} max_tokens={args.max_tokens} "
-          f"(three processes on loopback)")
-    print(f"{'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} {'identical':>9s} {'accept':>7s}  "
-          f"round ms spec: draft / target / overhead / total")
+    print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
+          f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
+    print(f"{'variant':>15s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+          f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
+          f"/ total")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} {r['speedup']:8.2f} "
-              f"{str(r['identical']):>9s} {r['acceptance_rate']:7.3f}  "
-              f"{s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / {s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}")
+        print(f"{r['variant']:>15s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+              f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
+              f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
+              f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':5s} target-only round ms: target / overhead / total = "
+        print(f"{'':>15s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
     return 0

@@ -64,6 +64,8 @@ class GenerateEvent:
     mean_accepted_length: float = 0.0
     acceptance_per_position: tuple[float, ...] = ()
     rounds: int = 0
+    ahead_asked: int = 0             # rounds that drafted ahead, and rounds that used those drafts
+    ahead_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class GenerationResult:
     chunks: int = 0
     request_id: str = ""
     weights_version: str = ""
+    ahead_asked: int = 0
+    ahead_used: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,8 @@ class SpecsplitClient:
                         prompt_tokens=f.usage.prompt_tokens, completion_tokens=f.usage.completion_tokens,
                         drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
                         mean_accepted_length=s.mean_accepted_length,
-                        acceptance_per_position=tuple(s.acceptance_per_position), rounds=s.rounds)
+                        acceptance_per_position=tuple(s.acceptance_per_position), rounds=s.rounds,
+                        ahead_asked=s.ahead_asked, ahead_used=s.ahead_used)
         except grpc.RpcError as exc:
             raise SpecsplitError(exc.code(), exc.details() or "") from None
         finally:
@@ -224,7 +229,8 @@ class SpecsplitClient:
             return GenerationResult(ev.tokens, ev.text, ev.finish_reason or "unspecified", ev.acceptance_rate,
                                     ev.mean_accepted_length, ev.acceptance_per_position,
                                     {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens},
-                                    ev.drafted, ev.accepted, ev.rounds, chunks, ev.request_id, ev.weights_version)
+                                    ev.drafted, ev.accepted, ev.rounds, chunks, ev.request_id, ev.weights_version,
+                                    ev.ahead_asked, ev.ahead_used)
         raise SpecsplitError(grpc.StatusCode.INTERNAL, "the stream ended without a final message")
 
     # --- status -----------------------------------------------------------------------

@@ -53,6 +53,9 @@ class StackOptions:
     max_slots: int = 32
     max_len: int = 1024
     admin_token: str | None = None
+    ahead_drafting: bool = False             # target: draft past d_k while verifying (spec.ahead_drafting)
+    adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
+    worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
 
 
 class Child:
@@ -114,7 +117,10 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
             "--server-port", "0", "--capture-on-start" if capture else "--no-capture-on-start"]
     if opts.metrics:
         argv += ["--server-metrics-port", "0"]
-    return argv
+    if role == "target":
+        argv += ["--spec-ahead-drafting" if opts.ahead_drafting else "--no-spec-ahead-drafting",
+                 "--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
+    return argv + list(opts.worker_args)
 
 
 class Stack:
