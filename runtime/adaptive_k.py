@@ -1,40 +1,46 @@
-"""Adaptive speculation length: how many drafts a request asks for in its next round.
+"""Adaptive speculation length: how many drafts the requests of a round ask for.
 
 Owns: the per-request acceptance estimate, the round-cost model and the
-choice of k that maximizes expected committed tokens per second. Pure
-Python, no frameworks: the round driver asks ``choose_k`` before each round
-and reports each round back with ``observe``.
+choice of the round's k that maximizes expected committed tokens per second.
+Pure Python, no frameworks: the round driver asks ``choose_round_k`` before
+each round and reports each request's round back with ``AdaptiveK.observe``.
 
 Must not know: workers, gRPC, tensors.
 
 The model (the usual one for speculative decoding, e.g. Leviathan et al.
-2023, § 3.3): if each draft is accepted independently with probability a,
-a round with k drafts commits on average
+2023, § 3.3): if each draft of request i is accepted independently with
+probability a_i, a round in which it drafts k commits on average
 
-    E[tokens | k] = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+    E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k = (1 - a_i^(k+1)) / (1 - a_i)
 
-tokens (the accepted prefix plus one target token). Its cost is
+tokens (the accepted prefix plus one target token). The round's cost is
 
     T(k) = t_verify + [k > 0] * (t_exchange + k * t_draft)
 
-(t_verify barely grows with k at these widths: the verify is memory-bound;
-a round with k = 0 skips the draft exchange altogether). The best k in
-[0, max_k] maximizes E[tokens | k] / T(k).
+(the verify is padded to max_k + 1 positions whatever k is, and a round with
+k = 0 skips the draft exchange altogether). One k serves the whole round —
+every request shares its verify and its draft exchange — so the loop picks
+
+    k* = argmax_k  sum_i E_i(min(k, k_i)) / T(k),   k in [0, max_i k_i]
+
+and request i drafts min(k*, k_i) (k_i: what it asked for). A batch where
+drafting never pays (every a_i near 0) gets k* = 0: target-only rounds, no
+draft exchange.
 
 The acceptance estimate counts trials, not drafts: a round that accepts a of
 k drafts tested a + 1 of them when it rejected one (a < k) and k when it
 accepted all (later drafts were never tested), so a = successes / trials
-over exponentially weighted sums, started at a prior. A request that settles on k = 0
-observes nothing more, so every ``PROBE_EVERY`` target-only rounds it drafts
-one token (k = 1) to see whether drafting pays again.
+over exponentially weighted sums, started at a prior. Rounds at k* = 0
+observe nothing, so every ``PROBE_EVERY`` of them one round drafts k = 1 to
+see whether drafting pays again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_ACCEPTANCE = 0.6       # before a request has drafted anything
-EMA_WEIGHT = 0.3             # weight of the newest round in the acceptance estimate
+PRIOR_ACCEPTANCE = 0.7       # before a request has drafted anything
+EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two k = 1 probes
 
 
@@ -49,10 +55,17 @@ def round_cost(k: int, t_verify: float, t_draft: float, t_exchange: float) -> fl
 
 
 def best_k(a: float, max_k: int, t_verify: float, t_draft: float, t_exchange: float) -> int:
-    """argmax_k E[tokens | k] / T(k) over k in [0, max_k] (the smallest k on ties)."""
+    """argmax_k E[tokens | k] / T(k) over k in [0, max_k] for one request (the smallest k on ties)."""
+    return best_round_k([(a, max_k)], t_verify, t_draft, t_exchange)
+
+
+def best_round_k(requests: list[tuple[float, int]], t_verify: float, t_draft: float, t_exchange: float) -> int:
+    """argmax_k sum_i E(a_i, min(k, k_i)) / T(k) over k in [0, max k_i]; requests = [(a_i, k_i)]."""
+    top = max((k for _, k in requests), default=0)
     best, best_rate = 0, -1.0
-    for k in range(max_k + 1):
-        rate = expected_tokens(a, k) / max(round_cost(k, t_verify, t_draft, t_exchange), 1e-9)
+    for k in range(top + 1):
+        tokens = sum(expected_tokens(a, min(k, ki)) for a, ki in requests)
+        rate = tokens / max(round_cost(k, t_verify, t_draft, t_exchange), 1e-9)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
@@ -66,6 +79,7 @@ class RoundCosts:
     t_draft: float = 1e-4          # one draft substep
     t_exchange: float = 3e-4       # the draft call's fixed cost (transport, catch-up, host work)
     weight: float = 0.1
+    target_only_rounds: int = 0    # rounds at k* = 0 since the last probe
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One round: its largest k, draft compute, verify compute and everything else."""
@@ -80,30 +94,30 @@ class RoundCosts:
 
 @dataclass
 class AdaptiveK:
-    """One request's speculation length, within [0, max_k] (max_k = what the request asked for)."""
+    """One request's acceptance estimate (k_max = what the request asked for)."""
 
     max_k: int
     successes: float = PRIOR_ACCEPTANCE * 2    # the prior counts as two trials
     trials: float = 2.0
-    target_only_rounds: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.successes / self.trials
-
-    def choose(self, costs: RoundCosts) -> int:
-        if self.max_k == 0:
-            return 0
-        k = best_k(self.acceptance, self.max_k, costs.t_verify, costs.t_draft, costs.t_exchange)
-        if k == 0:
-            self.target_only_rounds += 1
-            if self.target_only_rounds >= PROBE_EVERY:
-                self.target_only_rounds = 0
-                return 1
-        return k
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             decay = 1.0 - EMA_WEIGHT
             self.successes = decay * self.successes + accepted
             self.trials = decay * self.trials + accepted + (1 if accepted < k else 0)
+
+
+def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
+    """k* for a round of these requests (module doc), with a k = 1 probe every PROBE_EVERY
+    rounds that would otherwise not draft."""
+    k = best_round_k([(p.acceptance, p.max_k) for p in policies], costs.t_verify, costs.t_draft, costs.t_exchange)
+    if k == 0 and any(p.max_k > 0 for p in policies):
+        costs.target_only_rounds += 1
+        if costs.target_only_rounds >= PROBE_EVERY:
+            costs.target_only_rounds = 0
+            return 1
+    return k

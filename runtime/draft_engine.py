@@ -217,6 +217,8 @@ class DraftEngine:
 
     def check_ahead(self, request_id: str, k: int, field: str) -> None:
         """ValueError unless ``request_id`` can continue its last proposal by ``k`` greedy drafts."""
+        if not 1 <= k <= self.max_k + 1:
+            raise ValueError(f"{field}.k: {k} is out of range [1, {self.max_k + 1}] for an ahead item")
         if request_id not in self._tail_pos:
             raise ValueError(f"{field}.ahead: request {request_id!r} has no kept proposal end to continue "
                              "(keep_tail on its last proposal, greedy drafts only)")

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, RoundCosts
+from runtime.adaptive_k import AdaptiveK, RoundCosts, choose_round_k
 from runtime.config import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -177,9 +177,16 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
         s.drafting = True
 
 
-def _round_k(s: Sequence, costs: RoundCosts | None) -> int:
-    k = s.adaptive.choose(costs) if (s.adaptive is not None and costs is not None) else s.k
-    return min(k, s.k, s.remaining - 1)
+def _round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | None) -> dict[str, int]:
+    """Drafts per request this round: its k, or with adaptive k the round's k* (runtime.adaptive_k)."""
+    drafting = [s for s in seqs if draft is not None and s.drafting]
+    adaptive = [s.adaptive for s in drafting if s.adaptive is not None]
+    k_star = choose_round_k(adaptive, costs) if (adaptive and costs is not None) else None
+    out = {s.request_id: 0 for s in seqs}
+    for s in drafting:
+        k = s.k if (k_star is None or s.adaptive is None) else min(k_star, s.k)
+        out[s.request_id] = max(0, min(k, s.remaining - 1))
+    return out
 
 
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
@@ -199,7 +206,7 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     commits, so the output is unchanged (greedy: identical tokens). Greedy
     drafts only.
     """
-    ks = {s.request_id: (_round_k(s, costs) if (draft is not None and s.drafting) else 0) for s in seqs}
+    ks = _round_ks(seqs, draft, costs)
     proposals: dict[str, Proposal] = {}
     for s in seqs:
         if s.ready_drafts is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.adaptive_k import PROBE_EVERY, AdaptiveK, RoundCosts, best_k, expected_tokens, round_cost
+from runtime.adaptive_k import (PROBE_EVERY, AdaptiveK, RoundCosts, best_k, best_round_k, choose_round_k,
+                                expected_tokens, round_cost)
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -34,15 +35,25 @@ def test_cheap_drafts_and_high_acceptance_draft_the_most_useless_drafts_none():
 def test_policy_learns_acceptance_from_trials_and_probes_when_target_only():
     costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     pol = AdaptiveK(max_k=4)
-    assert pol.choose(costs) > 0                      # the prior says drafting pays here
-    for _ in range(30):
+    assert choose_round_k([pol], costs) > 0           # the prior says drafting pays here
+    for _ in range(60):
         pol.observe(4, 0)                             # every first draft rejected
-    assert pol.acceptance < 0.05 and pol.choose(costs) == 0
-    ks = [pol.choose(costs) for _ in range(3 * PROBE_EVERY)]
+    assert pol.acceptance < 0.05 and choose_round_k([pol], costs) == 0
+    ks = [choose_round_k([pol], costs) for _ in range(3 * PROBE_EVERY)]
     assert ks.count(1) == 3 and set(ks) == {0, 1}     # one k=1 probe every PROBE_EVERY rounds
-    for _ in range(30):
+    for _ in range(60):
         pol.observe(1, 1)                             # the probes start to succeed
-    assert pol.acceptance > 0.9 and pol.choose(costs) == 4
+    assert pol.acceptance > 0.9 and choose_round_k([pol], costs) == 4
+
+
+def test_one_k_for_the_round_counts_every_request():
+    """A request that gains little still rides along: the round's exchange is paid once for all."""
+    tv, td, tx = 2e-3, 2e-4, 1e-3
+    alone = best_round_k([(0.35, 3)], tv, td, tx)
+    together = best_round_k([(0.35, 3)] + [(0.9, 3)] * 7, tv, td, tx)
+    assert alone == 0 and together == 3
+    assert best_round_k([(0.9, 1), (0.9, 3)], tv, td, tx) == 3      # each request is capped by its own k
+    assert best_round_k([], tv, td, tx) == 0
 
 
 def test_round_costs_follow_the_observed_rounds():

@@ -1,0 +1,126 @@
+"""The round loop in the target service (target_service/rounds.py) over real gRPC, bundled model, CPU.
+
+Covers what the orchestrator-level tests do not see directly: ahead drafting
+over the draft's persistent stream (regression: ahead items asked for k+1
+drafts, which the draft refused as out of range, so ahead drafts were never
+used), Decode and ControlRounds refusing bad input with the field named,
+and a target that decodes with no draft configured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orchestrator.round_client import RemoteRounds
+from orchestrator.scheduler_types import ErrorEvent, FinalEvent, GenerationRequest, TokensEvent
+from orchestrator.worker_clients import TargetClient
+from runtime.config import (CacheConfig, GraphConfig, RuntimeConfig, SamplingParams, SecurityConfig, ServerConfig,
+                            SpecConfig, WorkerConfig)
+from runtime.tokenizer import ByteTokenizer
+from specsplit.v1 import target_pb2 as tpb
+
+TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+TIMEOUT = 60.0
+
+
+def _cfg(role: str, **spec) -> WorkerConfig:
+    return WorkerConfig(role=role, target_path=str(TINY), weights_version="v1",
+                        runtime=RuntimeConfig(backend="torch", device="cpu"),
+                        spec=SpecConfig(max_k=3, default_k=3, **spec), cache=CacheConfig(max_slots=4, max_len=512),
+                        graphs=GraphConfig(batch_buckets=(1, 2, 4)), server=ServerConfig(host="127.0.0.1", port=0),
+                        security=SecurityConfig())
+
+
+def _prompts(n: int) -> list[tuple[int, ...]]:
+    tok = ByteTokenizer()
+    return [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:n]]
+
+
+def _drain(handle) -> tuple[list[int], object]:
+    tokens: list[int] = []
+    for _ in range(10_000):
+        ev = handle.next_event(TIMEOUT)
+        if isinstance(ev, TokensEvent):
+            tokens.extend(ev.tokens)
+        else:
+            return tokens, ev
+    raise AssertionError("no final event")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from draft_service import server as draft_server
+    from target_service import server as target_server
+
+    draft = draft_server.start(_cfg("draft"))
+    target = target_server.start(_cfg("target", ahead_drafting=True, adaptive_k=False))
+    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26)
+    rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
+    yield rounds, f"127.0.0.1:{draft.port}"
+    rounds.stop()
+    client.close()
+    target.stop(grace=None)
+    draft.stop(grace=None)
+
+
+def _generate(rounds, prompts, k, max_tokens=48):
+    handles = [rounds.submit(GenerationRequest(f"r{k}-{i}", p, SamplingParams(max_tokens=max_tokens,
+                                                                              ignore_eos=True), k))
+               for i, p in enumerate(prompts)]
+    return [_drain(h) for h in handles]
+
+
+def test_ahead_drafting_over_grpc_is_exact_and_used(stack):
+    rounds, draft_address = stack
+    prompts = _prompts(4)
+    rounds.configure("", 4, 8, TIMEOUT)                                # no draft: target-only
+    ref = _generate(rounds, prompts, 3)
+    assert all(isinstance(f, FinalEvent) and f.stats.drafted == 0 for _, f in ref)
+    st = rounds.configure(draft_address, 4, 8, TIMEOUT)
+    assert st.speculation_available and st.configured and st.draft_address == draft_address
+    got = _generate(rounds, prompts, 3)
+    for (tokens, final), (ref_tokens, _) in zip(got, ref):
+        assert isinstance(final, FinalEvent) and tokens == ref_tokens
+    asked = sum(f.stats.ahead_asked for _, f in got)
+    used = sum(f.stats.ahead_used for _, f in got)
+    assert asked > 0 and 0 < used <= asked
+    assert rounds.status().active_requests == 0
+
+
+def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
+    rounds, _ = stack
+    stub = rounds.target.stub
+    bad = [(dict(request_id="", prompt=[1], max_tokens=4), "request_id"),
+           (dict(request_id="a", prompt=[], max_tokens=4), "prompt"),
+           (dict(request_id="a", prompt=[1], max_tokens=0), "max_tokens"),
+           (dict(request_id="a", prompt=[1], max_tokens=4, k=9), "k"),
+           (dict(request_id="a", prompt=[99999], max_tokens=4), "prompt"),
+           (dict(request_id="a", prompt=[1], max_tokens=4, resume_output=[1, 2, 3, 4]), "resume_output")]
+    for fields, name in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Decode(tpb.DecodeRequest(**fields), timeout=TIMEOUT))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in info.value.details(), fields
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ControlRounds(tpb.ControlRoundsRequest(), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "action" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ControlRounds(tpb.ControlRoundsRequest(action=tpb.ROUNDS_ACTION_CONFIGURE, max_batch=5000),
+                           timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch" in info.value.details()
+    # A full queue is RESOURCE_EXHAUSTED as the request's first event.
+    rounds.configure("", 1, 0, TIMEOUT)
+    try:
+        first = rounds.submit(GenerationRequest("long", _prompts(1)[0], SamplingParams(max_tokens=200,
+                                                                                      ignore_eos=True), 0))
+        assert isinstance(first.next_event(TIMEOUT), TokensEvent)
+        second = rounds.submit(GenerationRequest("second", (1, 2), SamplingParams(max_tokens=4), 0))
+        ev = second.next_event(TIMEOUT)
+        assert isinstance(ev, ErrorEvent) and ev.code == "RESOURCE_EXHAUSTED"
+        first.cancel()
+        assert isinstance(first.next_event(TIMEOUT), FinalEvent)
+    finally:
+        rounds.configure("", 4, 8, TIMEOUT)
