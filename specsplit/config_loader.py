@@ -39,6 +39,15 @@ HELP: dict[str, str] = {
     "runtime.compile": "torch.compile the step functions before CUDA-graph capture (Torch on CUDA only)",
     "spec.max_k": "largest number of drafts per round a request may ask for",
     "spec.default_k": "drafts per round when a request does not say",
+    "spec.adaptive_k": "target: each round's k follows the requests' acceptance and the measured round costs "
+                       "(0..the request's k; runtime/adaptive_k.py)",
+    "spec.ahead_drafting": "target: while verifying, ask the draft for k+1 drafts past d_k; used next round when "
+                           "all k were accepted and the bonus matches (exact either way)",
+    "draft_tls_ca": "target: CA that verifies the draft's certificate (TLS to the draft); unset with mTLS "
+                    "serving = security.tls_client_ca",
+    "draft_client_cert": "target: client certificate shown to an mTLS draft (default with mTLS serving: "
+                         "security.tls_cert)",
+    "draft_client_key": "target: key of draft_client_cert",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
     "cache.max_len": "KV-cache positions per request (prompt + output + k)",
     "graphs.enabled": "allow CUDA-graph capture",
