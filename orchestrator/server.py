@@ -43,6 +43,7 @@ from runtime.observability import start_metrics_server
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer, IncrementalDecoder
 from specsplit import wire
+from specsplit.admin_token import token_for_worker
 from specsplit.serving import build_server
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
@@ -79,8 +80,10 @@ class Orchestrator:
         kw = dict(timeout_s=cfg.worker_timeout_s, max_message_bytes=cfg.server.max_message_bytes,
                   tls_ca=cfg.tls_ca, client_cert=(cfg.tls_client_cert or cfg.security.tls_cert) if cfg.tls_ca else None,
                   client_key=(cfg.tls_client_key or cfg.security.tls_key) if cfg.tls_ca else None,
-                  admin_token=cfg.worker_admin_token)
-        self.target = TargetClient(cfg.target_address, **kw)
+                  admin_token=None)
+        # One admin-token setting serves both ends; local workers' token files are found (specsplit.admin_token).
+        token = lambda address: token_for_worker(cfg.worker_admin_token, cfg.security.admin_token, address)  # noqa: E731
+        self.target = TargetClient(cfg.target_address, **{**kw, "admin_token": token(cfg.target_address)})
         self.health = health.HealthServicer()
         self.facts: ModelFacts | None = None
         self.facts_error = "worker status not polled yet"
@@ -91,7 +94,8 @@ class Orchestrator:
         # The draft is optional at run time: a failed draft call degrades to target-only
         # decoding, and the link reconnects (same or new address) and re-attaches live requests.
         self.draft_link = DraftLink(
-            self.scheduler, lambda address: DraftClient(address, **kw), cfg.draft_address, cfg.draft_address_file,
+            self.scheduler, lambda address: DraftClient(address, **{**kw, "admin_token": token(address)}),
+            cfg.draft_address, cfg.draft_address_file,
             probe_timeout_s=min(cfg.worker_timeout_s, 5.0), target_status=lambda: self._status(self.target)[0],
             on_change=lambda available: self.metrics.speculation.set(int(available)),
         ) if (cfg.draft_address or cfg.draft_address_file) else None
@@ -491,7 +495,8 @@ def create_server(cfg: OrchestratorConfig) -> tuple[OrchestratorServer, int]:
         cfg.server.max_workers, cfg.max_batch + cfg.max_queue + 8)))
     server, port = build_server(server_cfg, cfg.security,
                                 [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-                                    OrchestratorServicer(core), s)], [SERVICE_NAME], core.health)
+                                    OrchestratorServicer(core), s)], [SERVICE_NAME], core.health,
+                                registry=metrics.registry)
     # NOTE: the scheduler and poller start before the port accepts calls, so the first
     # Generate sees model facts and a running scheduler.
     core.start()
