@@ -1,7 +1,10 @@
 """Start draft, target and orchestrator as child processes on loopback.
 
 Owns: the command lines of the three services for ``specsplit up`` / ``demo``
-and the tests, reading each child's "listening" line (so ports can be 0),
+and the tests, the stack's one admin token (given, or generated here) handed
+to all three through ``SPECSPLIT_SECURITY_ADMIN_TOKEN`` (the orchestrator
+presents its own token to the workers) and written to the token file of each
+service's port so the CLI finds it, reading each child's "listening" line (so ports can be 0),
 and stopping children cleanly: SIGTERM, a grace period, then SIGKILL. Children
 get PR_SET_PDEATHSIG so none outlives a killed parent (no orphans).
 
@@ -14,6 +17,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -123,12 +127,16 @@ class Stack:
     def __init__(self, opts: StackOptions) -> None:
         self.opts = opts
         self.children: dict[str, Child] = {}
+        self.admin_token = opts.admin_token
+        self.token_files: dict[str, str] = {}
 
     def __enter__(self) -> "Stack":
         env = {**os.environ, **self.opts.extra_env}
-        if self.opts.admin_token:
-            env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.opts.admin_token
-            env["SPECSPLIT_WORKER_ADMIN_TOKEN"] = self.opts.admin_token
+        # NOTE: one token for the three services: the orchestrator presents its own admin token
+        # to the workers when no separate worker token is set (specsplit.admin_token.token_for_worker).
+        self.admin_token = self.opts.admin_token or env.get("SPECSPLIT_SECURITY_ADMIN_TOKEN") or \
+            secrets.token_urlsafe(32)
+        env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.admin_token
         try:
             # NOTE: workers first: the orchestrator needs both addresses.
             self.children["target"] = Child("target", worker_argv("target", self.opts, self.opts.target_device), env)
@@ -146,10 +154,20 @@ class Stack:
                 argv += ["--server-metrics-port", "0"]
             self.children["orchestrator"] = Child("orchestrator", argv, env)
             self.children["orchestrator"].wait_listening()
+            self._write_token_files()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _write_token_files(self) -> None:
+        """The stack's token in the token file of every service's port (0600), for the CLI."""
+        from specsplit.admin_token import default_token_path, split_address, write_token_file
+
+        for name, c in self.children.items():
+            port = split_address(c.address)[1]
+            if port is not None:
+                self.token_files[name] = str(write_token_file(default_token_path(port), self.admin_token))
 
     @property
     def orchestrator_address(self) -> str:
@@ -159,6 +177,8 @@ class Stack:
         out: dict[str, object] = {name: c.address for name, c in self.children.items()}
         if self.opts.metrics:
             out["metrics_ports"] = {name: c.metrics_port for name, c in self.children.items()}
+        if "orchestrator" in self.token_files:
+            out["admin_token_file"] = self.token_files["orchestrator"]
         return out
 
     def close(self) -> None:

@@ -38,7 +38,8 @@ def _register_v1_descriptor() -> None:
         fdp.name, fdp.package = _V1_FILE, "grpc.reflection.v1"
         for msg in fdp.message_type:
             for field in msg.field:
-                field.type_name = field.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
+                if field.HasField("type_name"):
+                        field.type_name = field.type_name.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")
         for service in fdp.service:
             for method in service.method:
                 method.input_type = method.input_type.replace(".grpc.reflection.v1alpha.", ".grpc.reflection.v1.")

@@ -12,6 +12,8 @@ Must not know: the services. The CLI decides about exit codes and tracebacks.
 
 from __future__ import annotations
 
+import errno
+
 
 class StartupError(Exception):
     """A service cannot start; ``what`` failed because of ``why``."""
@@ -40,6 +42,8 @@ def describe(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
         where = exc.filename if exc.filename is not None else ""
         return "file", f"{where}: {exc.strerror or exc}" if where else str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return "port", f"address already in use ({exc})"
     if isinstance(exc, OSError):
         return "system", str(exc)
     if isinstance(exc, ValueError):
