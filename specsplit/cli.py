@@ -387,6 +387,7 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(train_args="train" in argv).parse_args(argv)
+    args.log_level = str(args.log_level).upper()    # `--log-level debug` works as DEBUG
     from orchestrator.client import SpecsplitError
 
     try:

@@ -20,6 +20,8 @@ Secrets: tokens are compared in constant time and never logged or echoed.
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -121,6 +123,24 @@ def _install_generated_token(auth: AuthInterceptor, security_cfg: SecurityConfig
                          "CLI reads it for local addresses)")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """StartupError naming the port when a fixed port is taken (grpc would only log a C-core error)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise StartupError("listen address", f"{host}: {exc.strerror or exc}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError("port", f"{host}:{port} is already in use") from None
+            raise StartupError("port", f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def build_server(server_cfg: ServerConfig, security_cfg: SecurityConfig,
                  servicer_adders: list[Callable[[grpc.Server], None]], service_names: list[str],
                  health_servicer: health.HealthServicer,
@@ -150,6 +170,7 @@ def build_server(server_cfg: ServerConfig, security_cfg: SecurityConfig,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection([*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     address = f"{server_cfg.host}:{server_cfg.port}"
+    _check_port_free(server_cfg.host, server_cfg.port)
     try:
         if security_cfg.tls_cert:
             ca = _read(security_cfg.tls_client_ca, "client CA") if security_cfg.tls_client_ca else None
@@ -159,8 +180,8 @@ def build_server(server_cfg: ServerConfig, security_cfg: SecurityConfig,
             port = server.add_secure_port(address, creds)
         else:
             port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise StartupError("port", f"cannot listen on {address}: {exc} (in use, not permitted, or the TLS "
+    except RuntimeError:
+        raise StartupError("port", f"cannot listen on {address} (address not available here, or the TLS "
                            f"certificate/key do not load)") from None
     if not port:
         raise StartupError("port", f"cannot listen on {address}")

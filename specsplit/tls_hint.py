@@ -16,9 +16,9 @@ import ssl
 
 from specsplit.admin_token import split_address
 
-PROBE_TIMEOUT_S = 2.0
+PROBE_TIMEOUT_S = 3.0
 _PLAINTEXT_SIGNS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNEXPECTED_EOF",
-                    "EOF occurred", "HTTP_REQUEST", "unknown protocol")
+                    "EOF occurred", "HTTP_REQUEST", "unknown protocol", "NO_TLS_ANSWER")
 
 
 def _handshake(host: str, port: int, ctx: ssl.SSLContext, timeout: float) -> str | None:
@@ -28,7 +28,10 @@ def _handshake(host: str, port: int, ctx: ssl.SSLContext, timeout: float) -> str
             with ctx.wrap_socket(raw, server_hostname=host if not host[:1].isdigit() else None) as tls:
                 tls.settimeout(min(timeout, 0.5))
                 try:
-                    tls.recv(1)                      # TLS 1.3: a refused client certificate is an alert here
+                    # TLS 1.3: a server that wants a client certificate says so (an alert, or it
+                    # closes) only after the handshake.
+                    if tls.recv(1) == b"":
+                        return "CLOSED_AFTER_HANDSHAKE: the server closed the connection after the handshake"
                 except (socket.timeout, TimeoutError):
                     pass
                 return None
@@ -36,6 +39,10 @@ def _handshake(host: str, port: int, ctx: ssl.SSLContext, timeout: float) -> str
             return f"{exc.reason or ''} {exc}"
         except (ConnectionResetError, BrokenPipeError) as exc:
             return f"UNEXPECTED_EOF {exc}"
+        except (socket.timeout, TimeoutError):
+            # NOTE: a TLS server answers a ClientHello at once; an HTTP/2 server in plaintext may
+            # instead wait for its connection preface, silently.
+            return "NO_TLS_ANSWER: the server did not answer the TLS ClientHello"
 
 
 def _context(ca: str | None = None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
@@ -72,7 +79,7 @@ def tls_mismatch(address: str, tls_ca: str | None, tls_cert: str | None = None, 
     if plaintext:
         return (f"TLS mismatch: the server at {address} does not speak TLS (plaintext) but this client uses TLS "
                 f"(--tls-ca): drop --tls-ca, or enable TLS on the server")
-    if err is not None and "CERTIFICATE_REQUIRED" in err.upper() or (err is not None and not tls_cert):
+    if err is not None and ("CERTIFICATE_REQUIRED" in err.upper() or not tls_cert):
         return (f"TLS mismatch: the server at {address} requires a client certificate (mutual TLS): "
                 f"pass --tls-cert and --tls-key")
     try:
