@@ -174,8 +174,16 @@ def test_kubernetes_layout():
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (None if name.endswith("orchestrator") else 1), f"{name}: nvidia.com/gpu limit {gpus}"
         grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+        # mTLS: kubelet gRPC probes cannot present a client certificate, so the probes run
+        # `specsplit healthcheck` over mTLS with the pod's own certificate from its TLS secret.
+        tls_mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["tls"]
+        (tls_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "tls"]
+        assert tls_volume["secret"]["secretName"] == f"{name}-tls", f"{name}: TLS secret {tls_volume}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == grpc_port, f"{name}: {probe} is not a gRPC probe on {grpc_port}"
+            command, args = check_cli(container[probe]["exec"]["command"], f"{name} {probe}")
+            assert command == "healthcheck" and args.address == f"127.0.0.1:{grpc_port}", f"{name}: {probe}"
+            assert (args.tls_ca, args.tls_cert, args.tls_key) == tuple(
+                f"{tls_mount}/{f}" for f in ("ca.crt", "tls.crt", "tls.key")), f"{name}: {probe} is not mTLS"
         for env in container.get("env", []):
             ref = env.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -189,6 +197,30 @@ def test_kubernetes_layout():
     for dep in deployments.values():
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+
+
+def test_kubernetes_services_use_mtls_and_cert_manager_matches():
+    """Every service serves mTLS with the certificate its secret mounts; the workers accept the
+    orchestrator's CN as an admin; the cert-manager option writes exactly those secrets with the
+    common names the configuration lists."""
+    configs = {d["metadata"]["name"]: d["data"] for _, d in k8s_find("ConfigMap")}["specsplit-config"]
+    tomls = {name.removesuffix(".toml"): tomllib.loads(text) for name, text in configs.items()}
+    for role, data in tomls.items():
+        sec = data["security"]
+        assert sec["tls_client_ca"].endswith("/ca.crt") and sec["tls_cert"].endswith("/tls.crt"), role
+    assert "specsplit-orchestrator" in tomls["draft"]["security"]["admin_client_cns"]
+    assert "specsplit-orchestrator" in tomls["target"]["security"]["admin_client_cns"]
+    assert tomls["orchestrator"]["tls_ca"].endswith("/ca.crt")
+    certs = [d for d in yaml.safe_load_all((K8S_DIR / "cert-manager" / "certificates.yaml").read_text())
+             if d["kind"] == "Certificate" and not d["spec"].get("isCA")]
+    by_secret = {c["spec"]["secretName"]: c["spec"] for c in certs}
+    for role, host in (("draft", "specsplit-draft"), ("target", "specsplit-target"), ("orchestrator", "specsplit")):
+        spec = by_secret[f"specsplit-{role}-tls"]
+        assert spec["commonName"] == f"specsplit-{role}" and host in spec["dnsNames"], spec
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+    cns = {c["spec"]["commonName"] for c in certs}
+    for role, data in tomls.items():
+        assert set(data["security"].get("admin_client_cns", ())) <= cns, role
 
 
 # --- 3. every command line and variable exists in the real CLI --------------------------------
