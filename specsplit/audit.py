@@ -13,6 +13,7 @@ Must not know: what the RPCs do, token values (only fingerprints reach it).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import structlog
@@ -21,7 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 log = structlog.get_logger("specsplit.audit")
 
 REQUEST_FIELDS = ("version", "target_path", "draft_path")   # what an audit line repeats from a request
-_counters: dict[int, Counter] = {}
+_counters: "weakref.WeakKeyDictionary[CollectorRegistry, Counter]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -29,11 +30,11 @@ def admin_rpc_counter(registry: CollectorRegistry | None = None) -> Counter:
     """The counter in ``registry`` (default: the process registry), created once per registry."""
     registry = REGISTRY if registry is None else registry
     with _lock:
-        counter = _counters.get(id(registry))
+        counter = _counters.get(registry)
         if counter is None:
             counter = Counter("specsplit_admin_rpcs", "Admin RPCs by method and outcome (final status code name)",
                               ["method", "outcome"], registry=registry)
-            _counters[id(registry)] = counter
+            _counters[registry] = counter
         return counter
 
 
