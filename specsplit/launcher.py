@@ -64,12 +64,27 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, env=env, text=True,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
                                      preexec_fn=_die_with_parent)
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self.failure: str | None = None      # the child's one-line start-up error, held back (see _pump_stderr)
         threading.Thread(target=self._pump, daemon=True).start()
+        self._stderr_done = threading.Event()
+        threading.Thread(target=self._pump_stderr, daemon=True).start()
         self.address = ""
         self.metrics_port: int | None = None
+
+    def _pump_stderr(self) -> None:
+        """Forward the child's stderr, except its ``specsplit: <what>: <why>`` line, which the
+        parent reports once, naming the child (so a failed start is still one line)."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if line.startswith("specsplit: ") and not self.address:
+                self.failure = line.strip()[len("specsplit: "):]
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        self._stderr_done.set()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -85,7 +100,10 @@ class Child:
             except queue.Empty:
                 break
             if line is None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.wait()} before listening")
+                code = self.proc.wait()
+                self._stderr_done.wait(5)
+                raise RuntimeError(f"{self.name}: {self.failure}" if self.failure else
+                                   f"{self.name} exited with code {code} before listening")
             try:
                 msg = json.loads(line)
             except json.JSONDecodeError:

@@ -287,6 +287,9 @@ def _startup_failures(model: Path, tmp_path: Path) -> dict[str, tuple[list[str],
         "bad config value": (["draft", "--cache-max-slots", "0"], "specsplit: configuration error: ", {}),
         "orchestrator CA missing": (["orchestrator", "--target-address", "127.0.0.1:9", "--tls-ca",
                                      str(tmp_path / "nope.pem")], "specsplit: file: ", {}),
+        # `up` reports its child's one line, naming the child (and the child's own line is not repeated).
+        "up with a missing model": (["up", "--model", str(tmp_path / "no-model")],
+                                    "specsplit: up: target: start-up weights: ", {}),
     }
 
 
