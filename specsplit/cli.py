@@ -122,7 +122,8 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
     opts = StackOptions(model=str(args.model), backend=args.backend, draft_device=args.draft_device,
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
-                        log_level=args.log_level, extra_env={}, admin_token=args.admin_token)
+                        log_level=args.log_level, extra_env={}, admin_token=args.admin_token, host=args.host,
+                        allow_insecure=args.allow_insecure)
     from specsplit.startup import StartupError
 
     stack = Stack(opts)
@@ -296,6 +297,10 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default="cpu", help="cpu | cuda:N")
     p.add_argument("--target-device", default="cpu", help="cpu | cuda:N")
     p.add_argument("--port", type=int, default=0, help="orchestrator port (0 = pick)")
+    p.add_argument("--host", default="127.0.0.1", help="orchestrator listen address (the workers always listen on "
+                                                       "127.0.0.1); a non-loopback one needs --allow-insecure")
+    p.add_argument("--allow-insecure", action="store_true",
+                   help="let the orchestrator serve plaintext on a non-loopback --host (warned at every start)")
     p.add_argument("--k", type=int, default=3, help="default drafts per round")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--no-draft", action="store_true", help="run target-only (no draft service)")

@@ -57,6 +57,8 @@ class StackOptions:
     max_slots: int = 32
     max_len: int = 1024
     admin_token: str | None = None
+    host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
+    allow_insecure: bool = False             # let the orchestrator serve plaintext on a non-loopback host
 
 
 class Child:
@@ -133,7 +135,8 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
             "--target-path", opts.model, "--runtime-backend", opts.backend, "--runtime-device", device,
             "--spec-max-k", str(max(opts.k, 1)), "--spec-default-k", str(opts.k),
             "--cache-max-slots", str(opts.max_slots), "--cache-max-len", str(opts.max_len),
-            "--server-port", "0", "--capture-on-start" if capture else "--no-capture-on-start"]
+            "--server-host", "127.0.0.1", "--server-port", "0",
+            "--capture-on-start" if capture else "--no-capture-on-start"]
     if opts.metrics:
         argv += ["--server-metrics-port", "0"]
     return argv
@@ -164,10 +167,12 @@ class Stack:
                 c.wait_listening()
             argv = [sys.executable, "-m", "specsplit", "--log-level", self.opts.log_level, "orchestrator",
                     "--target-address", self.children["target"].address,
-                    "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
+                    "--server-host", self.opts.host, "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
                     "--max-k", str(max(self.opts.k, 1)), "--max-batch", str(self.opts.max_batch)]
             if not self.opts.no_draft:
                 argv += ["--draft-address", self.children["draft"].address]
+            if self.opts.allow_insecure:
+                argv += ["--allow-insecure"]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
             self.children["orchestrator"] = Child("orchestrator", argv, env)

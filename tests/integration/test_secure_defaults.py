@@ -290,6 +290,8 @@ def _startup_failures(model: Path, tmp_path: Path) -> dict[str, tuple[list[str],
         # `up` reports its child's one line, naming the child (and the child's own line is not repeated).
         "up with a missing model": (["up", "--model", str(tmp_path / "no-model")],
                                     "specsplit: up: target: start-up weights: ", {}),
+        "up on a public host in plaintext": (["up", "--model", str(model), "--host", "0.0.0.0"],
+                                             "specsplit: up: orchestrator: insecure bind: ", {}),
     }
 
 
