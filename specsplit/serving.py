@@ -128,7 +128,7 @@ def _check_port_free(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise StartupError("listen address", f"{host}: {exc.strerror or exc}") from None
     family, kind, proto, _, sockaddr = infos[0]
