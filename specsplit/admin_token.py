@@ -117,15 +117,21 @@ def fingerprint(token: str | bytes) -> str:
 def token_for_worker(worker_admin_token: str | None, own_admin_token: str | None, address: str) -> str | None:
     """The admin token the orchestrator presents to the worker at ``address``.
 
-    In order: ``worker_admin_token``; the orchestrator's own configured admin token (one
-    setting serves both); for a loopback worker, the token file it wrote, else this
-    process's generated token (workers started in this process). None: send no token.
+    In order: ``worker_admin_token``; for a loopback worker started in this process with a
+    generated token, that token (its token file holds this process's token, so it is
+    current); the orchestrator's own configured admin token (one setting serves both);
+    for a loopback worker, the token file it wrote, else this process's generated token.
+    None: send no token (a token of this machine never goes to another one).
     """
     if worker_admin_token:
         return worker_admin_token
+    host, _port = split_address(address)
+    local = is_loopback_host(host)
+    found = find_admin_token(address) if local else None
+    if found is not None and _process_token is not None and found == _process_token:
+        return found
     if own_admin_token:
         return own_admin_token
-    host, _port = split_address(address)
-    if not is_loopback_host(host):
+    if not local:
         return None
-    return find_admin_token(address) or process_token()
+    return found or process_token()
