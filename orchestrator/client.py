@@ -150,7 +150,8 @@ class SpecsplitClient:
     def __init__(self, address: str, timeout: float = 60.0, tls_ca: str | None = None, token: str | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        """TLS when ``tls_ca`` is set; ``tls_cert``/``tls_key``: the client certificate (mutual TLS)."""
+        """TLS when ``tls_ca`` is set; ``tls_cert``/``tls_key``: the client certificate (mutual TLS).
+        ``token`` None: the token file of a service at a loopback address, if there is one."""
         self.address, self.timeout = address, timeout
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
@@ -162,6 +163,11 @@ class SpecsplitClient:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        if token is None:
+            # The Jupyter pattern: a local service's generated admin token is in its token file.
+            from specsplit.admin_token import find_admin_token
+
+            token = find_admin_token(address)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     # --- generation -------------------------------------------------------------------

@@ -44,6 +44,7 @@ from runtime.observability import start_metrics_server
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer, IncrementalDecoder
 from specsplit import wire
+from specsplit.admin_token import token_for_worker
 from specsplit.serving import build_server
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
@@ -80,8 +81,10 @@ class Orchestrator:
         kw = dict(timeout_s=cfg.worker_timeout_s, max_message_bytes=cfg.server.max_message_bytes,
                   tls_ca=cfg.tls_ca, client_cert=(cfg.tls_client_cert or cfg.security.tls_cert) if cfg.tls_ca else None,
                   client_key=(cfg.tls_client_key or cfg.security.tls_key) if cfg.tls_ca else None,
-                  admin_token=cfg.worker_admin_token)
-        self.target = TargetClient(cfg.target_address, **kw)
+                  admin_token=None)
+        # One admin-token setting serves both ends; local workers' token files are found (specsplit.admin_token).
+        token = lambda address: token_for_worker(cfg.worker_admin_token, cfg.security.admin_token, address)  # noqa: E731
+        self.target = TargetClient(cfg.target_address, **{**kw, "admin_token": token(cfg.target_address)})
         self.health = health.HealthServicer()
         self.facts: ModelFacts | None = None
         self.facts_error = "worker status not polled yet"
@@ -92,7 +95,7 @@ class Orchestrator:
         # admission checks, streaming to clients, lifecycle and the draft's address.
         self.scheduler = RemoteRounds(self.target, observer=metrics, control_timeout_s=cfg.worker_timeout_s)
         self.rounds: Any = None                      # last RoundsStatus polled from the target
-        self._make_draft = lambda address: DraftClient(address, **kw)
+        self._make_draft = lambda address: DraftClient(address, **{**kw, "admin_token": token(address)})
         self.draft_configured = bool(cfg.draft_address or cfg.draft_address_file)
         self.draft_address = read_address_file(cfg.draft_address_file) or cfg.draft_address
         self._draft = self._make_draft(self.draft_address) if self.draft_address else None
@@ -533,7 +536,8 @@ def create_server(cfg: OrchestratorConfig) -> tuple[OrchestratorServer, int]:
         cfg.server.max_workers, cfg.max_batch + cfg.max_queue + 8)))
     server, port = build_server(server_cfg, cfg.security,
                                 [lambda s: orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
-                                    OrchestratorServicer(core), s)], [SERVICE_NAME], core.health)
+                                    OrchestratorServicer(core), s)], [SERVICE_NAME], core.health,
+                                registry=metrics.registry)
     # NOTE: the scheduler and poller start before the port accepts calls, so the first
     # Generate sees model facts and a running scheduler.
     core.start()

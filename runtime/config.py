@@ -237,6 +237,8 @@ class SecurityConfig:
                                          # admin RPCs presented with it are PERMISSION_DENIED
     admin_client_cns: tuple[str, ...] = ()  # mTLS: client-certificate common names allowed to call admin RPCs
     max_tensor_bytes: int = 64 * 1024 * 1024  # largest tensor (data bytes) a request may carry
+    admin_token_file: str | None = None  # where a generated admin token is written (default: the runtime dir)
+    allow_insecure: bool = False         # serve plaintext on a non-loopback address (warned at every start)
 
     def __post_init__(self) -> None:
         _check((self.tls_cert is None) == (self.tls_key is None), "security.tls_cert/tls_key",

@@ -12,11 +12,14 @@ verified client certificate's common name:
     Generate         open unless generate_token is set; then the generation or the admin
                      token (or an allowed admin cert) -> runs; else UNAUTHENTICATED
 
-With neither an admin token nor admin common names configured, admin RPCs
-are open (the single-machine demo); ``specsplit`` logs that at start.
+Admin RPCs are never open: with neither an admin token nor admin common
+names configured, the server generates a token at start
+(``specsplit.admin_token``; ``set_admin_token``) and writes it to a file
+only its user can read. Every admin call, allowed or refused, goes to the
+audit trail (``specsplit.audit``) with its final status.
 
 Must not know: what the methods do. Tokens are compared in constant time
-and never logged or echoed in a status message.
+and never logged (only fingerprints) or echoed in a status message.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any, Callable
 import grpc
 
 from runtime.config import SecurityConfig
+from specsplit.admin_token import fingerprint
+from specsplit.audit import AdminAudit, request_fields
 
 ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
                            "ReloadWeights", "PushWeights", "ControlRounds"})
@@ -51,22 +56,27 @@ class AuthInterceptor(grpc.ServerInterceptor):
     """Applies the table in the module docstring to every call of one server."""
 
     def __init__(self, security: SecurityConfig, admin_methods: frozenset[str] = ADMIN_METHODS,
-                 generate_methods: frozenset[str] = GENERATE_METHODS) -> None:
+                 generate_methods: frozenset[str] = GENERATE_METHODS, audit: AdminAudit | None = None) -> None:
         self._admin = _bearer(security.admin_token)
         self._generate = _bearer(security.generate_token)
         self._admin_cns = frozenset(security.admin_client_cns)
         self._admin_methods, self._generate_methods = admin_methods, generate_methods
+        self._audit = audit
 
     @staticmethod
-    def needed(security: SecurityConfig) -> bool:
-        return bool(security.admin_token or security.generate_token or security.admin_client_cns)
+    def needs_generated_token(security: SecurityConfig) -> bool:
+        """Neither an admin token nor admin certificates: admin RPCs need a generated token."""
+        return not (security.admin_token or security.admin_client_cns)
 
-    def _token_role(self, metadata: Any) -> str | None:
+    def set_admin_token(self, token: str) -> None:
+        """The admin token (a generated one); call before the server starts."""
+        self._admin = _bearer(token)
+
+    def _token_role(self, supplied: bytes | None) -> str | None:
         """ADMIN / GENERATE for a valid token, "" for a wrong one, None for none."""
-        supplied = [v for k, v in (metadata or ()) if k == AUTH_HEADER]
-        if not supplied:
+        if supplied is None:
             return None
-        value = supplied[0].encode() if isinstance(supplied[0], str) else bytes(supplied[0])
+        value = supplied
         # NOTE: both comparisons always run, in constant time, so timing says nothing about either token.
         is_admin = self._admin is not None and hmac.compare_digest(value, self._admin)
         is_generate = self._generate is not None and hmac.compare_digest(value, self._generate)
@@ -83,14 +93,18 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        role = self._token_role(details.invocation_metadata)
+        supplied = _supplied_token(details.invocation_metadata)
+        role = self._token_role(supplied)
+        audit = None
+        if need == ADMIN and self._audit is not None:
+            audit = _CallAudit(self._audit, method, _token_fingerprint(supplied) if supplied else None, self)
         if role == ADMIN or (need == GENERATE and role == GENERATE):
-            return handler
+            return _wrap(handler, lambda _ctx: None, audit)
         denial = self._denial(method, need, role)
         if not self._admin_cns:
-            return _wrap(handler, lambda _ctx: denial)
+            return _wrap(handler, lambda _ctx: denial, audit)
         # The certificate is only visible per call (context.auth_context()), so decide there.
-        return _wrap(handler, lambda ctx: None if self._cert_is_admin(ctx) else self._with_cert(ctx, denial))
+        return _wrap(handler, lambda ctx: None if self._cert_is_admin(ctx) else self._with_cert(ctx, denial), audit)
 
     def _denial(self, method: str, need: str, role: str | None) -> Denial:
         what = "an admin RPC" if need == ADMIN else "a generation RPC"
@@ -103,7 +117,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return Denial(grpc.StatusCode.UNAUTHENTICATED,
                       f"{method} is {what}: send metadata '{AUTH_HEADER}: Bearer <token>'{certs}")
 
-    def _common_names(self, context: grpc.ServicerContext) -> list[str]:
+    @staticmethod
+    def _common_names(context: grpc.ServicerContext) -> list[str]:
         try:
             names = (context.auth_context() or {}).get("x509_common_name", [])
         except Exception:  # noqa: BLE001 - no TLS: no certificate
@@ -124,35 +139,125 @@ class AuthInterceptor(grpc.ServerInterceptor):
                                    f"certificates)")
 
 
-def _wrap(handler: grpc.RpcMethodHandler, check: Callable[[grpc.ServicerContext], Denial | None]
-          ) -> grpc.RpcMethodHandler:
-    """``handler`` with ``check(context)`` run first; a Denial aborts the call with its status."""
+def _supplied_token(metadata: Any) -> bytes | None:
+    """The value of the first ``authorization`` entry (``Bearer <token>``), or None."""
+    supplied = [v for k, v in (metadata or ()) if k == AUTH_HEADER]
+    if not supplied:
+        return None
+    return supplied[0].encode() if isinstance(supplied[0], str) else bytes(supplied[0])
+
+
+def _token_fingerprint(value: bytes) -> str:
+    return fingerprint(value[len(b"Bearer "):] if value.startswith(b"Bearer ") else value)
+
+
+class _CallAudit:
+    """The audit record of one admin call, completed when the call ends."""
+
+    def __init__(self, audit: AdminAudit, method: str, token: str | None, auth: AuthInterceptor) -> None:
+        self.audit, self.method, self.token, self.auth = audit, method, token, auth
+        self.fields: dict[str, str] = {}
+        self.authorized = False
+
+    def see(self, request: Any) -> None:
+        for k, v in request_fields(request).items():
+            self.fields.setdefault(k, v)
+
+    def requests(self, it: Any) -> Any:
+        for request in it:
+            self.see(request)
+            yield request
+
+    def done(self, context: grpc.ServicerContext, failed: bool) -> None:
+        code = _code_of(context)
+        if code is not None:
+            outcome = code.name
+        elif not failed:
+            outcome = "OK"
+        else:
+            outcome = "UNKNOWN" if context.is_active() else "CANCELLED"
+        cns = self.auth._common_names(context)
+        try:
+            peer = context.peer()
+        except Exception:  # noqa: BLE001 - the audit line must not fail the call
+            peer = "?"
+        self.audit.record(method=self.method, outcome=outcome, authorized=self.authorized, token=self.token,
+                          cert_cn=cns[0] if cns else None, peer=peer, fields=self.fields)
+
+
+def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpc: no code()
+        return None
+    if isinstance(code, int):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    return code
+
+
+def _wrap(handler: grpc.RpcMethodHandler, check: Callable[[grpc.ServicerContext], Denial | None],
+          audit: _CallAudit | None = None) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check(context)`` run first; a Denial aborts the call with its status.
+    With ``audit``, the call's requests and final status go to the audit trail."""
     kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
     def gate(context: grpc.ServicerContext) -> None:
         denial = check(context)
         if denial is not None:
             context.abort(denial.code, denial.message)
+        if audit is not None:
+            audit.authorized = True
+
+    def finish(context: grpc.ServicerContext, failed: bool) -> None:
+        if audit is not None:
+            audit.done(context, failed)
+
+    see = audit.see if audit is not None else (lambda _r: None)
+    feed = audit.requests if audit is not None else (lambda it: it)
 
     if handler.request_streaming and handler.response_streaming:
         def stream_stream(it: Any, context: grpc.ServicerContext) -> Any:
-            gate(context)
-            yield from handler.stream_stream(it, context)
+            failed = True
+            try:
+                gate(context)
+                yield from handler.stream_stream(feed(it), context)
+                failed = False
+            finally:
+                finish(context, failed)
         return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
     if handler.request_streaming:
         def stream_unary(it: Any, context: grpc.ServicerContext) -> Any:
-            gate(context)
-            return handler.stream_unary(it, context)
+            failed = True
+            try:
+                gate(context)
+                out = handler.stream_unary(feed(it), context)
+                failed = False
+                return out
+            finally:
+                finish(context, failed)
         return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
     if handler.response_streaming:
         def unary_stream(request: Any, context: grpc.ServicerContext) -> Any:
-            gate(context)
-            yield from handler.unary_stream(request, context)
+            failed = True
+            see(request)
+            try:
+                gate(context)
+                yield from handler.unary_stream(request, context)
+                failed = False
+            finally:
+                finish(context, failed)
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
 
     def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-        gate(context)
-        return handler.unary_unary(request, context)
+        failed = True
+        see(request)
+        try:
+            gate(context)
+            out = handler.unary_unary(request, context)
+            failed = False
+            return out
+        finally:
+            finish(context, failed)
     return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
 
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from runtime.config import ConfigError, OrchestratorConfig, WorkerConfig
 from specsplit import config_loader
@@ -29,10 +30,20 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 SHUTDOWN_GRACE_S = 10.0
 
 
-def announce(service: str, port: int, metrics_port: int | None, host: str) -> None:
-    """One JSON line on stdout telling a parent process where the service listens."""
-    print(json.dumps({"event": "listening", "service": service, "address": f"{host}:{port}",
-                      "metrics_port": metrics_port}), flush=True)
+def announce(service: str, port: int, metrics_port: int | None, host: str, security: Any = None) -> None:
+    """One JSON line on stdout telling a parent process where the service listens (and, when the
+    admin token was generated, the file that holds it)."""
+    msg: dict[str, Any] = {"event": "listening", "service": service, "address": f"{host}:{port}",
+                           "metrics_port": metrics_port}
+    if security is not None and not (security.admin_token or security.admin_client_cns):
+        from specsplit.admin_token import default_token_path
+
+        msg["admin_token_file"] = str(security.admin_token_file or default_token_path(port))
+    print(json.dumps(msg), flush=True)
+
+
+class StartFailed(Exception):
+    """A service did not start; the cause is the exception that stopped it."""
 
 
 def wait_for_signal() -> int:
@@ -58,12 +69,15 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     cfg = config_loader.build(WorkerConfig, args, overrides=overrides)
     log = configure_logging(f"{role}_service", args.log_level)
     log.info("starting", config=redact(cfg))
-    if role == "draft":
-        from draft_service.server import create_server
-    else:
-        from target_service.server import create_server
-    server, port = create_server(cfg)
-    announce(role, port, getattr(server, "metrics_port", None), cfg.server.host)
+    try:
+        if role == "draft":
+            from draft_service.server import create_server
+        else:
+            from target_service.server import create_server
+        server, port = create_server(cfg)
+    except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
+        raise StartFailed() from exc
+    announce(role, port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a
@@ -73,14 +87,21 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from orchestrator.server import create_server
     from runtime.observability import configure_logging, redact
+
+    try:
+        from orchestrator.server import create_server
+    except ImportError as exc:
+        raise StartFailed() from exc
 
     cfg = config_loader.build(OrchestratorConfig, args)
     log = configure_logging("orchestrator", args.log_level)
     log.info("starting", config=redact(cfg))
-    server, port = create_server(cfg)
-    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host)
+    try:
+        server, port = create_server(cfg)
+    except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
+        raise StartFailed() from exc
+    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
     # NOTE: graceful shutdown order: stop admitting new requests first, then
@@ -101,13 +122,23 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
     opts = StackOptions(model=str(args.model), backend=args.backend, draft_device=args.draft_device,
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
-                        log_level=args.log_level, extra_env={})
-    with Stack(opts) as stack:
+                        log_level=args.log_level, extra_env={}, admin_token=args.admin_token, host=args.host,
+                        allow_insecure=args.allow_insecure)
+    from specsplit.startup import StartupError
+
+    stack = Stack(opts)
+    try:
+        stack.__enter__()
+    except Exception as exc:  # noqa: BLE001 - a child that failed printed its own one-line reason first
+        raise StartFailed() from StartupError("up", str(exc))
+    try:
         print(json.dumps(stack.addresses()), flush=True)
         if then is not None:
             return then(stack)
         sig = wait_for_signal()
         print(json.dumps({"event": "stopping", "signal": sig}), file=sys.stderr, flush=True)
+    finally:
+        stack.close()
     return 0
 
 
@@ -196,6 +227,12 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
                                                          timeout=args.timeout)
     except grpc.RpcError as exc:
         print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            from specsplit.tls_hint import tls_mismatch
+
+            hint = tls_mismatch(args.address, args.tls_ca, args.tls_cert, args.tls_key)
+            if hint:
+                print(f"unhealthy: {hint}", file=sys.stderr)
         return 1
     finally:
         channel.close()
@@ -225,12 +262,32 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="client certificate (PEM) for mutual TLS (with --tls-ca)")
     p.add_argument("--tls-key", default=None, help="private key of --tls-cert")
     p.add_argument("--token", default=os.environ.get("SPECSPLIT_TOKEN"), help="bearer token [env SPECSPLIT_TOKEN]")
+    p.add_argument("--token-file", default=os.environ.get("SPECSPLIT_TOKEN_FILE"),
+                   help="file holding the bearer token [env SPECSPLIT_TOKEN_FILE] (default for a loopback "
+                        "--address: the token file the service wrote, see docs/hardening.md)")
+
+
+def client_token(args: argparse.Namespace) -> str | None:
+    """--token, else --token-file, else the token file of a local service at --address (or None)."""
+    from specsplit.admin_token import find_admin_token, read_token_file
+
+    if args.token:
+        return args.token
+    if args.token_file:
+        try:
+            return read_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--token-file {args.token_file}: {getattr(exc, 'strerror', None) or exc}") from None
+    return find_admin_token(args.address)
 
 
 def _client(args: argparse.Namespace):
     from orchestrator.client import SpecsplitClient
 
-    return SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token,
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    return SpecsplitClient(args.address, timeout=args.timeout, tls_ca=args.tls_ca, token=client_token(args),
                            tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
@@ -240,12 +297,25 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default="cpu", help="cpu | cuda:N")
     p.add_argument("--target-device", default="cpu", help="cpu | cuda:N")
     p.add_argument("--port", type=int, default=0, help="orchestrator port (0 = pick)")
+    p.add_argument("--host", default="127.0.0.1", help="orchestrator listen address (the workers always listen on "
+                                                       "127.0.0.1); a non-loopback one needs --allow-insecure")
+    p.add_argument("--allow-insecure", action="store_true",
+                   help="let the orchestrator serve plaintext on a non-loopback --host (warned at every start)")
     p.add_argument("--k", type=int, default=3, help="default drafts per round")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--no-draft", action="store_true", help="run target-only (no draft service)")
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture CUDA graphs at start (default: on for cuda devices)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics (ports printed)")
+    p.add_argument("--admin-token", default=os.environ.get("SPECSPLIT_SECURITY_ADMIN_TOKEN"),
+                   help="admin token of all three services, also presented by the orchestrator to the workers "
+                        "[env SPECSPLIT_SECURITY_ADMIN_TOKEN]; default: generated and written to the token file")
+
+
+def _allow_insecure_alias(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-insecure", dest="cfg__security__allow_insecure", action="store_const", const=True,
+                   default=None, help="same as --security-allow-insecure: serve plaintext on a non-loopback "
+                                      "address (warned at every start)")
 
 
 def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
@@ -256,8 +326,10 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     for role in ("draft", "target"):
         p = sub.add_parser(role, help=f"run the {role} service")
         config_loader.add_arguments(p, WorkerConfig, skip=("role",))
+        _allow_insecure_alias(p)
     p = sub.add_parser("orchestrator", help="run the orchestrator")
     config_loader.add_arguments(p, OrchestratorConfig)
+    _allow_insecure_alias(p)
 
     p = sub.add_parser("up", help="all three services on loopback (Ctrl-C stops them)")
     _stack_args(p)
@@ -320,6 +392,7 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(train_args="train" in argv).parse_args(argv)
+    args.log_level = str(args.log_level).upper()    # `--log-level debug` works as DEBUG
     from orchestrator.client import SpecsplitError
 
     try:
@@ -340,11 +413,55 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specsplit: configuration error: {exc}", file=sys.stderr)
         return 2
+    except StartFailed as exc:
+        return _start_failed(exc.__cause__ or exc, args)
     except SpecsplitError as exc:
         print(f"specsplit: {exc}", file=sys.stderr)
+        hint = _tls_hint(exc, args)
+        if hint:
+            print(f"specsplit: {hint}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        return _closed_pipe()
+    except FileNotFoundError as exc:                 # e.g. a client's --tls-ca that does not exist
+        print(f"specsplit: file: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _start_failed(cause: BaseException, args: argparse.Namespace) -> int:
+    """``specsplit: <what>: <why>`` on one line, exit 2; the traceback only under --log-level debug."""
+    from specsplit.startup import describe
+
+    if str(getattr(args, "log_level", "")).upper() == "DEBUG":
+        import traceback
+
+        traceback.print_exception(cause, file=sys.stderr)
+    what, why = describe(cause)
+    print(f"specsplit: {what}: {' '.join(why.split())}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _tls_hint(exc: Any, args: argparse.Namespace) -> str | None:
+    import grpc
+
+    if getattr(exc, "code", None) != grpc.StatusCode.UNAVAILABLE or not getattr(args, "address", None):
+        return None
+    from specsplit.tls_hint import tls_mismatch
+
+    return tls_mismatch(args.address, getattr(args, "tls_ca", None), getattr(args, "tls_cert", None),
+                        getattr(args, "tls_key", None))
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, like a process killed by SIGPIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())       # the interpreter's final flush must not fail again
+    except OSError:
+        pass
+    return 141
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ HELP: dict[str, str] = {
                                "presented with it get PERMISSION_DENIED (prefer the env var)",
     "security.admin_client_cns": "mTLS: comma-separated client-certificate common names allowed to call admin RPCs",
     "security.max_tensor_bytes": "largest tensor (data bytes) a request may carry",
+    "security.admin_token_file": "where the admin token generated at start (no admin token or admin CNs set) is "
+                                 "written, mode 0600 (unset = <runtime dir>/admin-<port>.token)",
+    "security.allow_insecure": "serve plaintext on a non-loopback address (refused otherwise; warned at every "
+                               "start; --allow-insecure)",
     "tls_client_cert": "client certificate shown to mTLS workers (default: security.tls_cert)",
     "tls_client_key": "private key of tls_client_cert (default: security.tls_key)",
     "draft_address_file": "file holding the draft's host:port, re-read every second; a new address there moves "

@@ -1,7 +1,10 @@
 """Start draft, target and orchestrator as child processes on loopback.
 
 Owns: the command lines of the three services for ``specsplit up`` / ``demo``
-and the tests, reading each child's "listening" line (so ports can be 0),
+and the tests, the stack's one admin token (given, or generated here) handed
+to all three through ``SPECSPLIT_SECURITY_ADMIN_TOKEN`` (the orchestrator
+presents its own token to the workers) and written to the token file of each
+service's port so the CLI finds it, reading each child's "listening" line (so ports can be 0),
 and stopping children cleanly: SIGTERM, a grace period, then SIGKILL. Children
 get PR_SET_PDEATHSIG so none outlives a killed parent (no orphans).
 
@@ -14,6 +17,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -56,6 +60,8 @@ class StackOptions:
     ahead_drafting: bool = False             # target: draft past d_k while verifying (spec.ahead_drafting)
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
+    host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
+    allow_insecure: bool = False             # let the orchestrator serve plaintext on a non-loopback host
 
 
 class Child:
@@ -63,12 +69,27 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, env=env, text=True,
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
                                      preexec_fn=_die_with_parent)
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self.failure: str | None = None      # the child's one-line start-up error, held back (see _pump_stderr)
         threading.Thread(target=self._pump, daemon=True).start()
+        self._stderr_done = threading.Event()
+        threading.Thread(target=self._pump_stderr, daemon=True).start()
         self.address = ""
         self.metrics_port: int | None = None
+
+    def _pump_stderr(self) -> None:
+        """Forward the child's stderr, except its ``specsplit: <what>: <why>`` line, which the
+        parent reports once, naming the child (so a failed start is still one line)."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if line.startswith("specsplit: ") and not self.address:
+                self.failure = line.strip()[len("specsplit: "):]
+                continue
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        self._stderr_done.set()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -84,7 +105,10 @@ class Child:
             except queue.Empty:
                 break
             if line is None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.wait()} before listening")
+                code = self.proc.wait()
+                self._stderr_done.wait(5)
+                raise RuntimeError(f"{self.name}: {self.failure}" if self.failure else
+                                   f"{self.name} exited with code {code} before listening")
             try:
                 msg = json.loads(line)
             except json.JSONDecodeError:
@@ -114,7 +138,8 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
             "--target-path", opts.model, "--runtime-backend", opts.backend, "--runtime-device", device,
             "--spec-max-k", str(max(opts.k, 1)), "--spec-default-k", str(opts.k),
             "--cache-max-slots", str(opts.max_slots), "--cache-max-len", str(opts.max_len),
-            "--server-port", "0", "--capture-on-start" if capture else "--no-capture-on-start"]
+            "--server-host", "127.0.0.1", "--server-port", "0",
+            "--capture-on-start" if capture else "--no-capture-on-start"]
     if opts.metrics:
         argv += ["--server-metrics-port", "0"]
     if role == "target":
@@ -129,12 +154,16 @@ class Stack:
     def __init__(self, opts: StackOptions) -> None:
         self.opts = opts
         self.children: dict[str, Child] = {}
+        self.admin_token = opts.admin_token
+        self.token_files: dict[str, str] = {}
 
     def __enter__(self) -> "Stack":
         env = {**os.environ, **self.opts.extra_env}
-        if self.opts.admin_token:
-            env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.opts.admin_token
-            env["SPECSPLIT_WORKER_ADMIN_TOKEN"] = self.opts.admin_token
+        # NOTE: one token for the three services: the orchestrator presents its own admin token
+        # to the workers when no separate worker token is set (specsplit.admin_token.token_for_worker).
+        self.admin_token = self.opts.admin_token or env.get("SPECSPLIT_SECURITY_ADMIN_TOKEN") or \
+            secrets.token_urlsafe(32)
+        env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.admin_token
         try:
             # NOTE: workers first: the orchestrator needs both addresses.
             self.children["target"] = Child("target", worker_argv("target", self.opts, self.opts.target_device), env)
@@ -144,18 +173,30 @@ class Stack:
                 c.wait_listening()
             argv = [sys.executable, "-m", "specsplit", "--log-level", self.opts.log_level, "orchestrator",
                     "--target-address", self.children["target"].address,
-                    "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
+                    "--server-host", self.opts.host, "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
                     "--max-k", str(max(self.opts.k, 1)), "--max-batch", str(self.opts.max_batch)]
             if not self.opts.no_draft:
                 argv += ["--draft-address", self.children["draft"].address]
+            if self.opts.allow_insecure:
+                argv += ["--allow-insecure"]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
             self.children["orchestrator"] = Child("orchestrator", argv, env)
             self.children["orchestrator"].wait_listening()
+            self._write_token_files()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _write_token_files(self) -> None:
+        """The stack's token in the token file of every service's port (0600), for the CLI."""
+        from specsplit.admin_token import default_token_path, split_address, write_token_file
+
+        for name, c in self.children.items():
+            port = split_address(c.address)[1]
+            if port is not None:
+                self.token_files[name] = str(write_token_file(default_token_path(port), self.admin_token))
 
     @property
     def orchestrator_address(self) -> str:
@@ -165,6 +206,8 @@ class Stack:
         out: dict[str, object] = {name: c.address for name, c in self.children.items()}
         if self.opts.metrics:
             out["metrics_ports"] = {name: c.metrics_port for name, c in self.children.items()}
+        if "orchestrator" in self.token_files:
+            out["admin_token_file"] = self.token_files["orchestrator"]
         return out
 
     def close(self) -> None:

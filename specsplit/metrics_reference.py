@@ -20,9 +20,15 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
     import target_service.metrics as target
     from orchestrator.metrics import OrchestratorMetrics
 
-    return [("orchestrator", _metrics_of(OrchestratorMetrics())),
-            ("draft service", _metrics_of(draft) + draft.FAMILIES.all()),
-            ("target service", _metrics_of(target) + target.FAMILIES.all())]
+    from prometheus_client import CollectorRegistry
+
+    from specsplit.audit import admin_rpc_counter
+
+    # Every server counts its admin RPCs (specsplit.serving.build_server).
+    admin = lambda: [admin_rpc_counter(CollectorRegistry())]  # noqa: E731
+    return [("orchestrator", _metrics_of(OrchestratorMetrics()) + admin()),
+            ("draft service", _metrics_of(draft) + draft.FAMILIES.all() + admin()),
+            ("target service", _metrics_of(target) + target.FAMILIES.all() + admin())]
 
 
 def reference_markdown() -> str:

@@ -8,12 +8,18 @@
   and cache (keyword overrides for any field).
 - ``worker_server``: a factory that starts a draft or target service on
   127.0.0.1 port 0 with ``create_server``'s machinery and stops it (and closes
-  its channel) after the test.
+  its channel) after the test. Its channel presents the service's admin token
+  (the generated one when the config sets none) unless a call brings its own.
+
+Services started by the tests write generated admin-token files to a
+temporary ``SPECSPLIT_RUNTIME_DIR`` (children inherit it), never to ``~``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +34,33 @@ from runtime.config import (CacheConfig, GraphConfig, ModelConfig, RuntimeConfig
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 
 TIMEOUT = 30.0  # seconds: deadline of every stub call in the tests
+os.environ.setdefault("SPECSPLIT_RUNTIME_DIR", tempfile.mkdtemp(prefix="specsplit-test-runtime-"))
+
+
+class _AdminToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call that carries no authorization of its own."""
+
+    def __init__(self, token: str) -> None:
+        self._md = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        md = list(details.metadata or ())
+        if not any(k == "authorization" for k, _ in md):
+            md.append(self._md)
+        return details._replace(metadata=md)      # grpc's _ClientCallDetails is a namedtuple
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
 
 
 def _spread(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -107,6 +140,10 @@ def worker_server(worker_config: Callable[..., WorkerConfig]) -> Callable[..., R
         else:
             channel = grpc.insecure_channel(address)
             grpc.channel_ready_future(channel).result(timeout=TIMEOUT)
+            if not (cfg.security.admin_token or cfg.security.admin_client_cns):
+                from specsplit.admin_token import process_token
+
+                channel = grpc.intercept_channel(channel, _AdminToken(process_token()))
             running = RunningWorker(svc, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel), address)
         started.append(running)
         return running

@@ -7,6 +7,9 @@ Verify / Propose streams, Release, GetStatus and the lifecycle RPCs of both
 workers: random field values, huge sizes, wrong tensor dtypes / shapes /
 bytes, unknown enum values, repeated and stale request ids, random tokens.
 
+Bytes that do not decode at all (invalid UTF-8, truncated fields, bad wire types) on
+every RPC of every service: tests/integration/test_fuzz_undecodable.py.
+
 Every case must be answered with a clear status: a per-item error or a call
 status from ``CLEAR`` — never UNKNOWN or INTERNAL (which would mean the server
 tripped over the input). Meanwhile a healthy greedy stream runs through the

@@ -407,8 +407,11 @@ def test_status_health_reflection_metrics_and_reload_checks_its_request(orch, cl
         assert "specsplit.v1.Orchestrator" in names and "grpc.health.v1.Health" in names
         from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.ReloadWeights(orchestrator_pb2.ReloadWeightsRequest(), timeout=TIMEOUT))
+        from specsplit.admin_token import find_admin_token
+        from specsplit.auth import admin_metadata
+        with pytest.raises(grpc.RpcError) as info:          # admin RPCs are never open: the generated token
+            list(stub.ReloadWeights(orchestrator_pb2.ReloadWeightsRequest(), timeout=TIMEOUT,
+                                    metadata=admin_metadata(find_admin_token(address))))
         # An empty request is refused naming the field (reload itself: tests/integration/test_reload.py).
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "target_path" in info.value.details()
     finally:

@@ -14,11 +14,9 @@ Checked here (each check fails when the file it guards goes wrong):
    the service configurations build (values valid), every ``SPECSPLIT_*``
    variable is a real config option or one of the documented extras, and the
    addresses and ports that the files repeat agree with each other.
-4. (slow) The three services run with exactly the arguments and environment
-   variables the compose file gives them, rewritten only for loopback (see
-   ``LoopbackRewrite``), a greedy generation through the orchestrator equals
-   target-only decoding, and the env file's tokens guard and enable the admin
-   RPCs (an in-place ReloadWeights runs through to both workers).
+4. (slow, tests/integration/test_compose_mtls.py) The three services run with
+   exactly the compose file's arguments and environment over mutual TLS with
+   certificates from ``deploy/make-certs.sh``.
 5. ``docs/configuration.md`` is the output of ``specsplit config-reference``.
 
 Compose ``${VAR:-default}`` references are resolved to their defaults (not to
@@ -176,8 +174,16 @@ def test_kubernetes_layout():
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (None if name.endswith("orchestrator") else 1), f"{name}: nvidia.com/gpu limit {gpus}"
         grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+        # mTLS: kubelet gRPC probes cannot present a client certificate, so the probes run
+        # `specsplit healthcheck` over mTLS with the pod's own certificate from its TLS secret.
+        tls_mount = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["tls"]
+        (tls_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "tls"]
+        assert tls_volume["secret"]["secretName"] == f"{name}-tls", f"{name}: TLS secret {tls_volume}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == grpc_port, f"{name}: {probe} is not a gRPC probe on {grpc_port}"
+            command, args = check_cli(container[probe]["exec"]["command"], f"{name} {probe}")
+            assert command == "healthcheck" and args.address == f"127.0.0.1:{grpc_port}", f"{name}: {probe}"
+            assert (args.tls_ca, args.tls_cert, args.tls_key) == tuple(
+                f"{tls_mount}/{f}" for f in ("ca.crt", "tls.crt", "tls.key")), f"{name}: {probe} is not mTLS"
         for env in container.get("env", []):
             ref = env.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -191,6 +197,30 @@ def test_kubernetes_layout():
     for dep in deployments.values():
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+
+
+def test_kubernetes_services_use_mtls_and_cert_manager_matches():
+    """Every service serves mTLS with the certificate its secret mounts; the workers accept the
+    orchestrator's CN as an admin; the cert-manager option writes exactly those secrets with the
+    common names the configuration lists."""
+    configs = {d["metadata"]["name"]: d["data"] for _, d in k8s_find("ConfigMap")}["specsplit-config"]
+    tomls = {name.removesuffix(".toml"): tomllib.loads(text) for name, text in configs.items()}
+    for role, data in tomls.items():
+        sec = data["security"]
+        assert sec["tls_client_ca"].endswith("/ca.crt") and sec["tls_cert"].endswith("/tls.crt"), role
+    assert "specsplit-orchestrator" in tomls["draft"]["security"]["admin_client_cns"]
+    assert "specsplit-orchestrator" in tomls["target"]["security"]["admin_client_cns"]
+    assert tomls["orchestrator"]["tls_ca"].endswith("/ca.crt")
+    certs = [d for d in yaml.safe_load_all((K8S_DIR / "cert-manager" / "certificates.yaml").read_text())
+             if d["kind"] == "Certificate" and not d["spec"].get("isCA")]
+    by_secret = {c["spec"]["secretName"]: c["spec"] for c in certs}
+    for role, host in (("draft", "specsplit-draft"), ("target", "specsplit-target"), ("orchestrator", "specsplit")):
+        spec = by_secret[f"specsplit-{role}-tls"]
+        assert spec["commonName"] == f"specsplit-{role}" and host in spec["dnsNames"], spec
+        assert {"server auth", "client auth"} <= set(spec["usages"])
+    cns = {c["spec"]["commonName"] for c in certs}
+    for role, data in tomls.items():
+        assert set(data["security"].get("admin_client_cns", ())) <= cns, role
 
 
 # --- 3. every command line and variable exists in the real CLI --------------------------------
@@ -226,7 +256,8 @@ def test_compose_commands_env_and_healthchecks_match_the_cli():
 def test_env_example_names_real_options():
     env = read_env_file(ENV_EXAMPLE)
     check_env_names(env, env_names(WorkerConfig) | env_names(OrchestratorConfig), ENV_EXAMPLE.name)
-    assert {"SPECSPLIT_SECURITY_ADMIN_TOKEN", "SPECSPLIT_WORKER_ADMIN_TOKEN"} <= set(env)
+    # One admin-token setting: the orchestrator presents its own token to the workers (issue 16 item 4).
+    assert "SPECSPLIT_SECURITY_ADMIN_TOKEN" in env and "SPECSPLIT_WORKER_ADMIN_TOKEN" not in env
 
 
 def test_kubernetes_commands_env_and_config_match_the_cli(tmp_path):
@@ -335,222 +366,6 @@ def test_doc_command_lines_match_the_cli(doc):
     assert doc != "quickstart.md" or len(lines) >= 8, "the quick start's commands were not found"
     for argv in lines:
         check_cli(argv, f"docs/{doc}")
-
-
-# --- 4. the compose services, started on loopback --------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def installed_backend() -> str:
-    import importlib.util
-
-    return "torch" if importlib.util.find_spec("torch") else "paddle"
-
-
-@dataclass
-class LoopbackRewrite:
-    """The only changes made to the compose file's arguments and environment:
-
-    - the ``specsplit`` entrypoint -> ``python -m specsplit`` of this checkout (same CLI);
-    - listen host ``0.0.0.0`` -> ``127.0.0.1``; service host names (``draft:50061``) ->
-      ``127.0.0.1`` with the port remapped like the service's own;
-    - every port (gRPC and metrics) -> a free loopback port, mapped by its number so an
-      address and the service that listens there stay paired;
-    - ``--runtime-device cuda:N`` -> ``cpu`` (no GPU here);
-    - ``--runtime-backend torch`` -> the installed backend (torch when importable);
-    - ``/models/tiny`` -> a random tiny model written for the test (so the test does not
-      depend on the bundled model), ``/models`` (checkpoint roots) -> its parent.
-    """
-
-    model_dir: Path
-    backend: str
-    services: tuple[str, ...]
-    ports: dict[int, int] = field(default_factory=dict)
-
-    KINDS = {"server.port": "port", "server.metrics_port": "port", "server.host": "host",
-             "runtime.device": "device", "runtime.backend": "backend", "target_path": "path",
-             "draft_path": "path", "security.checkpoint_roots": "paths", "draft_address": "address",
-             "target_address": "address"}
-
-    def port(self, value: str) -> str:
-        n = int(value)
-        if n == 0:
-            return "0"
-        if n not in self.ports:
-            self.ports[n] = free_port()
-        return str(self.ports[n])
-
-    def path(self, value: str) -> str:
-        for old, new in (("/models/tiny", self.model_dir), ("/models", self.model_dir.parent)):
-            if value == old or value.startswith(old + "/"):
-                return str(new) + value[len(old):]
-        return value
-
-    def value(self, kind: str, value: str) -> str:
-        if kind == "port":
-            return self.port(value)
-        if kind == "host":
-            return "127.0.0.1"
-        if kind == "device":
-            return "cpu" if value.startswith("cuda") else value
-        if kind == "backend":
-            return self.backend
-        if kind == "path":
-            return self.path(value)
-        if kind == "paths":
-            return ",".join(self.path(v.strip()) for v in value.split(","))
-        host, port = host_port(value)
-        assert host in self.services or host in ("127.0.0.1", "localhost"), f"unknown host in {value}"
-        return f"127.0.0.1:{self.port(str(port))}"
-
-    def argv(self, argv: list[str]) -> list[str]:
-        assert Path(argv[0]).name == "specsplit"
-        flags = {"--" + k.replace(".", "-").replace("_", "-"): kind for k, kind in self.KINDS.items()}
-        out, kind = [sys.executable, "-m", "specsplit"], None
-        for tok in argv[1:]:
-            if kind is not None:
-                out.append(self.value(kind, tok))
-                kind = None
-            elif tok.split("=", 1)[0] in flags and "=" in tok:
-                name, val = tok.split("=", 1)
-                out.append(f"{name}={self.value(flags[name], val)}")
-            else:
-                kind = flags.get(tok)
-                out.append(tok)
-        return out
-
-    def healthcheck(self, argv: list[str]) -> list[str]:
-        out = [sys.executable, "-m", "specsplit"] + argv[1:]
-        i = out.index("healthcheck") + 1
-        out[i] = self.value("address", out[i])
-        return out
-
-    def env(self, env: dict[str, str]) -> dict[str, str]:
-        by_env = {"SPECSPLIT_" + k.replace(".", "_").upper(): kind for k, kind in self.KINDS.items()}
-        return {k: (self.value(by_env[k], v) if k in by_env else v) for k, v in env.items()}
-
-
-_REFERENCE = """
-import json, sys
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
-from runtime.engine import GenRequest, SpecEngine
-model, backend, prompt, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-eng = SpecEngine(EngineConfig(target_path=model, runtime=RuntimeConfig(backend=backend),
-                              spec=SpecConfig(max_k=3, default_k=0), cache=CacheConfig(max_slots=2, max_len=256)),
-                 use_draft=False)
-res = eng.generate([GenRequest("ref", tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True), k=0)])[0]
-print(json.dumps(list(res.tokens)))
-"""
-
-
-def listen_port(svc: dict[str, Any]) -> int:
-    """The --server-port a compose service's command gives."""
-    argv = compose_argv(svc)
-    return int(argv[argv.index("--server-port") + 1])
-
-
-def _wait_healthy(argv: list[str], env: dict[str, str], what: str) -> None:
-    deadline, last = time.monotonic() + HEALTHY_TIMEOUT_S, ""
-    while time.monotonic() < deadline:
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=HEALTHY_TIMEOUT_S)
-        if proc.returncode == 0:
-            assert proc.stdout.strip() == "SERVING"
-            return
-        last = proc.stdout + proc.stderr
-        time.sleep(0.5)
-    raise AssertionError(f"{what} health check {argv} never passed: {last}")
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_compose_services_generate_on_loopback(tiny_model_dir):
-    """The compose file's exact commands and environment (``LoopbackRewrite`` lists every
-    change) bring up draft, target and orchestrator; greedy speculative output through the
-    orchestrator equals target-only decoding, both through the orchestrator (k=0) and from
-    an in-process engine in another process. Admin RPCs need the env file's token, and with
-    it an in-place reload reaches both workers (the orchestrator's worker token matches)."""
-    from grpc_health.v1 import health_pb2  # noqa: F401  (fail early if missing)
-
-    from orchestrator.client import SpecsplitClient
-    from specsplit.launcher import Child
-    from specsplit.v1 import common_pb2, draft_pb2_grpc, orchestrator_pb2, orchestrator_pb2_grpc
-
-    services = load_compose()["services"]
-    rw = LoopbackRewrite(tiny_model_dir, installed_backend(), tuple(services))
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
-    base_env["PYTHONUNBUFFERED"] = "1"
-    plan = {name: (rw.argv(compose_argv(svc)), {**base_env, **rw.env(compose_service_env(svc))},
-                   rw.healthcheck(compose_healthcheck(svc)), set(svc.get("depends_on") or {}))
-            for name, svc in services.items()}
-    prompt, n = [3, 14, 15, 9, 26, 5, 35, 8], 32
-    ref_proc = subprocess.Popen([sys.executable, "-c", _REFERENCE, str(tiny_model_dir), rw.backend, json.dumps(prompt),
-                                 str(n)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    children: dict[str, Child] = {}
-    try:
-        # Start in depends_on order; a dependent starts once its dependencies' health checks
-        # pass (compose: condition service_healthy).
-        healthy: set[str] = set()
-        while len(healthy) < len(plan):
-            wave = [s for s, (_, _, _, deps) in plan.items() if s not in healthy and deps <= healthy]
-            assert wave, f"depends_on cycle among {set(plan) - healthy}"
-            for s in wave:
-                children[s] = Child(s, plan[s][0], plan[s][1])
-            for s in wave:
-                address = children[s].wait_listening(START_TIMEOUT_S)
-                assert address == f"127.0.0.1:{rw.port(str(listen_port(services[s])))}", (s, address)
-            for s in wave:
-                _wait_healthy(plan[s][2], plan[s][1], s)
-                healthy.add(s)
-
-        orch_address = f"127.0.0.1:{rw.port(str(listen_port(services['orchestrator'])))}"
-        with SpecsplitClient(orch_address, timeout=RPC_TIMEOUT_S) as client:
-            spec = client.generate_text(prompt, max_tokens=n, ignore_eos=True)
-            target_only = client.generate_text(prompt, max_tokens=n, ignore_eos=True, k=0)
-            status = client.status()
-        out, err = ref_proc.communicate(timeout=START_TIMEOUT_S)
-        assert ref_proc.returncode == 0, err[-2000:]
-        reference = json.loads(out.strip().splitlines()[-1])
-        assert len(reference) == n
-        assert list(target_only.tokens) == reference
-        assert list(spec.tokens) == reference, (spec.tokens, reference)
-        assert spec.finish_reason == "length" and spec.drafted > 0, spec
-        assert target_only.drafted == 0
-        assert "draft" in status and "target" in status, status
-
-        # The env file's tokens reached the services: admin RPCs without the token are
-        # refused, and with it a reload runs through to both workers (which needs the
-        # orchestrator's worker token to match the workers' admin token).
-        token = plan["orchestrator"][1]["SPECSPLIT_SECURITY_ADMIN_TOKEN"]
-        reload = orchestrator_pb2.ReloadWeightsRequest(
-            target_path=str(tiny_model_dir), version="v2", mode=orchestrator_pb2.RELOAD_MODE_IN_PLACE,
-            inflight=orchestrator_pb2.INFLIGHT_POLICY_WAIT)
-        with grpc.insecure_channel(orch_address) as ch:
-            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
-            with pytest.raises(grpc.RpcError) as exc:
-                list(stub.ReloadWeights(reload, timeout=RPC_TIMEOUT_S))
-            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            events = list(stub.ReloadWeights(reload, timeout=RPC_TIMEOUT_S,
-                                             metadata=(("authorization", f"Bearer {token}"),)))
-            assert events and events[-1].done and events[-1].weights_version == "v2", events[-1:]
-        with grpc.insecure_channel(children["draft"].address) as ch:
-            with pytest.raises(grpc.RpcError) as exc:
-                draft_pb2_grpc.DraftServiceStub(ch).ClearGraphs(common_pb2.ClearGraphsRequest(), timeout=RPC_TIMEOUT_S)
-            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with SpecsplitClient(orch_address, timeout=RPC_TIMEOUT_S) as client:
-            again = client.generate_text(prompt, max_tokens=n, ignore_eos=True)
-        assert list(again.tokens) == reference and again.weights_version == "v2", again
-    finally:
-        for name in ("orchestrator", "draft", "target"):
-            if name in children:
-                children[name].stop()
-        if ref_proc.poll() is None:
-            ref_proc.kill()
-            ref_proc.wait(5)
 
 
 # --- 5. the configuration reference cannot drift ----------------------------------------------
