@@ -59,8 +59,8 @@ def test_round_loop_variants_are_exact_on_gpus(ahead, adaptive):
             asked = sum(r.ahead_asked for r in spec)
             if ahead:
                 assert used > 0, "ahead drafts were never used"
-            print(f"\n[gpu loop draft {DRAFT} target {TARGET}] ahead={ahead} adaptive={adaptive} concurrency={conc}: target-only "
-                  f"{n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), "
+            print(f"\n[gpu loop draft {DRAFT} target {TARGET}] ahead={ahead} adaptive={adaptive} "
+                  f"concurrency={conc}: target-only {n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), "
                   f"ahead used {used}/{asked}, identical")
 
 
