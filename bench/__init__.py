@@ -17,6 +17,7 @@ BENCHES = {
     "load": "bench.load",          # N concurrent clients for T seconds: latency percentiles, throughput, RSS (issue 6)
     "profile": "bench.profile_round",  # torch.profiler summary of one round at batch 1 (issue 10)
     "attention": "bench.attention",  # decode attention variants, torch.compile of the verify step (issue 10)
+    "round-parts": "bench.round_parts",  # one round's parts: engine vs worker vs service (issue 10)
     "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
 }
 

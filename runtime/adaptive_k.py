@@ -37,6 +37,8 @@ see whether drafting pays again.
 
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.7       # before a request has drafted anything
@@ -71,25 +73,48 @@ def best_round_k(requests: list[tuple[float, int]], t_verify: float, t_draft: fl
     return best
 
 
-@dataclass
 class RoundCosts:
-    """Running estimates of the round's parts (seconds), shared by every request of a loop."""
+    """Running estimates of the round's parts (seconds), shared by every request of a loop.
 
-    t_verify: float = 1e-3
-    t_draft: float = 1e-4          # one draft substep
-    t_exchange: float = 3e-4       # the draft call's fixed cost (transport, catch-up, host work)
-    weight: float = 0.1
-    target_only_rounds: int = 0    # rounds at k* = 0 since the last probe
+    Each part is the median of its last ``WINDOW`` observations: robust to the
+    outliers a serving loop sees (a stream opened, a request joining, a GC
+    pause), which would otherwise hold an average high for many rounds.
+    """
+
+    WINDOW = 31
+
+    def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
+        self._verify: collections.deque[float] = collections.deque([t_verify], maxlen=self.WINDOW)
+        self._draft: collections.deque[float] = collections.deque([t_draft], maxlen=self.WINDOW)
+        self._exchange: collections.deque[float] = collections.deque([t_exchange], maxlen=self.WINDOW)
+        self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
+
+    @property
+    def t_verify(self) -> float:
+        return statistics.median(self._verify)
+
+    @property
+    def t_draft(self) -> float:
+        """One draft substep."""
+        return statistics.median(self._draft)
+
+    @property
+    def t_exchange(self) -> float:
+        """The draft call's fixed cost (transport, catch-up, host work)."""
+        return statistics.median(self._exchange)
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One round: its largest k, draft compute, verify compute and everything else."""
-        w = self.weight
-        self.t_verify += w * (verify_s - self.t_verify)
+        self._verify.append(verify_s)
         if k_max > 0:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps; charge it per
             # draft, and the round's overhead (which includes the exchange) to the exchange.
-            self.t_draft += w * (draft_s / k_max - self.t_draft)
-            self.t_exchange += w * (overhead_s - self.t_exchange)
+            self._draft.append(draft_s / k_max)
+            self._exchange.append(overhead_s)
+
+    def __repr__(self) -> str:
+        return (f"RoundCosts(t_verify={self.t_verify:.6f}, t_draft={self.t_draft:.6f}, "
+                f"t_exchange={self.t_exchange:.6f})")
 
 
 @dataclass
