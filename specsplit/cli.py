@@ -29,10 +29,11 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 SHUTDOWN_GRACE_S = 10.0
 
 
-def announce(service: str, port: int, metrics_port: int | None, host: str) -> None:
-    """One JSON line on stdout telling a parent process where the service listens."""
+def announce(service: str, port: int, metrics_port: int | None, host: str, **extra: object) -> None:
+    """One JSON line on stdout telling a parent process where the service listens (``extra``:
+    more ports, e.g. the orchestrator's ``http_port``)."""
     print(json.dumps({"event": "listening", "service": service, "address": f"{host}:{port}",
-                      "metrics_port": metrics_port}), flush=True)
+                      "metrics_port": metrics_port, **extra}), flush=True)
 
 
 def wait_for_signal() -> int:
@@ -59,11 +60,14 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     log = configure_logging(f"{role}_service", args.log_level)
     log.info("starting", config=redact(cfg))
     if role == "draft":
-        from draft_service.server import create_server
+        from draft_service.server import start
     else:
-        from target_service.server import create_server
-    server, port = create_server(cfg)
-    announce(role, port, getattr(server, "metrics_port", None), cfg.server.host)
+        from target_service.server import start
+    # NOTE: `start` (not `create_server`) returns the service with its bound metrics port,
+    # so the listening line reports the port actually served.
+    service = start(cfg)
+    server, port = service.server, service.port
+    announce(role, port, service.metrics_port, cfg.server.host)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a
@@ -80,9 +84,21 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     log = configure_logging("orchestrator", args.log_level)
     log.info("starting", config=redact(cfg))
     server, port = create_server(cfg)
-    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host)
+    http = None
+    if cfg.http_port is not None:
+        from orchestrator.http_api import start_http_api
+
+        try:
+            http = start_http_api(cfg.server.host, cfg.http_port, port, cfg.http_model_name, cfg.tokenizer)
+        except BaseException:
+            server.stop(0)
+            raise
+    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host,
+             http_port=http.port if http is not None else None)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
+    if http is not None:
+        http.stop(timeout=cfg.shutdown_grace_s)       # HTTP callers are Generate calls: they end first
     # NOTE: graceful shutdown order: stop admitting new requests first, then
     # let in-flight generations finish within the grace period, then exit.
     grace = cfg.shutdown_grace_s
@@ -101,7 +117,7 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
     opts = StackOptions(model=str(args.model), backend=args.backend, draft_device=args.draft_device,
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
-                        log_level=args.log_level, extra_env={})
+                        log_level=args.log_level, extra_env={}, http_port=args.http_port)
     with Stack(opts) as stack:
         print(json.dumps(stack.addresses()), flush=True)
         if then is not None:
@@ -246,6 +262,8 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture CUDA graphs at start (default: on for cuda devices)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics (ports printed)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port (0 = pick; default: off)")
 
 
 def build_parser(train_args: bool = True) -> argparse.ArgumentParser:

@@ -81,6 +81,8 @@ HELP: dict[str, str] = {
     "push_staging_dir": "PushWeights staging root (workers must read it at the same path); unset = PushWeights off",
     "push_max_bytes": "largest PushWeights payload in tensor bytes",
     "push_keep_versions": "staged pushes kept on disk (the serving one and those a rollback may return to)",
+    "http_port": "OpenAI-compatible HTTP API port on server.host (unset = off, 0 = pick; printed at start)",
+    "http_model_name": "model id of the HTTP API (/v1/models; requests must name it in `model`)",
 }
 
 

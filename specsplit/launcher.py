@@ -53,6 +53,7 @@ class StackOptions:
     max_slots: int = 32
     max_len: int = 1024
     admin_token: str | None = None
+    http_port: int | None = None             # orchestrator's OpenAI-compatible HTTP API (None = off, 0 = pick)
 
 
 class Child:
@@ -66,6 +67,7 @@ class Child:
         threading.Thread(target=self._pump, daemon=True).start()
         self.address = ""
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -89,6 +91,7 @@ class Child:
             if msg.get("event") == "listening":
                 self.address = msg["address"]
                 self.metrics_port = msg.get("metrics_port")
+                self.http_port = msg.get("http_port")
                 return self.address
         raise TimeoutError(f"{self.name} did not start listening within {timeout:.0f}s")
 
@@ -144,6 +147,8 @@ class Stack:
                 argv += ["--draft-address", self.children["draft"].address]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
+            if self.opts.http_port is not None:
+                argv += ["--http-port", str(self.opts.http_port)]
             self.children["orchestrator"] = Child("orchestrator", argv, env)
             self.children["orchestrator"].wait_listening()
         except BaseException:
@@ -157,6 +162,9 @@ class Stack:
 
     def addresses(self) -> dict[str, object]:
         out: dict[str, object] = {name: c.address for name, c in self.children.items()}
+        orch = self.children.get("orchestrator")
+        if orch is not None and orch.http_port is not None:
+            out["http"] = f"http://{orch.address.rpartition(':')[0]}:{orch.http_port}/v1"
         if self.opts.metrics:
             out["metrics_ports"] = {name: c.metrics_port for name, c in self.children.items()}
         return out
