@@ -235,13 +235,15 @@ class SpecStats:
     acceptance_per_position: list[float] = field(default_factory=list)
 
     def add_chunk(self, ev: Any) -> None:
+        """One chunk: the first is the prefill's token, each later one a speculative round."""
+        if self.completion_tokens:
+            self.rounds += 1
         self.completion_tokens += len(ev.tokens)
         self.drafted += ev.num_drafted
         self.accepted += ev.num_accepted
-        self.rounds += 1
         self.weights_version = ev.weights_version or self.weights_version
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
-        self.mean_accepted_length = self.completion_tokens / self.rounds
+        self.mean_accepted_length = (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     def set_final(self, ev: Any) -> None:
         self.request_id, self.weights_version = ev.request_id, ev.weights_version
