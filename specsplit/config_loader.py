@@ -11,12 +11,16 @@ key ``max_slots`` in table ``[cache]``.
 
 Must not know: what the services do with the values. Only ``__main__`` /
 the CLI call this module.
+
+Strict: an unknown TOML table or key, or an unknown ``SPECSPLIT_*`` variable,
+is a ``ConfigError`` naming it and the closest valid one.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 import tomllib
@@ -170,6 +174,56 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
             group.add_argument(opt.flag, dest=opt.dest, default=None, metavar=metavar, help=helptext)
 
 
+# SPECSPLIT_* variables that are not config fields: read by the CLI (client commands, logging),
+# or by deploy/docker-compose.yml's interpolation. Everything else SPECSPLIT_* must be a field.
+EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_LOG_LEVEL", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN",
+                       "SPECSPLIT_ENV_FILE", "SPECSPLIT_IMAGE", "SPECSPLIT_PORT", "SPECSPLIT_METRICS_PORT"})
+
+
+def _closest(name: str, candidates: dict[str, str]) -> str:
+    """' (did you mean X?)' for the candidate form nearest to ``name``; candidates: form -> shown text."""
+    hit = difflib.get_close_matches(name.lower(), list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {candidates[hit[0]]}?)" if hit else ""
+
+
+def known_env() -> frozenset[str]:
+    """Every SPECSPLIT_* variable some service reads: the fields of all config trees + EXTRA_ENV.
+    (All of them, not only this service's: ``specsplit up`` and compose share one environment.)"""
+    from runtime.config import OrchestratorConfig, WorkerConfig
+
+    return EXTRA_ENV | {o.env for cls in (WorkerConfig, OrchestratorConfig) for o in options(cls)}
+
+
+def check_env(env: dict[str, str] | os._Environ) -> None:
+    """An unknown SPECSPLIT_* variable is a ConfigError naming it and the closest valid one."""
+    known = known_env()
+    for name in sorted(env):
+        if name.startswith("SPECSPLIT_") and name not in known:
+            raise ConfigError(f"unknown environment variable {name}"
+                              f"{_closest(name[10:], {k[10:].lower(): k for k in known})}")
+
+
+def check_toml(data: dict[str, Any], cls: type, path: Any) -> None:
+    """An unknown table or key in a TOML file is a ConfigError naming it and the closest valid one."""
+    keys = {o.key for o in options(cls)}
+    tables = {k.rpartition(".")[0] for k in keys if "." in k}
+    shown = {**{k: (f"[{k.rpartition('.')[0]}] {k.rpartition('.')[2]}" if "." in k else k) for k in keys},
+             **{t: f"[{t}]" for t in tables}}
+    forms = {**{k.lower(): shown[k] for k in shown}, **{k.replace(".", "_"): shown[k] for k in keys}}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for name, value in node.items():
+            full = prefix + name
+            if full in tables and isinstance(value, dict):
+                walk(value, full + ".")
+            elif full not in keys:
+                what = f"table [{full}]" if isinstance(value, dict) else (
+                    f"key {name!r} in table [{prefix[:-1]}]" if prefix else f"key {name!r}")
+                raise ConfigError(f"unknown {what} in config file {path}{_closest(full, forms)}")
+
+    walk(data, "")
+
+
 def _toml_lookup(data: dict[str, Any], key: str) -> Any:
     node: Any = data
     for part in key.split("."):
@@ -192,6 +246,8 @@ def build(cls: type, args: argparse.Namespace | None, env: dict[str, str] | None
             toml = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        check_toml(toml, cls, path)
+    check_env(env)
     values: dict[str, Any] = {}
     for opt in options(cls):
         raw: Any = None
