@@ -1,7 +1,7 @@
 """The ``specsplit`` command line.
 
 Owns: argument parsing for every subcommand (services, ``up``, ``demo``,
-``generate``, ``status``, ``reload``, ``train``, ``bench``, ``healthcheck``,
+``generate``, ``status``, ``reload``, ``push``, ``train``, ``bench``, ``healthcheck``,
 ``config-reference``) and process-level concerns: logging set-up, the
 "listening" announcement on stdout, signal handling and child processes of
 ``up``. This is the only place (with ``config_loader``) that parses flags,
@@ -27,6 +27,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 SHUTDOWN_GRACE_S = 10.0
+
+
+def version() -> str:
+    """The installed package's version (``pyproject.toml``); "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("specsplit")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def announce(service: str, port: int, metrics_port: int | None, host: str, **extra: object) -> None:
@@ -180,7 +190,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Reload the serving weights; prints one line (or JSON object) per progress event."""
     from orchestrator.client import ReloadFailed, SpecsplitClient
 
-    with _client(args) as client:
+    from specsplit.progress import progress
+
+    with _client(args) as client, progress(desc="reload", unit="phase") as bar:
         try:
             for ev in client.reload_events(args.target_path, args.version, draft_path=args.draft_path or "",
                                            mode=args.mode, inflight=args.inflight):
@@ -189,9 +201,48 @@ def cmd_reload(args: argparse.Namespace) -> int:
                 else:
                     err = f"  FAILED {ev.error_code}: {ev.error_message}" if ev.error_code else ""
                     print(f"{ev.phase:13s} {ev.service:12s} {ev.seconds:8.3f}s  {ev.message}{err}", flush=True)
+                bar.set_postfix_str(f"{ev.phase} {ev.service}", refresh=False)
+                bar.update(1)
         except ReloadFailed as exc:
             print(f"specsplit reload: {exc.code.name}: {exc.details}", file=sys.stderr)
             return 1
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Send a checkpoint's tensors (the target's, from its index, and the MTP file's) over PushWeights."""
+    from orchestrator.client import ReloadFailed
+    from runtime.checkpoint import CheckpointError, index_checkpoint, read_tensor
+    from specsplit.progress import progress
+
+    root = Path(args.checkpoint)
+    try:
+        # NOTE: the target's tensors come from its index (model.safetensors or the shards it
+        # names), never a glob: a glob also picks up other heads such as mtp_naive.safetensors.
+        infos = {**index_checkpoint(root), **index_checkpoint(args.draft_path or root / "mtp.safetensors")}
+        config = (root / "config.json").read_text()
+    except (CheckpointError, OSError) as exc:
+        print(f"specsplit push: cannot read checkpoint {root}: {exc}", file=sys.stderr)
+        return 2
+    bar = progress(desc="push", total=len(infos), unit="tensor")
+
+    def lazily():
+        for name, info in infos.items():
+            yield name, read_tensor(info)
+            bar.update(1)
+
+    with _client(args) as client:
+        try:
+            res = client.push_weights(lazily(), config, args.version, mode=args.mode, inflight=args.inflight,
+                                      bfloat16=args.bfloat16)
+        except ReloadFailed as exc:
+            print(f"specsplit push: {exc.code.name}: {exc.details}", file=sys.stderr)
+            return 1
+        finally:
+            bar.close()
+    out = {"weights_version": res.weights_version, "staged_path": res.staged_path,
+           "bytes_received": res.bytes_received, "num_tensors": res.num_tensors}
+    print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()))
     return 0
 
 
@@ -269,6 +320,7 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
 def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit", description="Speculative decoding split into gRPC services.")
     ap.add_argument("--log-level", default=os.environ.get("SPECSPLIT_LOG_LEVEL", "INFO"))
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     for role in ("draft", "target"):
@@ -309,6 +361,16 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
 
+    p = sub.add_parser("push", help="send a checkpoint's tensors to the orchestrator (PushWeights, admin token)")
+    p.add_argument("checkpoint", help="target checkpoint dir (config.json and model.safetensors or its shards)")
+    p.add_argument("--version", required=True, help="version tag of the new weights")
+    p.add_argument("--draft-path", default=None, help="MTP file (default: mtp.safetensors inside checkpoint)")
+    p.add_argument("--mode", default="recapture", choices=("recapture", "in_place"))
+    p.add_argument("--inflight", default="wait", choices=("wait", "abort", "recompute"))
+    p.add_argument("--bfloat16", action="store_true", help="send floats as bfloat16 (half the bytes)")
+    _client_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = sub.add_parser("healthcheck", help="grpc.health.v1 check; exit 0 when SERVING (for containers)")
     p.add_argument("address")
     p.add_argument("--service", default="")
@@ -344,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
-                    "status": cmd_status, "reload": cmd_reload, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
+                    "status": cmd_status, "reload": cmd_reload, "push": cmd_push, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
             from runtime.backends.torch_train import run_train
 
