@@ -426,12 +426,14 @@ def measure_acceptance(target_dir: str | Path, draft_path: str | Path, prompts: 
 # Size settings and their values per recipe. A setting left out on the command line takes the
 # recipe of the device: the GPU recipe made models/tiny (230 s on one H200; ~27 h on a 2-core CPU,
 # 32 s/step); the CPU recipe trains a smaller model whose time budgets cut the step counts so that
-# it finishes in about 5 minutes on 2 cores (fewer steps on a slower or busier machine).
+# it finishes in about 5 minutes on 2 cores (fewer steps on a slower or busier machine). It runs
+# Torch on one thread: with one thread per core, a busy neighbour made steps ~20x slower (measured:
+# 11 s vs 0.47 s a step of this recipe on a loaded 2-core machine).
 RECIPES: dict[str, dict[str, Any]] = {
     "gpu": dict(steps=3000, batch=64, seq_len=512, mtp_steps=1500, hidden_size=256, layers=8, heads=4, kv_heads=2,
-                ffn=704, warmup=150, target_budget_s=0.0, mtp_budget_s=0.0),
+                ffn=704, warmup=150, target_budget_s=0.0, mtp_budget_s=0.0, cpu_threads=0),
     "cpu": dict(steps=300, batch=8, seq_len=128, mtp_steps=200, hidden_size=128, layers=4, heads=4, kv_heads=2,
-                ffn=352, warmup=30, target_budget_s=180.0, mtp_budget_s=90.0),
+                ffn=352, warmup=30, target_budget_s=180.0, mtp_budget_s=90.0, cpu_threads=1),
 }
 
 
@@ -479,6 +481,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sized("--ffn", int, "SwiGLU hidden width")
     sized("--target-budget-s", float, "cut target steps to fit this many seconds (0: no cut)")
     sized("--mtp-budget-s", float, "cut MTP steps to fit this many seconds (0: no cut)")
+    sized("--cpu-threads", int, "Torch intra-op threads (0: Torch's default, one per core; on a shared CPU "
+                                "one thread is many times faster)")
     p.add_argument("--shard-bytes", type=int, default=None, help="shard model.safetensors at this size")
     p.add_argument("--prompts", type=int, default=64, help=f"held-out prompts written to {PROMPTS_FILE}")
     p.add_argument("--eval-acceptance", action="store_true",
@@ -490,6 +494,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     """Train (target, then MTP head[s]) and write the checkpoint to ``args.out``. Returns the log."""
     recipe = apply_recipe(args)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True      # training only; serving stays strict fp32
