@@ -200,10 +200,13 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # NOTE: generation stops where a stop sequence is first *completed* (earliest end; of
+        # those ending together, the longest), so the cut does not depend on how the text was
+        # split into chunks: a longer stop that began earlier but is not complete yet loses.
+        hits = [(i + len(s), -len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.stopped, self.pending = True, ""
-            return buf[:min(hits)]
+            return buf[:min(hits)[2]]
         hold = 0
         for s in self.stops:                    # longest tail of buf that begins some stop sequence
             for n in range(min(len(s) - 1, len(buf)), hold, -1):
