@@ -16,6 +16,7 @@ from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer
+from specsplit.progress import progress
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "tiny"
@@ -26,11 +27,12 @@ def heldout_prompts(n: int, model_dir: Path = TINY) -> list[str]:
     return prompts[:n]
 
 
-def decode_all(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, k: int):
-    """Batch-1 decoding of every prompt; returns (outputs, seconds, merged stats)."""
+def decode_all(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, k: int, desc: str | None = None):
+    """Batch-1 decoding of every prompt; returns (outputs, seconds, merged stats). ``desc``: show
+    a progress bar (stderr) under that name."""
     outs, stats = [], SeqStats()
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts if desc is None else progress(prompts, desc=desc, unit="prompt")):
         res = engine.generate([GenRequest(f"b{i}", tuple(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)])[0]
         outs.append(res.tokens)
         stats.merge(res.stats)
@@ -51,8 +53,8 @@ def main(args) -> int:
     # Warm-up both paths (allocator, kernel selection) outside the timed region.
     decode_all(engine, prompts[:1], 8, 0)
     decode_all(engine, prompts[:1], 8, k)
-    ref, t_ref, _ = decode_all(engine, prompts, args.max_tokens, 0)
-    spec, t_spec, stats = decode_all(engine, prompts, args.max_tokens, k)
+    ref, t_ref, _ = decode_all(engine, prompts, args.max_tokens, 0, desc="target-only")
+    spec, t_spec, stats = decode_all(engine, prompts, args.max_tokens, k, desc=f"speculative k={k}")
     n_tokens = sum(len(o) for o in spec)
     result = {
         "backend": args.backend, "device": args.device, "k": k, "prompts": len(prompts), "max_tokens": args.max_tokens,

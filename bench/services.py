@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.engine import TINY, heldout_prompts
 from orchestrator.client import SpecsplitClient
 from specsplit.launcher import Stack, StackOptions
+from specsplit.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
 VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive")
@@ -81,7 +82,7 @@ def main(args) -> int:
         with Stack(_stack_options(args, model, batches, variant)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
-            for batch in batches:
+            for batch in progress(batches, desc=f"bench services ({variant})", unit="batch size"):
                 n = max(batch, args.prompts) if batch > 1 else args.prompts
                 prompts = (heldout_prompts(64, model) * 4)[:n]
                 _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up

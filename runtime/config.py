@@ -334,6 +334,9 @@ class OrchestratorConfig:
     push_staging_dir: str | None = None   # PushWeights staging root (workers must read it at the same path); None = off
     push_max_bytes: int = 64 * 1024**3    # largest PushWeights payload (tensor bytes)
     push_keep_versions: int = 3           # staged pushes kept on disk (the serving one and its predecessors)
+    # --- OpenAI-compatible HTTP API (orchestrator.http_api) ---
+    http_port: int | None = None          # None = off, 0 = pick; served on server.host next to the gRPC port
+    http_model_name: str = "specsplit"    # the model id of /v1/models and the `model` field requests must name
 
     def __post_init__(self) -> None:
         _check(1.0 <= self.reload_call_timeout_s <= 86400, "reload_call_timeout_s", "in [1, 86400]",
@@ -360,3 +363,10 @@ class OrchestratorConfig:
         _check((self.tls_client_cert is None) == (self.tls_client_key is None), "tls_client_cert/tls_client_key",
                "both set or both unset", (self.tls_client_cert, self.tls_client_key))
         _check(0.0 <= self.shutdown_grace_s <= 3600, "shutdown_grace_s", "in [0, 3600]", self.shutdown_grace_s)
+        _check(self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "None or an integer in "
+               "[0, 65535]", self.http_port)
+        _check(bool(self.http_model_name.strip()), "http_model_name", "a non-empty model id", self.http_model_name)
+        # NOTE: the HTTP API calls Generate over plaintext loopback and serves plaintext itself,
+        # so it is refused beside a TLS gRPC port rather than silently downgrading security.
+        _check(self.http_port is None or not self.security.tls_cert, "http_port", "unset when security.tls_cert "
+               "is set (the HTTP API serves plaintext: put a TLS-terminating proxy in front of it)", self.http_port)

@@ -1,7 +1,7 @@
 """The ``specsplit`` command line.
 
 Owns: argument parsing for every subcommand (services, ``up``, ``demo``,
-``generate``, ``status``, ``reload``, ``train``, ``bench``, ``healthcheck``,
+``generate``, ``status``, ``reload``, ``push``, ``train``, ``bench``, ``healthcheck``,
 ``config-reference``) and process-level concerns: logging set-up, the
 "listening" announcement on stdout, signal handling and child processes of
 ``up``. This is the only place (with ``config_loader``) that parses flags,
@@ -30,11 +30,22 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 SHUTDOWN_GRACE_S = 10.0
 
 
-def announce(service: str, port: int, metrics_port: int | None, host: str, security: Any = None) -> None:
+def version() -> str:
+    """The installed package's version (``pyproject.toml``); "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("specsplit")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def announce(service: str, port: int, metrics_port: int | None, host: str, security: Any = None,
+             **extra: object) -> None:
     """One JSON line on stdout telling a parent process where the service listens (and, when the
-    admin token was generated, the file that holds it)."""
+    admin token was generated, the file that holds it; ``extra``: more ports, e.g. ``http_port``)."""
     msg: dict[str, Any] = {"event": "listening", "service": service, "address": f"{host}:{port}",
-                           "metrics_port": metrics_port}
+                           "metrics_port": metrics_port, **extra}
     if security is not None and not (security.admin_token or security.admin_client_cns):
         from specsplit.admin_token import default_token_path
 
@@ -71,13 +82,16 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     log.info("starting", config=redact(cfg))
     try:
         if role == "draft":
-            from draft_service.server import create_server
+            from draft_service.server import start
         else:
-            from target_service.server import create_server
-        server, port = create_server(cfg)
+            from target_service.server import start
+        # NOTE: `start` (not `create_server`) returns the service with its bound metrics port,
+        # so the listening line reports the port actually served.
+        service = start(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
-    announce(role, port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security)
+    server, port = service.server, service.port
+    announce(role, port, service.metrics_port, cfg.server.host, cfg.security)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a
@@ -101,9 +115,21 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
         server, port = create_server(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
-    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security)
+    http = None
+    if cfg.http_port is not None:
+        from orchestrator.http_api import start_http_api
+
+        try:
+            http = start_http_api(cfg.server.host, cfg.http_port, port, cfg.http_model_name, cfg.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - one line, like every start-up failure
+            server.stop(0)
+            raise StartFailed() from exc
+    announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security,
+             http_port=http.port if http is not None else None)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
+    if http is not None:
+        http.stop(timeout=cfg.shutdown_grace_s)       # HTTP callers are Generate calls: they end first
     # NOTE: graceful shutdown order: stop admitting new requests first, then
     # let in-flight generations finish within the grace period, then exit.
     grace = cfg.shutdown_grace_s
@@ -123,7 +149,7 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
                         log_level=args.log_level, extra_env={}, admin_token=args.admin_token, host=args.host,
-                        allow_insecure=args.allow_insecure)
+                        allow_insecure=args.allow_insecure, http_port=args.http_port)
     from specsplit.startup import StartupError
 
     stack = Stack(opts)
@@ -195,7 +221,9 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Reload the serving weights; prints one line (or JSON object) per progress event."""
     from orchestrator.client import ReloadFailed, SpecsplitClient
 
-    with _client(args) as client:
+    from specsplit.progress import progress
+
+    with _client(args) as client, progress(desc="reload", unit="phase") as bar:
         try:
             for ev in client.reload_events(args.target_path, args.version, draft_path=args.draft_path or "",
                                            mode=args.mode, inflight=args.inflight):
@@ -204,9 +232,48 @@ def cmd_reload(args: argparse.Namespace) -> int:
                 else:
                     err = f"  FAILED {ev.error_code}: {ev.error_message}" if ev.error_code else ""
                     print(f"{ev.phase:13s} {ev.service:12s} {ev.seconds:8.3f}s  {ev.message}{err}", flush=True)
+                bar.set_postfix_str(f"{ev.phase} {ev.service}", refresh=False)
+                bar.update(1)
         except ReloadFailed as exc:
             print(f"specsplit reload: {exc.code.name}: {exc.details}", file=sys.stderr)
             return 1
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Send a checkpoint's tensors (the target's, from its index, and the MTP file's) over PushWeights."""
+    from orchestrator.client import ReloadFailed
+    from runtime.checkpoint import CheckpointError, index_checkpoint, read_tensor
+    from specsplit.progress import progress
+
+    root = Path(args.checkpoint)
+    try:
+        # NOTE: the target's tensors come from its index (model.safetensors or the shards it
+        # names), never a glob: a glob also picks up other heads such as mtp_naive.safetensors.
+        infos = {**index_checkpoint(root), **index_checkpoint(args.draft_path or root / "mtp.safetensors")}
+        config = (root / "config.json").read_text()
+    except (CheckpointError, OSError) as exc:
+        print(f"specsplit push: cannot read checkpoint {root}: {exc}", file=sys.stderr)
+        return 2
+    bar = progress(desc="push", total=len(infos), unit="tensor")
+
+    def lazily():
+        for name, info in infos.items():
+            yield name, read_tensor(info)
+            bar.update(1)
+
+    with _client(args) as client:
+        try:
+            res = client.push_weights(lazily(), config, args.version, mode=args.mode, inflight=args.inflight,
+                                      bfloat16=args.bfloat16)
+        except ReloadFailed as exc:
+            print(f"specsplit push: {exc.code.name}: {exc.details}", file=sys.stderr)
+            return 1
+        finally:
+            bar.close()
+    out = {"weights_version": res.weights_version, "staged_path": res.staged_path,
+           "bytes_received": res.bytes_received, "num_tensors": res.num_tensors}
+    print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()))
     return 0
 
 
@@ -310,6 +377,8 @@ def _stack_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", default=os.environ.get("SPECSPLIT_SECURITY_ADMIN_TOKEN"),
                    help="admin token of all three services, also presented by the orchestrator to the workers "
                         "[env SPECSPLIT_SECURITY_ADMIN_TOKEN]; default: generated and written to the token file")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="serve the OpenAI-compatible HTTP API on this port (0 = pick; default: off)")
 
 
 def _allow_insecure_alias(p: argparse.ArgumentParser) -> None:
@@ -321,6 +390,7 @@ def _allow_insecure_alias(p: argparse.ArgumentParser) -> None:
 def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit", description="Speculative decoding split into gRPC services.")
     ap.add_argument("--log-level", default=os.environ.get("SPECSPLIT_LOG_LEVEL", "INFO"))
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     for role in ("draft", "target"):
@@ -363,6 +433,16 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
 
+    p = sub.add_parser("push", help="send a checkpoint's tensors to the orchestrator (PushWeights, admin token)")
+    p.add_argument("checkpoint", help="target checkpoint dir (config.json and model.safetensors or its shards)")
+    p.add_argument("--version", required=True, help="version tag of the new weights")
+    p.add_argument("--draft-path", default=None, help="MTP file (default: mtp.safetensors inside checkpoint)")
+    p.add_argument("--mode", default="recapture", choices=("recapture", "in_place"))
+    p.add_argument("--inflight", default="wait", choices=("wait", "abort", "recompute"))
+    p.add_argument("--bfloat16", action="store_true", help="send floats as bfloat16 (half the bytes)")
+    _client_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = sub.add_parser("healthcheck", help="grpc.health.v1 check; exit 0 when SERVING (for containers)")
     p.add_argument("address")
     p.add_argument("--service", default="")
@@ -399,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
-                    "status": cmd_status, "reload": cmd_reload, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
+                    "status": cmd_status, "reload": cmd_reload, "push": cmd_push, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
             from runtime.backends.torch_train import run_train
 

@@ -62,6 +62,7 @@ class StackOptions:
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
     host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
     allow_insecure: bool = False             # let the orchestrator serve plaintext on a non-loopback host
+    http_port: int | None = None             # orchestrator's OpenAI-compatible HTTP API (None = off, 0 = pick)
 
 
 class Child:
@@ -78,6 +79,7 @@ class Child:
         threading.Thread(target=self._pump_stderr, daemon=True).start()
         self.address = ""
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
 
     def _pump_stderr(self) -> None:
         """Forward the child's stderr, except its ``specsplit: <what>: <why>`` line, which the
@@ -116,6 +118,7 @@ class Child:
             if msg.get("event") == "listening":
                 self.address = msg["address"]
                 self.metrics_port = msg.get("metrics_port")
+                self.http_port = msg.get("http_port")
                 return self.address
         raise TimeoutError(f"{self.name} did not start listening within {timeout:.0f}s")
 
@@ -181,6 +184,8 @@ class Stack:
                 argv += ["--allow-insecure"]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
+            if self.opts.http_port is not None:
+                argv += ["--http-port", str(self.opts.http_port)]
             self.children["orchestrator"] = Child("orchestrator", argv, env)
             self.children["orchestrator"].wait_listening()
             self._write_token_files()
@@ -204,6 +209,9 @@ class Stack:
 
     def addresses(self) -> dict[str, object]:
         out: dict[str, object] = {name: c.address for name, c in self.children.items()}
+        orch = self.children.get("orchestrator")
+        if orch is not None and orch.http_port is not None:
+            out["http"] = f"http://{orch.address.rpartition(':')[0]}:{orch.http_port}/v1"
         if self.opts.metrics:
             out["metrics_ports"] = {name: c.metrics_port for name, c in self.children.items()}
         if "orchestrator" in self.token_files:

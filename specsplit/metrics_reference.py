@@ -19,6 +19,7 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
     import draft_service.metrics as draft
     import target_service.metrics as target
     from orchestrator.metrics import OrchestratorMetrics
+    from orchestrator.reload import ReloadMetrics
 
     from prometheus_client import CollectorRegistry
 
@@ -26,7 +27,12 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
 
     # Every server counts its admin RPCs (specsplit.serving.build_server).
     admin = lambda: [admin_rpc_counter(CollectorRegistry())]  # noqa: E731
-    return [("orchestrator", _metrics_of(OrchestratorMetrics()) + admin()),
+    # NOTE: the orchestrator's metrics are whatever its registry holds once every part that
+    # registers there exists (the reload coordinator's too), not only OrchestratorMetrics' attributes.
+    orch = OrchestratorMetrics()
+    ReloadMetrics(orch.registry)
+    registered = [c for c in orch.registry._collector_to_names if isinstance(c, MetricWrapperBase)]
+    return [("orchestrator", registered + admin()),
             ("draft service", _metrics_of(draft) + draft.FAMILIES.all() + admin()),
             ("target service", _metrics_of(target) + target.FAMILIES.all() + admin())]
 
@@ -41,6 +47,6 @@ def reference_markdown() -> str:
         for m in sorted(metrics, key=lambda m: m._name):
             suffix = "_total" if m._type == "counter" else ""
             labels = ", ".join(m._labelnames) or "-"
-            lines.append(f"| `{m._name}{suffix}` | {m._type} | {labels} | {m._documentation} |")
+            lines.append(f"| `{m._name}{suffix}` | {m._type} | {labels} | {m._documentation.replace('|', chr(92) + '|')} |")
         lines.append("")
     return "\n".join(lines)

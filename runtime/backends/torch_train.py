@@ -423,12 +423,43 @@ def measure_acceptance(target_dir: str | Path, draft_path: str | Path, prompts: 
 # ---------------------------------------------------------------------------
 
 
+# Size settings and their values per recipe. A setting left out on the command line takes the
+# recipe of the device: the GPU recipe made models/tiny (230 s on one H200; ~27 h on a 2-core CPU,
+# 32 s/step); the CPU recipe trains a smaller model whose time budgets cut the step counts so that
+# it finishes in about 5 minutes on 2 cores (fewer steps on a slower or busier machine). It runs
+# Torch on one thread: with one thread per core, a busy neighbour made steps ~20x slower (measured:
+# 11 s vs 0.47 s a step of this recipe on a loaded 2-core machine).
+RECIPES: dict[str, dict[str, Any]] = {
+    "gpu": dict(steps=3000, batch=64, seq_len=512, mtp_steps=1500, hidden_size=256, layers=8, heads=4, kv_heads=2,
+                ffn=704, warmup=150, target_budget_s=0.0, mtp_budget_s=0.0, cpu_threads=0),
+    "cpu": dict(steps=300, batch=8, seq_len=128, mtp_steps=200, hidden_size=128, layers=4, heads=4, kv_heads=2,
+                ffn=352, warmup=30, target_budget_s=180.0, mtp_budget_s=90.0, cpu_threads=1),
+}
+
+
+def apply_recipe(args: argparse.Namespace) -> str:
+    """Fill every size setting the command line left unset from the device's recipe; returns its name."""
+    name = "cpu" if str(args.device).startswith("cpu") else "gpu"
+    unset = [k for k in RECIPES[name] if getattr(args, k, None) is None]
+    for key in unset:
+        setattr(args, key, RECIPES[name][key])
+    if unset:
+        print(f"specsplit train: {name} recipe for {', '.join(unset)} (give them to override)", file=sys.stderr,
+              flush=True)
+    return name
+
+
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def sized(flag: str, kind: type, what: str) -> None:
+        key = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=None,
+                       help=f"{what} (default: {RECIPES['gpu'][key]!r} on GPU, {RECIPES['cpu'][key]!r} on CPU)")
+
     p.add_argument("--out", required=True, help="output directory (target checkpoint + mtp files)")
-    p.add_argument("--steps", type=int, default=3000, help="target training steps (0: load the target from --out)")
-    p.add_argument("--batch", type=int, default=64, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=512, help="bytes per sequence")
-    p.add_argument("--mtp-steps", type=int, default=1500, help="MTP training steps (0: no MTP)")
+    sized("--steps", int, "target training steps (0: load the target from --out)")
+    sized("--batch", int, "sequences per step")
+    sized("--seq-len", int, "bytes per sequence")
+    sized("--mtp-steps", int, "MTP training steps (0: no MTP)")
     p.add_argument("--mtp-unroll", type=int, default=3, help="substeps the MTP is unrolled on its own hidden state")
     p.add_argument("--naive-head", action="store_true",
                    help=f"also train a one-step (unroll 1) head on the same batches into {MTP_NAIVE_FILE}")
@@ -438,18 +469,20 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the target")
     p.add_argument("--mtp-lr", type=float, default=2e-3, help="peak learning rate of the MTP head")
-    p.add_argument("--warmup", type=int, default=150)
+    sized("--warmup", int, "warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--corpus", default=None, help="directory of .py files (default: this Python's stdlib)")
     p.add_argument("--heldout-frac", type=float, default=0.05)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=704)
-    p.add_argument("--target-budget-s", type=float, default=0, help="cut target steps to fit this many seconds")
-    p.add_argument("--mtp-budget-s", type=float, default=0, help="cut MTP steps to fit this many seconds")
+    sized("--hidden-size", int, "model width")
+    sized("--layers", int, "decoder layers")
+    sized("--heads", int, "attention heads")
+    sized("--kv-heads", int, "key/value heads")
+    sized("--ffn", int, "SwiGLU hidden width")
+    sized("--target-budget-s", float, "cut target steps to fit this many seconds (0: no cut)")
+    sized("--mtp-budget-s", float, "cut MTP steps to fit this many seconds (0: no cut)")
+    sized("--cpu-threads", int, "Torch intra-op threads (0: Torch's default, one per core; on a shared CPU "
+                                "one thread is many times faster)")
     p.add_argument("--shard-bytes", type=int, default=None, help="shard model.safetensors at this size")
     p.add_argument("--prompts", type=int, default=64, help=f"held-out prompts written to {PROMPTS_FILE}")
     p.add_argument("--eval-acceptance", action="store_true",
@@ -460,6 +493,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     """Train (target, then MTP head[s]) and write the checkpoint to ``args.out``. Returns the log."""
+    recipe = apply_recipe(args)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     device = torch.device("cuda:0" if args.device == "cuda" else args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True      # training only; serving stays strict fp32
@@ -471,7 +507,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
     corpus = load_corpus(args.corpus, args.heldout_frac)
     log: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if not callable(v)},
-                           "corpus": corpus.summary(), "torch": torch.__version__, "device": str(device),
+                           "recipe": recipe, "corpus": corpus.summary(), "torch": torch.__version__, "device": str(device),
                            "python": sys.version.split()[0]}
     if device.type == "cuda":
         log["gpu"] = torch.cuda.get_device_name(device)
