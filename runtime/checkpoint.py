@@ -118,7 +118,9 @@ def validate(infos: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]],
     if not allow_extra:
         extra = sorted(set(infos) - set(expected))
         if extra:
-            raise CheckpointError(f"{what}: unexpected tensor {extra[0]!r}")
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"{what}: unexpected tensor {extra[0]!r}{more}: the model's config does not "
+                                  "describe it (check attention_bias / mlp_bias / model_type)")
 
 
 def read_tensor(info: TensorInfo, bf16_bits: bool = False) -> np.ndarray:
