@@ -144,3 +144,17 @@ def test_bf16_bits_reach_the_device_exactly(tmp_path):
     ptr = ops.data_ptr(params["x"])
     copy_in_place(ops, params, {"x": bits})
     assert ops.data_ptr(params["x"]) == ptr and np.array_equal(ops.to_numpy(params["x"]), widened)
+
+
+def test_extra_tensor_is_refused_by_name(tmp_path):
+    """Regression (issue 11): a bias the config does not announce was dropped silently."""
+    from runtime.weights import check_target
+    tensors = init_params(CFG, 0, target_tensor_shapes(CFG))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(CFG.hidden_size, np.float32)
+    save_target(tmp_path, CFG, tensors)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+        check_target(tmp_path)
+    del tensors["model.layers.0.self_attn.q_proj.bias"]
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)   # derived: skipped
+    save_target(tmp_path, CFG, tensors)
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" not in check_target(tmp_path).infos
