@@ -1,34 +1,56 @@
 """Tokenizers: text <-> token ids. The engine only ever sees ids.
 
-Owns: the ``Tokenizer`` protocol and the default byte-level tokenizer
-(ids 0..255 are bytes, 256 = BOS, 257 = EOS). Incremental decoding yields
-text pieces only at UTF-8 character boundaries, so a streamed multi-byte
-character is never split across pieces.
+Owns: the ``Tokenizer`` protocol, the byte-level tokenizer of the bundled
+model (ids 0..255 are bytes, 256 = BOS, 257 = EOS) and ``load_tokenizer``,
+which picks it or a model's own ``tokenizer.json`` (``runtime/hf_tokenizer``).
+Incremental decoding yields text pieces only at UTF-8 character boundaries,
+so a streamed multi-byte character is never split across pieces.
 
 Must not know: models, frameworks, gRPC.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 
 class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def stream(self) -> Any:
+        """A fresh streaming decoder: ``push(ids) -> str`` and ``flush() -> str``."""
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids of chat messages through the model's chat template (ValueError: none)."""
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """``"byte"``: the byte tokenizer; otherwise a model directory holding ``tokenizer.json``."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    from runtime.hf_tokenizer import HFTokenizer
+    return HFTokenizer(spec)
 
 
 class ByteTokenizer:
     vocab_size = 258
     bos_token_id = 256
     eos_token_id = 257
+    eos_token_ids = (257,)
 
     def __init__(self, add_bos: bool = True) -> None:
         self.add_bos = add_bos
+
+    def stream(self) -> "IncrementalDecoder":
+        return IncrementalDecoder()
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        raise ValueError("the byte tokenizer has no chat template; send a plain prompt instead")
 
     def encode(self, text: str) -> list[int]:
         ids = list(text.encode("utf-8"))
