@@ -353,7 +353,7 @@ class OrchestratorConfig:
     max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
     max_prompt_tokens: int = 4096
     worker_timeout_s: float = 30.0       # deadline of every call to a worker
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"              # "byte" (bundled model) or a model directory with tokenizer.json
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tls_ca: str | None = None            # CA to verify the workers' certificates (TLS to workers)
@@ -394,7 +394,8 @@ class OrchestratorConfig:
         _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)
         _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
         _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)
-        _check(self.tokenizer == "byte", "tokenizer", "'byte'", self.tokenizer)
+        _check(self.tokenizer == "byte" or bool(self.tokenizer.strip()), "tokenizer",
+               "'byte' or a model directory holding tokenizer.json", self.tokenizer)
         _check((self.tls_client_cert is None) == (self.tls_client_key is None), "tls_client_cert/tls_client_key",
                "both set or both unset", (self.tls_client_cert, self.tls_client_key))
         _check(0.0 <= self.shutdown_grace_s <= 3600, "shutdown_grace_s", "in [0, 3600]", self.shutdown_grace_s)

@@ -86,3 +86,35 @@ class IncrementalDecoder:
         text = bytes(self._pending).decode("utf-8", errors="replace")
         self._pending.clear()
         return text
+
+
+class StopStrings:
+    """Stops streamed text at the first of some stop strings (the stop string itself is not emitted).
+
+    Holds back the last ``len(longest stop) - 1`` characters, which might begin a stop
+    string that the next piece completes, so no emitted text ever has to be taken back.
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """New text -> the part that is safe to emit now ('' once stopped)."""
+        if self.stopped:
+            return ""
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._pending = self._pending[:min(hits)], ""
+            return out
+        cut = max(0, len(self._pending) - self._hold)
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out

@@ -64,6 +64,8 @@ class WorkerStatus:
     max_len: int
     eos_token_id: int | None
     lifecycle_events: tuple[str, ...]
+    max_position_embeddings: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def check_request_id(request_id: str, field: str) -> None:
@@ -375,4 +377,6 @@ class WorkerBase:
             vocab_size=mc.vocab_size if mc is not None else 0, hidden_size=mc.hidden_size if mc is not None else 0,
             max_len=cache.max_len if cache is not None else 0,
             eos_token_id=mc.eos_token_id if mc is not None else None,
-            lifecycle_events=tuple(self.lifecycle.event_names()))
+            lifecycle_events=tuple(self.lifecycle.event_names()),
+            max_position_embeddings=mc.max_position_embeddings if mc is not None else 0,
+            eos_token_ids=mc.eos_token_ids if mc is not None else ())

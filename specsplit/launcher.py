@@ -142,6 +142,8 @@ class Stack:
                     "--max-k", str(max(self.opts.k, 1)), "--max-batch", str(self.opts.max_batch)]
             if not self.opts.no_draft:
                 argv += ["--draft-address", self.children["draft"].address]
+            if (Path(self.opts.model) / "tokenizer.json").is_file():   # the model's own tokenizer, else bytes
+                argv += ["--tokenizer", str(self.opts.model)]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
             self.children["orchestrator"] = Child("orchestrator", argv, env)

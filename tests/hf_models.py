@@ -61,11 +61,11 @@ def prompt_lengths(name: str) -> tuple[int, ...]:
     return (3, 9, 17) + ((long[name],) if name in long else ())
 
 
-def build(name: str, path: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def build(name: str, path: Path, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """Random model of variant ``name``, saved with ``save_pretrained`` to ``path``
     (plus a random ``mtp.safetensors`` for speculative runs); returns it in eval mode, fp32."""
     cls, extra = VARIANTS[name]
-    hf_cfg = cls(**{**BASE, **extra})
+    hf_cfg = cls(**{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
