@@ -67,7 +67,10 @@ class SpecEngine:
         waiting = [Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params,
                             self.cfg.spec.default_k if r.k is None else r.k, self.model_cfg.eos_token_id)
                    for r in requests]
+        limit = self.model_cfg.max_position_embeddings
         for s in waiting:
+            if len(s.prompt) > limit:
+                raise ValueError(f"prompt: {len(s.prompt)} tokens exceed the model's max_position_embeddings={limit}")
             if s.k > self.cfg.spec.max_k:
                 raise ValueError(f"k: {s.k} is out of range [0, {self.cfg.spec.max_k}]")
             if s.k > 0 and self.draft is None:

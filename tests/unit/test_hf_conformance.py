@@ -66,3 +66,19 @@ def test_matches_transformers(reference, backend):
                                  f"at new token {first}")
         if k:
             assert all(r.stats.drafted > 0 for r in res), "k=3 must actually speculate"
+
+
+
+def test_prompt_past_max_position_embeddings_is_refused(tmp_path):
+    """Regression (issue 11): 3,000-token prompts were accepted for a 2,048-position model."""
+    from runtime.checkpoint import save_target
+    from runtime.config import ModelConfig
+    from runtime.model import init_params, target_tensor_shapes
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=16)
+    save_target(tmp_path, cfg, init_params(cfg, 0, target_tensor_shapes(cfg)))
+    engine = SpecEngine(EngineConfig(str(tmp_path), runtime=RuntimeConfig(backend="torch"),
+                                     spec=SpecConfig(max_k=0, default_k=0), cache=CacheConfig(max_slots=1, max_len=64)))
+    with pytest.raises(ValueError, match=r"17 tokens exceed the model's max_position_embeddings=16"):
+        engine.generate([GenRequest("long", tuple(range(1, 18)), SamplingParams(max_tokens=2), 0)])
+    assert len(engine.generate([GenRequest("ok", tuple(range(1, 17)), SamplingParams(max_tokens=2), 0)])[0].tokens) == 2
