@@ -47,13 +47,13 @@ class SpecEngine:
         target_ck = check_target(cfg.target_path)
         self.model_cfg: ModelConfig = target_ck.cfg
         self.target_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
-        self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck)),
+        self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
                                    cfg.cache, cfg.spec.max_k, self.target_registry)
         self.draft: DraftEngine | None = None
         if use_draft and cfg.spec.max_k > 0:
             draft_ck = check_draft(target_ck, resolve_draft_path(cfg.target_path, cfg.draft_path))
             self.draft_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
-            self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck)),
+            self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck, bf16_bits=True)),
                                      cfg.cache, cfg.spec.max_k, self.draft_registry)
 
     def capture_graphs(self) -> None:

@@ -81,7 +81,16 @@ def read_arrays(checked: CheckedCheckpoint, bf16_bits: bool = False) -> dict[str
 
 
 def to_device(ops: Ops, arrays: dict[str, np.ndarray]) -> Params:
-    return {name: ops.from_numpy(arr) for name, arr in arrays.items()}
+    """Host arrays -> device tensors, emptying ``arrays`` as it goes.
+
+    NOTE: each host array is dropped as soon as its device copy exists, so host
+    RAM never holds the checkpoint twice (on a CPU device the tensors *are* host
+    memory: keeping the arrays until the end would double the peak).
+    """
+    out: Params = {}
+    for name in list(arrays):
+        out[name] = ops.from_numpy(arrays.pop(name))
+    return out
 
 
 def copy_in_place(ops: Ops, params: Params, arrays: dict[str, np.ndarray]) -> None:

@@ -195,8 +195,9 @@ class WorkerBase:
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        # host memory; serving goes on meanwhile. bf16 stays raw bits for a bf16 Torch worker.
-        arrays = read_arrays(checked, bf16_bits=(self.ops.name == "torch" and self.ops.dtype == "bfloat16"))
+        # host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
+        # both backends reinterpret them on the device and cast there.
+        arrays = read_arrays(checked, bf16_bits=True)
         def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
