@@ -226,6 +226,19 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_mtp(args: argparse.Namespace) -> int:
+    from runtime.checkpoint import CheckpointError
+    from runtime.convert_mtp import convert
+
+    try:
+        out = convert(args.source, args.target, args.out or Path(args.target) / "mtp.safetensors", args.layer)
+    except CheckpointError as exc:
+        print(f"specsplit convert-mtp: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"event": "converted", "mtp": str(out)}))
+    return 0
+
+
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit 0 when the service at ADDRESS reports SERVING over grpc.health.v1."""
     import grpc
@@ -358,6 +371,12 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
 
         add_train_args(p)
 
+    p = sub.add_parser("convert-mtp", help="import MTP weights stored in the DeepSeek-V3 layout")
+    p.add_argument("source", help="safetensors file or directory holding model.layers.N.{enorm,hnorm,eh_proj,...}")
+    p.add_argument("--target", required=True, help="the target checkpoint dir the head drafts for")
+    p.add_argument("--layer", type=int, default=None, help="N of the MTP layer (default: the only one)")
+    p.add_argument("--out", default=None, help="output file (default: TARGET/mtp.safetensors)")
+
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     from bench import add_bench_args
 
@@ -383,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_train(args)
             return 0
+        if args.command == "convert-mtp":
+            return cmd_convert_mtp(args)
         if args.command == "bench":
             from bench import run_bench
 
