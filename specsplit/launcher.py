@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 15.0
