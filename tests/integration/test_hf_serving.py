@@ -115,3 +115,28 @@ def test_prompt_longer_than_max_position_embeddings_is_refused(client):
         client.generate_text([0] + [5] * MAX_POS, 4)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert str(MAX_POS + 1) in err.value.details and f"max_position_embeddings={MAX_POS}" in err.value.details
+
+
+def test_up_no_draft_serves_a_transformers_directory(model_dir, tmp_path):
+    """`specsplit up --model DIR --no-draft` on a save_pretrained directory (without mtp.safetensors):
+    the model's own tokenizer, transformers' greedy tokens."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.integration.hardening_utils import REPO, child_env, read_json_line
+
+    d, model, hf_tok = model_dir
+    plain = tmp_path / "model"
+    shutil.copytree(d, plain, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "--log-level", "WARNING", "up", "--model", str(plain),
+                             "--no-draft", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=child_env(), cwd=REPO)
+    try:
+        addresses = read_json_line(proc.stdout, 180)
+        with SpecsplitClient(addresses["orchestrator"], timeout=TIMEOUT) as c:
+            res = c.generate_text("hello world", MAX_NEW, ignore_eos=True)
+        assert list(res.tokens) == [int(t) for t in _hf_greedy(model, hf_tok("hello world").input_ids)]
+    finally:
+        proc.terminate()
+        proc.wait(60)
