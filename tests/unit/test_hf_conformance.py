@@ -82,3 +82,26 @@ def test_prompt_past_max_position_embeddings_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"17 tokens exceed the model's max_position_embeddings=16"):
         engine.generate([GenRequest("long", tuple(range(1, 18)), SamplingParams(max_tokens=2), 0)])
     assert len(engine.generate([GenRequest("ok", tuple(range(1, 17)), SamplingParams(max_tokens=2), 0)])[0].tokens) == 2
+
+
+
+def test_every_eos_of_a_list_stops_generation(tmp_path):
+    """config.json eos_token_id as a list: each id ends the request, not just the first."""
+    import dataclasses
+    from runtime.checkpoint import save_target
+    from runtime.config import ModelConfig
+    from runtime.model import init_params, target_tensor_shapes
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    weights = {k: v * 20 for k, v in init_params(cfg, 0, target_tensor_shapes(cfg)).items()}
+    save_target(tmp_path / "a", cfg, weights)
+    engine_cfg = dict(runtime=RuntimeConfig(backend="torch"), spec=SpecConfig(max_k=0, default_k=0),
+                      cache=CacheConfig(max_slots=1, max_len=64))
+    free = SpecEngine(EngineConfig(str(tmp_path / "a"), **engine_cfg)).generate(
+        [GenRequest("a", (1, 2, 3), SamplingParams(max_tokens=12, ignore_eos=True), 0)])[0].tokens
+    stop_at = free[6]
+    other = next(t for t in range(cfg.vocab_size) if t not in free)
+    save_target(tmp_path / "b", dataclasses.replace(cfg, eos_token_id=other, eos_token_ids=(other, stop_at)), weights)
+    res = SpecEngine(EngineConfig(str(tmp_path / "b"), **engine_cfg)).generate(
+        [GenRequest("b", (1, 2, 3), SamplingParams(max_tokens=12), 0)])[0]
+    assert list(res.tokens) == list(free[:free.index(stop_at) + 1]) and res.finish_reason == "stop"
