@@ -15,6 +15,9 @@ BENCHES = {
     "graphs": "bench.graphs",      # CUDA graphs vs eager vs bare floor (issue 4)
     "reload": "bench.reload",      # weight reload phases, IN_PLACE vs RECAPTURE vs reading the checkpoint (issue 5)
     "load": "bench.load",          # N concurrent clients for T seconds: latency percentiles, throughput, RSS (issue 6)
+    "profile": "bench.profile_round",  # torch.profiler summary of one round at batch 1 (issue 10)
+    "attention": "bench.attention",  # decode attention variants, torch.compile of the verify step (issue 10)
+    "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
 }
 
 
@@ -29,6 +32,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, nargs="*", default=None, help="batch sizes (services bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU)")
+    p.add_argument("--compile", action="store_true", help="attention bench: also time torch.compile of the verify step")
     p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run")
 
 

@@ -2,12 +2,14 @@
 
 Owns: a ~1B Llama-shaped target (d=2048, 16 layers, 16 heads / 4 KV heads,
 FFN 5632, vocab 32000, random bf16 weights: timing only) and its MTP layer,
-timed at batch buckets 1, 8, 32 for
+timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
   - draft substep (1 position): eager vs graph (through the registry, host
     work included: layout, input copies, replay),
   - target verify (k+1 positions): eager vs graph,
-  - floor: the same step captured bare with the framework and replayed with
-    no host work at all.
+  - floor: the same step (same context span) captured bare with the framework
+    and replayed with no host work at all,
+  - host us: the host's own time per registry step (queue idle before it),
+  - the weight-bytes floor of a target step (weight bytes / measured copy rate).
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -31,8 +33,8 @@ BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, nu
 SMALL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)   # CPU smoke run (no CUDA graphs there)
 BUCKETS = (1, 8, 32)
-CONTEXT = 256          # tokens already in each request's cache
-MAX_LEN = 512
+CONTEXTS = (256, 2048)  # tokens already in each request's cache
+MAX_LEN = 4096
 
 
 def _random_params(ops, cfg, names, seed):
@@ -75,6 +77,33 @@ def _floor(ops, step, inputs: dict) -> float:
     return t
 
 
+def _host_us(fn, iters, sync) -> float:
+    """Host time of one call with an idle GPU queue (synchronised before, not after): the
+    layout, uploads and launch the host does per step, without waiting for the GPU."""
+    total = 0.0
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    sync()
+    return total / iters * 1e6
+
+
+def _weight_floor_ms(ops, params, device) -> tuple[float, float]:
+    """(weight bytes / device copy rate in ms, copy rate TB/s): the bandwidth floor of one step."""
+    import torch
+
+    nbytes = sum(int(p.numel()) * p.element_size() for p in params.values())
+    if not device.startswith("cuda"):
+        return 0.0, 0.0
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 255)
+    y = torch.empty_like(x)
+    t = _time(lambda: y.copy_(x), 20, torch.cuda.synchronize)
+    rate = 2 * (1 << 30) / t
+    return nbytes / rate * 1e3, rate / 1e12
+
+
 def main(args) -> int:
     device = args.device
     on_gpu = device.startswith("cuda")
@@ -87,10 +116,11 @@ def main(args) -> int:
     shared = {n: target.params[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
     draft = DraftEngine(ops, cfg, {**_random_params(ops, cfg, mtp_tensor_shapes(cfg), 1), **shared}, cache, k, d_reg)
     rng = np.random.default_rng(0)
+    floor_w_ms, rate = _weight_floor_ms(ops, target.params, device)
 
-    def inputs_for(kind: str, b: int) -> dict:
+    def inputs_for(kind: str, b: int, ctx: int) -> dict:
         width = 1 if kind == "substep" else k + 1
-        rows = [Row(i, CONTEXT, rng.integers(0, cfg.vocab_size, width)) for i in range(b)]
+        rows = [Row(i, ctx, rng.integers(0, cfg.vocab_size, width)) for i in range(b)]
         lay = layout_rows(rows, width, cache.max_slots, MAX_LEN)
         base = {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
                 "read_slots": lay.read_slots}
@@ -99,35 +129,49 @@ def main(args) -> int:
             base["last_index"] = lay.last_index
         return base
 
-    results = {}
-    for kind, engine, reg, name in (("substep", draft, d_reg, SUBSTEP), ("verify", target, t_reg, target._verify_kind)):
-        for b in BUCKETS:
-            inp = inputs_for(kind, b)
-            eager = _time(lambda: reg.run(name, inp), 30, ops.synchronize)
-            floor = _floor(ops, engine._step, inp)
-            results[(kind, b)] = {"eager_ms": eager * 1e3, "floor_ms": floor * 1e3}
+    cases = [(kind, b, ctx) for kind in ("substep", "verify") for ctx in CONTEXTS for b in BUCKETS]
+    engines = {"substep": (draft, d_reg, SUBSTEP), "verify": (target, t_reg, target._verify_kind)}
+    results, inputs = {}, {}
+    for kind, b, ctx in cases:
+        engine, reg, name = engines[kind]
+        inp = inputs[(kind, b, ctx)] = inputs_for(kind, b, ctx)
+        span = reg.span_for(reg.kinds[name], int(inp["positions"].max()) + 1)
+        eager = _time(lambda: reg.run(name, inp), 10 if on_gpu else 3, ops.synchronize)
+        floor = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
+        results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3}
     t_reg.capture_all()
     d_reg.capture_all()
-    for kind, reg, name in (("substep", d_reg, SUBSTEP), ("verify", t_reg, target._verify_kind)):
-        for b in BUCKETS:
-            inp = inputs_for(kind, b)
-            replayed = reg.run(name, inp)[1]
-            assert replayed, f"{name}@{b} did not replay"
-            results[(kind, b)]["graph_ms"] = _time(lambda: reg.run(name, inp), 200 if on_gpu else 10,
-                                                   ops.synchronize) * 1e3
+    for kind, b, ctx in cases:
+        _, reg, name = engines[kind]
+        inp = inputs[(kind, b, ctx)]
+        assert reg.run(name, inp)[1], f"{name}@{b} did not replay"
+        results[(kind, b, ctx)]["graph_ms"] = _time(lambda: reg.run(name, inp), 200 if on_gpu else 5,
+                                                    ops.synchronize) * 1e3
+        results[(kind, b, ctx)]["host_us"] = _host_us(lambda: reg.run(name, inp), 50 if on_gpu else 3, ops.synchronize)
     rows = []
-    for (kind, b), r in results.items():
-        rows.append({"step": kind, "batch": b, **{k2: round(v, 4) for k2, v in r.items()},
+    for (kind, b, ctx), r in results.items():
+        rows.append({"step": kind, "batch": b, "context": ctx, **{k2: round(v, 4) for k2, v in r.items()},
                      "graph_speedup_vs_eager": round(r["eager_ms"] / r["graph_ms"], 2),
-                     "graph_over_floor": round(r["graph_ms"] / r["floor_ms"], 3)})
+                     "graph_over_floor": round(r["graph_ms"] / r["floor_ms"], 3),
+                     "graph_over_weight_floor": round(r["graph_ms"] / floor_w_ms, 2) if floor_w_ms else None})
+    by = {(r["step"], r["batch"], r["context"]): r["graph_ms"] for r in rows}
+    growth = {f"{kind}@{b}": round(by[(kind, b, CONTEXTS[-1])] / by[(kind, b, CONTEXTS[0])], 3)
+              for kind in ("substep", "verify") for b in BUCKETS}
     if args.json:
         print(json.dumps({"model": "llama-1b-shaped d2048 L16" if on_gpu else "small (cpu smoke)", "k": k,
-                          "context": CONTEXT, "rows": rows}))
+                          "contexts": CONTEXTS, "max_len": MAX_LEN, "weight_floor_ms": round(floor_w_ms, 4),
+                          "copy_rate_TBps": round(rate, 3), "rows": rows, "growth_long_over_short": growth}))
         return 0
     print(f"bench graphs: torch {device} " + ("bf16, d=2048 L=16" if on_gpu else
-          "fp32 small config (CPU smoke run: 'graph' is the eager stand-in)") + f", k={k}, context {CONTEXT}")
-    print(f"{'step':8s} {'batch':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} {'eager/graph':>11s} {'graph/floor':>11s}")
+          "fp32 small config (CPU smoke run: 'graph' is the eager stand-in)") + f", k={k}, max_len {MAX_LEN}, "
+          f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s)")
+    print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
+          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s}")
     for r in rows:
-        print(f"{r['step']:8s} {r['batch']:5d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['floor_ms']:9.3f} "
-              f"{r['graph_speedup_vs_eager']:11.2f} {r['graph_over_floor']:11.3f}")
+        wf = r["graph_over_weight_floor"]
+        print(f"{r['step']:8s} {r['batch']:5d} {r['context']:5d} {r['span']:5d} {r['eager_ms']:9.3f} "
+              f"{r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {r['host_us']:8.1f} {r['graph_speedup_vs_eager']:11.2f} "
+              f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12}")
+    print("graph time at context %d / at %d: " % (CONTEXTS[-1], CONTEXTS[0])
+          + ", ".join(f"{key} {v:.2f}" for key, v in growth.items()))
     return 0

@@ -61,7 +61,16 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> Acc
     k = _check_rows(draft_tokens, logits, "target_logits")
     if np.isnan(logits).any():
         raise ValueError("target_logits contain NaN")
-    best = logits.argmax(axis=-1)  # [k+1] target's greedy token at every position
+    return accept_greedy_ids(draft_tokens, logits.argmax(axis=-1))
+
+
+def accept_greedy_ids(draft_tokens: Sequence[int], target_argmax: np.ndarray) -> Acceptance:
+    """The greedy rule on the target's argmax ids [k+1] (computed on the device: no logits
+    travel). Same result as ``accept_greedy`` on the logits those ids came from."""
+    best = np.asarray(target_argmax)  # [k+1] target's greedy token at every position
+    k = len(draft_tokens)
+    if best.shape != (k + 1,):
+        raise ValueError(f"target_argmax must have shape [k+1] = [{k + 1}], got {best.shape}")
     a = 0
     while a < k and int(draft_tokens[a]) == best[a]:
         a += 1

@@ -252,6 +252,10 @@ class RuntimeConfig:
     # several processes on one host, and spinning OpenMP threads of one
     # process starve the others (seen: 20-100x slower Torch steps on 2 cores).
     cpu_threads: int = 1
+    # torch.compile the step functions before graph capture (Torch on CUDA; ignored
+    # elsewhere). Measured in `bench attention --compile`: the ~1B verify step 2.74 ->
+    # 1.43 ms under a graph, same argmax; costs ~45 s of compile at start. Off by default.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.cpu_threads, int) and 1 <= self.cpu_threads <= 1024, "runtime.cpu_threads",

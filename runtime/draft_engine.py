@@ -7,6 +7,14 @@ registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1).
 
 Must not know: gRPC, lifecycle states, scheduling, the target's layers.
 
+Hidden rows come in as float32 or as uint16 bf16 bit patterns (see
+``runtime/types.py``); they are decoded only here, on the device.
+
+Greedy drafts stay on the device: each substep's argmax is fed to the next
+substep as a device tensor, and one host synchronisation per ``propose``
+brings all k drafts back. Sampled drafts (``draft_sampling``) need q on the
+host, so that path reads the logits back after every substep.
+
 Positions: the pair (h_i, t_{i+1}) lives at draft position i. A request has
 ``pairs`` correctly written positions 0..pairs-1 (true target hidden states).
 Substep s of a round writes position pairs+s-1 from a guessed hidden state;
@@ -21,13 +29,13 @@ import numpy as np
 
 from runtime import sampling
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_span, layout_rows
+from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from runtime.config import CacheConfig, ModelConfig, SamplingParams
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache
 from runtime.model import Params, Rope, build_attn_meta, lm_head, mtp_forward
 from runtime.target_engine import request_rng
-from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
+from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
 SUBSTEP = "substep"
 
@@ -49,6 +57,7 @@ class DraftEngine:
         self.registry = registry
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
+        self._compiled = ops.compile_step(self._step)
         for name, width in ((self._catchup_kind, self.catchup_width), (SUBSTEP, 1)):
             registry.register(self._kind(name, width))
 
@@ -56,7 +65,7 @@ class DraftEngine:
         scratch = self.cache.scratch_slot
         return StepKind(
             name=name,
-            fn=self._step,
+            fn=self._compiled,
             inputs=(InputSpec("prev_hidden", (width, self.cfg.hidden_size), "compute", 0.0),
                     InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),
@@ -64,6 +73,8 @@ class DraftEngine:
                     InputSpec("read_slots", (), "int64", scratch),
                     InputSpec("last_index", (), "int64", 0)),
             eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
+            spans=context_spans(self.cache.max_len),
+            span_of=lambda x: attend_need(x["positions"]),
         )
 
     # --- the captured step ---------------------------------------------------
@@ -117,9 +128,11 @@ class DraftEngine:
         kind = self._catchup_kind if longest <= self.catchup_width else None
         width = self.catchup_width if kind else longest
         rows = [Row(slot, start, np.asarray(r.tokens, dtype=np.int64)) for r, start, slot in zip(reqs, starts, slots)]
-        hidden = np.zeros((len(reqs), width, self.cfg.hidden_size), dtype=np.float32)   # [B, W, d]
+        # bf16 bits travel to the device as bits when the draft computes in bf16; otherwise float32.
+        bits = self.ops.dtype == "bfloat16" and all(np.asarray(r.hidden).dtype == np.uint16 for r in reqs)
+        hidden = np.zeros((len(reqs), width, self.cfg.hidden_size), dtype=np.uint16 if bits else np.float32)  # [B, W, d]
         for i, r in enumerate(reqs):
-            hidden[i, : len(r.tokens)] = r.hidden
+            hidden[i, : len(r.tokens)] = r.hidden if bits else hidden_float32(r.hidden)
         return self._run_rows(kind, rows, hidden, width)
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
@@ -140,6 +153,37 @@ class DraftEngine:
         g, logits = self._catch_up(reqs, [self.cache.get(r.request_id).length for r in reqs], slots)
         for r in reqs:
             self.cache.get(r.request_id).length += len(r.tokens)
+        if not any(self.requests[r.request_id].params.draft_sampling and not self.requests[r.request_id].params.greedy
+                   for r in reqs):
+            return self._propose_greedy(reqs, slots, g, logits)
+        return self._propose_sampled(reqs, slots, g, logits)
+
+    def _propose_greedy(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
+        """Every row drafts greedily: argmax fed back on the device, one host sync at the end."""
+        kmax = max(r.k for r in reqs)
+        b, d = len(reqs), self.cfg.hidden_size
+        tok = self.ops.argmax(logits, -1)                                # [B] d_1 (device)
+        drafts = [tok]
+        for s in range(1, kmax):
+            # Substep s: pair (g_s, d_s) at position pairs + s - 1. A row that
+            # already has its k drafts runs on the scratch slot at position 0
+            # (its outputs are dropped): shapes stay fixed, no live KV is touched.
+            rows = [Row(slots[i], self.cache.get(r.request_id).length + s - 1, np.zeros(1, dtype=np.int64))
+                    if r.k > s else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64))
+                    for i, r in enumerate(reqs)]
+            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
+            (g, logits), _ = self.registry.run(SUBSTEP, {
+                "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
+                "write_slots": lay.write_slots, "positions": lay.positions,
+                "read_slots": lay.read_slots, "last_index": lay.last_index})
+            tok = self.ops.argmax(logits, -1)
+            drafts.append(tok)
+        # NOTE: the only host synchronisation of a greedy propose.
+        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
+        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+
+    def _propose_sampled(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
+        """Some row samples its draft from q: q comes to the host after every substep."""
         drafts = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         active = list(range(len(reqs)))                                  # rows of g/logits -> request index

@@ -1,7 +1,8 @@
 """CUDA-graph registry: the only owner of a worker's graphs, static buffers and pool.
 
-Owns: step kinds (a step function plus its per-row input specs), batch
-buckets, the static input buffers (allocated once at the largest bucket;
+Owns: step kinds (a step function plus its per-row input specs and, for
+attention steps, its context-length spans), batch buckets, the static input
+buffers (allocated once at the largest bucket;
 smaller buckets use leading views of them), capture order (largest bucket
 first so smaller graphs reuse its pool), padding/unpadding, replay vs eager
 accounting and teardown.
@@ -52,6 +53,12 @@ class StepKind:
     # Extra keyword arguments for eager runs only, computed from the numpy
     # inputs (e.g. a shorter attention span than the graphs' static one).
     eager_kwargs: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
+    # Context-length buckets: with spans, one graph is captured per (batch
+    # bucket, span) with ``fn(..., attend_len=span)``, and a run replays the
+    # smallest span >= ``span_of(numpy inputs)`` (the rows a step must read),
+    # so attention cost follows the real context instead of the cache length.
+    spans: tuple[int, ...] = ()
+    span_of: Callable[[dict[str, np.ndarray]], int] | None = None
 
 
 @dataclass
@@ -67,6 +74,7 @@ class GraphStats:
     eager_runs: int = 0
     captures: int = 0
     clears: int = 0
+    last_span: int = 0              # context span of the latest replay (0: a kind without spans)
     events: list[str] = field(default_factory=list)
 
 
@@ -97,7 +105,7 @@ class GraphRegistry:
         self.ops = ops
         self.buckets = tuple(sorted(buckets))
         self.kinds: dict[str, StepKind] = {}
-        self._captured: dict[tuple[int, str], _Captured] = {}
+        self._captured: dict[tuple[int, str, int], _Captured] = {}   # (bucket, kind, span; 0 = no spans)
         self._static: dict[str, dict[str, Tensor]] = {}   # kind -> name -> [max_bucket, ...]
         # kind -> one flat int64 device buffer holding every int64 input (one
         # host->device copy per step instead of one per input).
@@ -125,7 +133,22 @@ class GraphRegistry:
         return bool(self._captured)
 
     def keys(self) -> list[tuple[int, str]]:
-        return sorted(self._captured, key=lambda k: (k[1], k[0]))
+        """(bucket, kind) pairs with live graphs (each may hold several context spans)."""
+        return sorted({(b, k) for b, k, _ in self._captured}, key=lambda k: (k[1], k[0]))
+
+    def span_keys(self) -> list[tuple[int, str, int]]:
+        """Every captured (bucket, kind, span); span 0 for kinds without context spans."""
+        return sorted(self._captured, key=lambda k: (k[1], k[0], k[2]))
+
+    @staticmethod
+    def span_for(kind: StepKind, need: int) -> int:
+        """Smallest captured span >= need (0 for kinds without spans); the largest one if none is."""
+        if not kind.spans:
+            return 0
+        for s in sorted(kind.spans):
+            if s >= need:
+                return s
+        return max(kind.spans)
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest bucket >= batch, or None above the largest bucket (run eagerly)."""
@@ -145,11 +168,13 @@ class GraphRegistry:
                 max_b = self.buckets[-1]
                 for kind in self.kinds.values():
                     self._allocate_static(kind, max_b)
-                # NOTE: largest bucket first, so the smaller graphs' allocations
-                # fit inside the pool memory the largest one already reserved.
+                # NOTE: largest bucket (and largest span) first, so the smaller
+                # graphs' allocations fit inside the pool memory the largest one
+                # already reserved.
                 for bucket in sorted(self.buckets, reverse=True):
                     for kind in self.kinds.values():
-                        self._capture_one(kind, bucket, warmup)
+                        for span in sorted(kind.spans or (0,), reverse=True):
+                            self._capture_one(kind, bucket, span, warmup)
             except Exception:
                 self.clear()
                 raise
@@ -184,19 +209,21 @@ class GraphRegistry:
             blocks.append(block.reshape(-1))
         return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
 
-    def _capture_one(self, kind: StepKind, bucket: int, warmup: int) -> None:
+    def _capture_one(self, kind: StepKind, bucket: int, span: int, warmup: int) -> None:
         views = {name: buf[:bucket] for name, buf in self._static[kind.name].items()}
+        fn = kind.fn if not span else (lambda _fn=kind.fn, _s=span, **kw: _fn(**kw, attend_len=_s))
         with self.ops.no_grad():
             # NOTE: warm-up runs before capture: lazy framework initialisation
             # (kernel selection, workspace allocation) must not happen inside
             # the captured region.
             for _ in range(warmup):
-                self.kinds[kind.name].fn(**views)
-            graph, outputs = self._record(kind.fn, views)
-        self._captured[(bucket, kind.name)] = _Captured(graph, views, outputs)
+                fn(**views)
+            graph, outputs = self._record(fn, views)
+        self._captured[(bucket, kind.name, span)] = _Captured(graph, views, outputs)
         self.stats.captures += 1
-        self.stats.events.append(f"capture {kind.name}@{bucket}")
-        self._log(f"captured {kind.name} bucket={bucket}")
+        label = f"{kind.name}@{bucket}" + (f"/ctx{span}" if span else "")
+        self.stats.events.append(f"capture {label}")
+        self._log(f"captured {label}")
 
     def _new_pool(self) -> Any:
         if self.ops.device.startswith("cuda") and self.ops.name == "torch":
@@ -268,10 +295,17 @@ class GraphRegistry:
         b = first.shape[0] if isinstance(first, np.ndarray) else self.ops.shape(first)[0]
         with self._lock:
             bucket = self.bucket_for(b)
-            cap = self._captured.get((bucket, kind_name)) if bucket is not None else None
+            span = 0
+            if kind.spans and bucket is not None and self._captured:
+                need = kind.span_of({k: v for k, v in inputs.items() if isinstance(v, np.ndarray)})
+                span = self.span_for(kind, need)
+                if span < need:        # longer than the largest span: eager
+                    bucket = None
+            cap = self._captured.get((bucket, kind_name, span)) if bucket is not None else None
             if cap is not None:
                 max_b = self.buckets[-1]
                 int_values = {}
+                device_ints = {}
                 for spec in kind.inputs:
                     value = inputs[spec.name]
                     shape = value.shape if isinstance(value, np.ndarray) else self.ops.shape(value)
@@ -280,19 +314,31 @@ class GraphRegistry:
                     # NOTE: copy *into* the static buffers; never rebind them. The
                     # graph reads those addresses: a new tensor would be freed memory.
                     if spec.dtype == "int64":
-                        int_values[spec.name] = value
+                        if isinstance(value, np.ndarray):
+                            int_values[spec.name] = value
+                        else:            # device ids (e.g. the previous substep's argmax)
+                            device_ints[spec.name] = value
                     elif isinstance(value, np.ndarray):
-                        padded = np.full((bucket, *spec.row_shape), spec.pad, dtype=np.float32)
+                        # uint16 rows are bf16 bit patterns: padded as bits (0 = 0.0).
+                        padded = np.full((bucket, *spec.row_shape), spec.pad,
+                                         dtype=np.uint16 if value.dtype == np.uint16 else np.float32)
                         padded[:b] = value
                         self.ops.copy_from_numpy(cap.inputs[spec.name], padded)
                     else:
                         # Device rows: rows past b keep finite values from earlier
                         # steps; their outputs are sliced away below.
                         self.ops.copy_(cap.inputs[spec.name][:b], value)
-                if int_values:
+                if int_values or device_ints:
                     self.ops.copy_from_numpy(self._packed[kind_name], self._pack(kind, int_values, b, max_b))
+                # NOTE: device ids go in after the packed upload, which rewrites
+                # the whole packed buffer (their rows included) with pad values.
+                for name, value in device_ints.items():
+                    self.ops.copy_(cap.inputs[name][:b], value)
                 cap.graph.replay()
                 self.stats.replays += 1
+                self.stats.last_span = span
+                if b == bucket:
+                    return cap.outputs, True
                 return tuple(o[:b] for o in cap.outputs), True
             tensors = {}
             for s in kind.inputs:
@@ -313,7 +359,7 @@ class GraphRegistry:
         for kind, bufs in self._static.items():
             for name, t in bufs.items():
                 out[f"{kind}.{name}"] = self.ops.data_ptr(t)
-        for (bucket, kind), cap in self._captured.items():
+        for (bucket, kind, span), cap in self._captured.items():
             for i, o in enumerate(cap.outputs):
-                out[f"{kind}@{bucket}.out{i}"] = self.ops.data_ptr(o)
+                out[f"{kind}@{bucket}" + (f"/ctx{span}" if span else "") + f".out{i}"] = self.ops.data_ptr(o)
         return out

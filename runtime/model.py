@@ -139,17 +139,20 @@ class AttnMeta:
     """Where a forward's tokens live in the KV cache and what they may attend to.
 
     write_index int64 [B*T]   flat cache row each new token's K/V is written to
-    read_index  int64 [B*La]  flat cache rows each batch row reads (La = attend length)
+    read_slots  int64 [B]     cache slot each batch row reads; it reads that slot's
+                              first La rows only (La = attend length: the context
+                              bucket, not max_len)
     mask        bool  [B, T, La]  key position j visible to query at position p iff j <= p
     cos, sin    float32 [B, T, 1, D]
     """
 
     write_index: Tensor
-    read_index: Tensor
+    read_slots: Tensor
     mask: Tensor
     cos: Tensor
     sin: Tensor
     attend_len: int
+    max_len: int
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -158,16 +161,14 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
 
     Padding tokens carry the scratch slot in ``write_slots`` so their writes
     never touch a live request's cache rows. Cache rows are flat:
-    row = slot * max_len + position.
+    row = slot * max_len + position, so a slot's prefix is contiguous.
     """
     b, t = ops.shape(positions)
     write_index = ops.reshape(write_slots * max_len + positions, (b * t,))
     key_pos = ops.arange(attend_len)                                           # [La]
-    read_index = ops.reshape(ops.reshape(read_slots, (b, 1)) * max_len + ops.reshape(key_pos, (1, attend_len)),
-                             (b * attend_len,))
     mask = ops.less_equal(ops.reshape(key_pos, (1, 1, attend_len)), ops.reshape(positions, (b, t, 1)))
     cos, sin = rope.tables(ops, positions)
-    return AttnMeta(write_index, read_index, mask, cos, sin, attend_len)
+    return AttnMeta(write_index, read_slots, mask, cos, sin, attend_len, max_len)
 
 
 # ---------------------------------------------------------------------------
@@ -202,9 +203,10 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         # NOTE: write before read, so tokens of this forward see each other.
         ops.scatter_rows_(k_cache, meta.write_index, ops.reshape(k, (b * t, kvh, hd)))
         ops.scatter_rows_(v_cache, meta.write_index, ops.reshape(v, (b * t, kvh, hd)))
-        la = meta.attend_len
-        k_all = ops.reshape(ops.index_select(k_cache, meta.read_index, 0), (b, la, kvh, hd))
-        v_all = ops.reshape(ops.index_select(v_cache, meta.read_index, 0), (b, la, kvh, hd))
+        # Only the first attend_len rows of each row's slot are read: attention
+        # cost follows the context bucket, not the cache length.
+        k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
+        v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
         attn = ops.attention(q, k_all, v_all, meta.mask)
     else:
         attn = ops.attention(q, k, v, train_mask)

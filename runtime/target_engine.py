@@ -8,6 +8,12 @@ Must not know: gRPC, lifecycle states, scheduling or the draft's internals;
 those live in ``target_service`` and the round driver. Framework calls go
 through ``Ops`` only.
 
+What comes back to the host (DESIGN § Keeping the GPU busy): greedy rows
+bring only the argmax ids [k+1] and the hidden rows; sampled rows are
+accepted on the device when the backend has a sampler (``ops.sampler``:
+Torch), else by the numpy oracle (Paddle). Prefill runs the output head on
+each prompt's last position only. One host synchronisation per verify.
+
 State per request (DESIGN § The speculative round): committed tokens
 t_0..t_n, KV valid for positions 0..n-1, ``last_token`` = t_n.
 """
@@ -20,7 +26,7 @@ import numpy as np
 
 from runtime import acceptance, sampling
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_span, layout_rows
+from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from runtime.config import CacheConfig, ModelConfig, SamplingParams
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache
@@ -54,22 +60,37 @@ class TargetEngine:
         scratch = self.cache.scratch_slot
         registry.register(StepKind(
             name=f"verify{width}",
-            fn=self._step,
+            fn=ops.compile_step(self._step),
             inputs=(InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),
                     InputSpec("positions", (width,), "int64", 0),
                     InputSpec("read_slots", (), "int64", scratch)),
             eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
+            spans=context_spans(self.cache.max_len),
+            span_of=lambda x: attend_need(x["positions"]),
         ))
         self._verify_kind = f"verify{width}"
 
     # --- the captured step ---------------------------------------------------
     def _step(self, tokens, write_slots, positions, read_slots, attend_len=None):
-        """tokens/write_slots/positions [B, T], read_slots [B] -> hidden [B, T, d], logits [B, T, V]."""
+        """tokens/write_slots/positions [B, T], read_slots [B]
+        -> hidden [B, T, d], argmax int64 [B, T], logits float32 [B, T, V] (stay on the device)."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
                                self.cache.max_len, attend_len or self.cache.max_len)
         hidden = target_forward(self.ops, self.params, self.cfg, tokens, meta, self.cache.layers)
-        return hidden, lm_head(self.ops, self.params, self.cfg, hidden)
+        logits = lm_head(self.ops, self.params, self.cfg, hidden)
+        return hidden, self.ops.argmax(logits, -1), logits
+
+    def _prefill_step(self, tokens, write_slots, positions, read_slots, last_index, attend_len):
+        """As ``_step``, but the output head runs on each row's last real position only:
+        -> hidden [B, T, d], argmax int64 [B], logits float32 [B, V]."""
+        meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
+                               self.cache.max_len, attend_len)
+        hidden = target_forward(self.ops, self.params, self.cfg, tokens, meta, self.cache.layers)
+        b, t, d = self.ops.shape(hidden)
+        last = self.ops.index_select(self.ops.reshape(hidden, (b * t, d)), last_index, 0)     # [B, d]
+        logits = lm_head(self.ops, self.params, self.cfg, last)
+        return hidden, self.ops.argmax(logits, -1), logits
 
     # --- requests --------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
@@ -90,10 +111,26 @@ class TargetEngine:
             lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
             t = lambda a: self.ops.from_numpy(a, "int64")  # noqa: E731
             with self.ops.no_grad():
-                hidden, logits = self._step(t(lay.tokens), t(lay.write_slots), t(lay.positions), t(lay.read_slots),
-                                            attend_len=attend_span(lay.positions, self.cache.max_len))
-            hidden_np = self.ops.to_numpy(hidden)                        # [B, T, d]
-            logits_np = self.ops.to_numpy(logits)                        # [B, T, V]
+                hidden, best, logits = self._prefill_step(
+                    t(lay.tokens), t(lay.write_slots), t(lay.positions), t(lay.read_slots), t(lay.last_index),
+                    attend_len=attend_span(lay.positions, self.cache.max_len))
+            rngs = [request_rng(r.params.seed, 0) for r in reqs]
+            sampled = [i for i, r in enumerate(reqs) if r.resume_token is None and not r.params.greedy]
+            extra, logits_np = [], None
+            if sampled and self.ops.sampler is not None:
+                rows = self.ops.from_numpy(np.asarray(sampled, dtype=np.int64), "int64")
+                ps = [reqs[i].params for i in sampled]
+                extra = [self.ops.sampler.sample(
+                    self.ops.index_select(logits, rows, 0), [p.temperature for p in ps], [p.top_k for p in ps],
+                    [p.top_p for p in ps], [rngs[i].random() for i in sampled])]
+            elif sampled:
+                extra = [logits]
+            # One synchronisation: hidden (bf16 as bits), argmax, and the sampled tokens or logits.
+            hidden_np, best_np, *rest = self.ops.to_numpy_many([hidden, best, *extra], bf16_bits=True)
+            if sampled and self.ops.sampler is not None:
+                drawn = dict(zip(sampled, (int(x) for x in rest[0])))
+            elif sampled:
+                logits_np = rest[0]                                      # [B, V]
         except Exception:
             for r in reqs:
                 self.cache.free(r.request_id)
@@ -102,11 +139,15 @@ class TargetEngine:
         for i, (r, s) in enumerate(zip(reqs, states)):
             n = len(r.prompt)
             s.length = n
-            rng = request_rng(r.params.seed, 0)
+            rng = rngs[i]
             if r.resume_token is not None:
                 first = int(r.resume_token)
+            elif r.params.greedy:
+                first = int(best_np[i])
+            elif logits_np is not None:
+                first = self._sample(logits_np[i], r.params, rng)
             else:
-                first = self._sample(logits_np[i, n - 1], r.params, rng)
+                first = drawn[i]
             self.requests[r.request_id] = _TargetRequest(r.params, rng, first)
             out.append(PrefillResult(r.request_id, first, hidden_np[i, :n].copy()))
         return out
@@ -129,20 +170,35 @@ class TargetEngine:
             tokens = np.concatenate([[self.requests[r.request_id].last_token], np.asarray(r.drafts, dtype=np.int64)])
             rows.append(Row(state.slot, state.length, tokens))
         lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
-        (hidden, logits), _ = self.registry.run(self._verify_kind, {
+        (hidden, best, logits), _ = self.registry.run(self._verify_kind, {
             "tokens": lay.tokens, "write_slots": lay.write_slots,
             "positions": lay.positions, "read_slots": lay.read_slots})
-        hidden_np = self.ops.to_numpy(hidden)                              # [B, k+1, d]
-        logits_np = self.ops.to_numpy(logits)                              # [B, k+1, V]
+        states = [self.requests[r.request_id] for r in reqs]
+        sampled = [i for i, st in enumerate(states) if not st.params.greedy]
+        extra, device_acc, logits_np = [], None, None
+        if sampled and self.ops.sampler is not None:
+            extra = list(self._verify_on_device(reqs, states, sampled, logits))
+        elif sampled:
+            extra = [logits]
+        # NOTE: one synchronisation per verify, after everything is enqueued:
+        # hidden [B, k+1, d] (bf16 as bits), argmax [B, k+1], and the sampled
+        # rows' (a, token) from the device sampler or their logits for numpy.
+        hidden_np, best_np, *rest = self.ops.to_numpy_many([hidden, best, *extra], bf16_bits=True)
+        if sampled and self.ops.sampler is not None:
+            device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
+        elif sampled:
+            logits_np = rest[0]                                            # [B, k+1, V]
         out = []
-        for i, r in enumerate(reqs):
-            req = self.requests[r.request_id]
+        for i, (r, req) in enumerate(zip(reqs, states)):
             k = len(r.drafts)
-            rows_logits = logits_np[i, : k + 1]                            # [k+1, V]
             if req.params.greedy:
-                acc = acceptance.accept_greedy(list(r.drafts), rows_logits)
+                acc = acceptance.accept_greedy_ids(list(r.drafts), best_np[i, : k + 1])
+            elif device_acc is not None:
+                a, tok = device_acc[i]
+                acc = acceptance.Acceptance(a, tuple(int(d) for d in r.drafts[:a]) + (tok,))
             else:
-                p = sampling.process_logits(rows_logits, req.params.temperature, req.params.top_k, req.params.top_p)
+                p = sampling.process_logits(logits_np[i, : k + 1], req.params.temperature, req.params.top_k,
+                                            req.params.top_p)
                 acc = acceptance.accept_rejection(list(r.drafts), r.draft_probs, p, req.rng)
             a = acc.num_accepted
             state = self.cache.get(r.request_id)
@@ -152,6 +208,24 @@ class TargetEngine:
             req.last_token = acc.tokens[-1]
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens), hidden_np[i, : a + 1].copy()))
         return out
+
+    def _verify_on_device(self, reqs, states, sampled: list[int], logits):
+        """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.
+        Each row draws k_max+1 uniforms from its request's RNG (see torch_sampling)."""
+        width = self.max_k + 1
+        kmax = max(len(reqs[i].drafts) for i in sampled)
+        drafts = np.zeros((len(sampled), kmax), dtype=np.int64)
+        for row, i in enumerate(sampled):
+            drafts[row, : len(reqs[i].drafts)] = reqs[i].drafts
+        ps = [states[i].params for i in sampled]
+        u = np.stack([states[i].rng.random(kmax + 1) for i in sampled])               # [S, kmax+1]
+        rows = self.ops.from_numpy(np.asarray(sampled, dtype=np.int64), "int64")
+        sel = self.ops.index_select(logits, rows, 0)                                     # [S, k+1, V]
+        if kmax + 1 < width:
+            sel = sel[:, : kmax + 1]
+        return self.ops.sampler.verify(sel, drafts, np.asarray([len(reqs[i].drafts) for i in sampled]),
+                                       [reqs[i].draft_probs for i in sampled], [p.temperature for p in ps],
+                                       [p.top_k for p in ps], [p.top_p for p in ps], u)
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)

@@ -5,6 +5,13 @@ arrays for tokens, hidden states and draft distributions). The gRPC layer
 converts these to and from protobuf; the in-process engine passes them as is.
 
 Must not know: frameworks, gRPC, models.
+
+Hidden rows (``PrefillResult.hidden``, ``VerifyResult.hidden``, and what the
+draft is fed in ``DraftPrefillRequest.hidden`` / ``ProposeRequest.hidden``)
+are float32, or — when the target computes in bf16 — uint16 arrays holding
+the bf16 bit patterns (exact, half the bytes; the wire layer sends a uint16
+array as ``bfloat16``). ``DraftEngine`` accepts both; ``hidden_float32``
+widens bits on the host where a float array is needed.
 """
 
 from __future__ import annotations
@@ -14,6 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.config import SamplingParams
+
+
+def hidden_float32(arr: np.ndarray) -> np.ndarray:
+    """Hidden rows as float32: uint16 bf16 bit patterns are widened exactly (bits << 16)."""
+    arr = np.asarray(arr)
+    if arr.dtype == np.uint16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -28,7 +43,7 @@ class PrefillRequest:
 class PrefillResult:
     request_id: str
     first_token: int                   # t_n
-    hidden: np.ndarray                 # float32 [n, d]: h_0..h_{n-1}
+    hidden: np.ndarray                 # float32 (or uint16 bf16 bits) [n, d]: h_0..h_{n-1}
 
 
 @dataclass(frozen=True)
@@ -43,14 +58,14 @@ class VerifyResult:
     request_id: str
     num_accepted: int                  # a
     tokens: tuple[int, ...]            # a accepted drafts + 1 bonus: t_{n+1}..t_{n+a+1}
-    hidden: np.ndarray                 # float32 [a+1, d]: h_n..h_{n+a}
+    hidden: np.ndarray                 # float32 (or uint16 bf16 bits) [a+1, d]: h_n..h_{n+a}
 
 
 @dataclass(frozen=True)
 class DraftPrefillRequest:
     request_id: str
     tokens: np.ndarray                 # int64 [m]: t_1..t_m  (pairs (h_{i-1}, t_i))
-    hidden: np.ndarray                 # float32 [m, d]: h_0..h_{m-1}
+    hidden: np.ndarray                 # float32 or uint16 bf16 bits [m, d]: h_0..h_{m-1}
     params: SamplingParams
 
 
@@ -59,7 +74,7 @@ class ProposeRequest:
     request_id: str
     start_position: int                # draft position of the first new pair (must equal the draft's count)
     tokens: np.ndarray                 # int64 [m], m >= 1: tokens of the new pairs
-    hidden: np.ndarray                 # float32 [m, d]: target hidden states of the new pairs
+    hidden: np.ndarray                 # float32 or uint16 bf16 bits [m, d]: target hidden states of the new pairs
     k: int                             # drafts wanted (>= 1)
 
 

@@ -36,6 +36,7 @@ HELP: dict[str, str] = {
     "runtime.device": "cpu | cuda:N",
     "runtime.dtype": "float32 | float16 | bfloat16",
     "runtime.cpu_threads": "intra-op CPU threads of this process (Torch; Paddle follows OMP_NUM_THREADS)",
+    "runtime.compile": "torch.compile the step functions before CUDA-graph capture (Torch on CUDA only)",
     "spec.max_k": "largest number of drafts per round a request may ask for",
     "spec.default_k": "drafts per round when a request does not say",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",

@@ -20,7 +20,7 @@ def make_ops(cfg: RuntimeConfig) -> Ops:
     if cfg.backend == "torch":
         from runtime.backends.torch_ops import TorchOps
 
-        return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads)
+        return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads, compile_steps=cfg.compile)
     raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
 
 

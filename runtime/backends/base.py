@@ -23,6 +23,9 @@ class Ops(Protocol):
     name: str          # "paddle" | "torch"
     device: str        # "cpu" | "cuda:N"
     dtype: str         # compute dtype of weights/activations: float32 | float16 | bfloat16
+    # Batched sampling/acceptance on the device (see torch_sampling.TorchSampler), or
+    # None: the engines then run the numpy functions of runtime.sampling/acceptance.
+    sampler: Any
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr: np.ndarray, dtype: str | None = None) -> Tensor:
@@ -30,6 +33,9 @@ class Ops(Protocol):
         and casts float arrays to the compute dtype."""
     def to_numpy(self, x: Tensor) -> np.ndarray:
         """Copy to host; floating tensors come back as float32."""
+    def to_numpy_many(self, xs: list[Tensor], bf16_bits: bool = False) -> list[np.ndarray]:
+        """Several tensors to the host with one synchronisation. Floating tensors come back
+        as float32, or (bf16 tensors, ``bf16_bits``) as uint16 bf16 bit patterns."""
     def zeros(self, shape: tuple[int, ...], dtype: str | None = None) -> Tensor: ...
     def arange(self, n: int) -> Tensor:
         """int64 [n] = 0..n-1"""
@@ -38,6 +44,8 @@ class Ops(Protocol):
     def copy_from_numpy(self, dst: Tensor, arr: np.ndarray) -> None:
         """Host array straight into an existing device tensor (one copy, address kept)."""
     def data_ptr(self, x: Tensor) -> int: ...
+    def compile_step(self, fn: Any) -> Any:
+        """A step function, compiled when the runtime asked for it (Torch on CUDA), else as is."""
     def cast(self, x: Tensor, dtype: str) -> Tensor: ...
     def dtype_name(self, x: Tensor) -> str: ...
     def shape(self, x: Tensor) -> tuple[int, ...]: ...
@@ -56,6 +64,9 @@ class Ops(Protocol):
     def index_select(self, x: Tensor, index: Tensor, axis: int) -> Tensor: ...
     def scatter_rows_(self, dst: Tensor, index: Tensor, src: Tensor) -> None:
         """dst[index[i]] = src[i] along axis 0, in place. index int64 [N]."""
+    def gather_context(self, cache: Tensor, slots: Tensor, span: int, max_len: int) -> Tensor:
+        """cache [(S+1)*max_len, KVH, D] (slot s owns rows s*max_len ...), slots int64 [B]
+        -> [B, span, KVH, D]: the first ``span`` rows of each slot (its real context)."""
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """q [B, T, H, D], k/v [B, L, KVH, D] (H % KVH == 0), mask bool [B, T, L]
         (True = may attend) -> [B, T, H, D]. Softmax in float32."""

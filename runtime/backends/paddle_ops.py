@@ -58,6 +58,7 @@ class PaddleOps:
             paddle.device.set_device("cpu")
         self.device = device
         self.dtype = dtype
+        self.sampler = None  # no device sampler: the engines use the numpy path (runtime.sampling)
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):
@@ -78,6 +79,10 @@ class PaddleOps:
             x = x.astype(paddle.float32)
         return x.numpy()
 
+    def to_numpy_many(self, xs, bf16_bits=False):
+        # bf16 comes back widened to float32 (bf16 -> float32 is exact); no bit-pattern path here.
+        return [self.to_numpy(x) for x in xs]
+
     def zeros(self, shape, dtype=None):
         return paddle.zeros(list(shape), dtype=_DTYPES[dtype or self.dtype])
 
@@ -92,6 +97,9 @@ class PaddleOps:
             self.copy_(dst, paddle.to_tensor(np.ascontiguousarray(arr), place=self._place))
             return
         paddle.assign(np.ascontiguousarray(arr).astype(_NP[self.dtype_name(dst)]), output=dst)
+
+    def compile_step(self, fn):
+        return fn  # no compiler here: the plain ops run as they are
 
     def data_ptr(self, x):
         return int(x.data_ptr())
@@ -134,6 +142,13 @@ class PaddleOps:
 
     def scatter_rows_(self, dst, index, src):
         paddle.scatter_(dst, index, src.astype(dst.dtype), overwrite=True)
+
+    def gather_context(self, cache, slots, span, max_len):
+        # Plain ops: flat row index slot * max_len + j for j < span, one index_select.
+        b = slots.shape[0]
+        idx = paddle.reshape(paddle.reshape(slots, [b, 1]) * max_len + paddle.reshape(paddle.arange(span, dtype="int64"), [1, span]), [b * span])
+        out = paddle.index_select(cache, idx, axis=0)
+        return paddle.reshape(out, [b, span, *cache.shape[1:]])
 
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape

@@ -1,26 +1,57 @@
 """Torch implementation of the ops layer (see ``base.py`` for semantics).
 
-Owns: every ``torch`` call the model family makes. Must not know models,
-requests or gRPC.
+Owns: every ``torch`` call the model family makes, the pinned host staging
+ring for host->device step inputs and the pinned read-back of step outputs
+(one stream sync for several tensors), and the device sampler
+(``torch_sampling.py``). Must not know models, requests or gRPC.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.backends.torch_sampling import TorchSampler
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_STAGE_SLOTS = 8            # pinned staging buffers in the ring (uploads in flight at once)
+_STAGE_BYTES = 1 << 20      # larger uploads (weights) take the plain synchronous path
+
+
+class _StageRing:
+    """Pinned host buffers for asynchronous host->device copies of small step inputs.
+
+    NOTE: a buffer is reused only after the event recorded behind its last copy
+    has completed: the host runs ahead of the GPU (a propose issues k substeps
+    before its one sync), and overwriting a buffer whose copy has not run yet
+    would feed a later step's inputs to an earlier one.
+    """
+
+    def __init__(self) -> None:
+        self.bufs = [torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(_STAGE_SLOTS)]
+        self.events = [torch.cuda.Event() for _ in range(_STAGE_SLOTS)]   # re-recorded, never re-created
+        self.used = [False] * _STAGE_SLOTS
+        self.next = 0
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        i = self.next
+        self.next = (i + 1) % _STAGE_SLOTS
+        if self.used[i]:
+            self.events[i].synchronize()
+        stage = self.bufs[i][: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+        stage.copy_(src)
+        dst.copy_(stage, non_blocking=True)
+        self.events[i].record()
+        self.used[i] = True
 
 
 class TorchOps:
     name = "torch"
 
-    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None) -> None:
+    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None, compile_steps: bool = False) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"runtime.device={device!r} but torch sees no CUDA device")
         if cpu_threads is not None:
@@ -29,6 +60,10 @@ class TorchOps:
         self.dtype = dtype
         self._dev = torch.device(device)
         self._dt = _DTYPES[dtype]
+        self._ring: _StageRing | None = None
+        self._compile = compile_steps and self._dev.type == "cuda"
+        # Batched sampling / acceptance on the device (numpy runtime.sampling is its oracle).
+        self.sampler = TorchSampler(self._dev)
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):
@@ -57,10 +92,52 @@ class TorchOps:
         dst.copy_(src)
 
     def copy_from_numpy(self, dst, arr):
+        arr = np.ascontiguousarray(arr)
         if arr.dtype == np.uint16:
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16))
+            src = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            src = torch.from_numpy(arr)
+        if self._dev.type == "cuda" and src.dtype == dst.dtype and arr.nbytes <= _STAGE_BYTES:
+            if self._ring is None:
+                self._ring = _StageRing()
+            self._ring.upload(dst, src)
             return
-        dst.copy_(torch.from_numpy(np.ascontiguousarray(arr)).to(dst.dtype), non_blocking=False)
+        dst.copy_(src.to(dst.dtype), non_blocking=False)
+
+    def to_numpy_many(self, xs, bf16_bits=False):
+        """Several tensors to the host with one stream sync (pinned, non-blocking copies).
+
+        Floating tensors come back as float32, except bf16 ones with ``bf16_bits``:
+        those come back as their uint16 bit patterns (half the bytes, exact)."""
+        staged = []
+        for x in xs:
+            x = x.detach()
+            bits = bf16_bits and x.dtype == torch.bfloat16
+            if bits:
+                x = x.view(torch.int16)
+            elif x.is_floating_point() and x.dtype != torch.float32:
+                x = x.float()
+            if self._dev.type == "cuda":
+                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                host.copy_(x, non_blocking=True)
+                x = host
+            staged.append((x, bits))
+        if self._dev.type == "cuda":
+            torch.cuda.current_stream(self._dev).synchronize()
+        return [x.numpy().view(np.uint16) if bits else x.numpy() for x, bits in staged]
+
+    def compile_step(self, fn):
+        """``fn`` through torch.compile when the worker asked for it (CUDA only), else ``fn``.
+
+        dynamic=True: one compile serves every batch bucket and context span (the
+        registry captures each shape into its own CUDA graph afterwards); batch 1
+        is specialised once more by the compiler."""
+        if not self._compile:
+            return fn
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return torch.compile(fn, dynamic=True)
 
     def data_ptr(self, x):
         return int(x.data_ptr())
@@ -104,19 +181,22 @@ class TorchOps:
     def scatter_rows_(self, dst, index, src):
         dst.index_copy_(0, index, src.to(dst.dtype))
 
+    def gather_context(self, cache, slots, span, max_len):
+        # [(S+1)*L, KVH, D] viewed as [S+1, L, KVH, D]: a slot's prefix is contiguous,
+        # so only span rows per batch row are read (not max_len).
+        rows = cache.shape[0] // max_len
+        return cache.view(rows, max_len, *cache.shape[1:])[:, :span].index_select(0, slots)
+
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape
-        kvh = k.shape[2]
+        kvh, la = k.shape[2], k.shape[1]
         g = h // kvh
-        # [B, KVH, G*T, D] x [B, KVH, D, L]: every query head of a group shares one K/V head.
+        # Grouped queries as rows of one head: q [B, KVH, G*T, D] against k/v [B, KVH, L, D],
+        # so no K/V head is repeated; the mask row of query (g, t) is mask[:, t].
         qg = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-        kt = k.permute(0, 2, 3, 1)                                   # [B, KVH, D, L]
-        scores = torch.matmul(qg.float(), kt.float()) / math.sqrt(d)  # [B, KVH, G*T, L]
-        m = mask[:, None, None, :, :].expand(b, kvh, g, t, mask.shape[-1]).reshape(b, kvh, g * t, -1)
-        scores = scores.masked_fill(~m, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.permute(0, 2, 1, 3).float())    # [B, KVH, G*T, D]
-        return out.reshape(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d).to(q.dtype)
+        m = mask[:, None, None, :, :].expand(b, 1, g, t, la).reshape(b, 1, g * t, la)
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+        return out.reshape(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def less_equal(self, a, b):
         return a <= b

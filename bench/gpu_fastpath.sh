@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fast-path proofs and measurements in one device call (nvidia-h200: one H200).
+#
+#   bash bench/gpu_fastpath.sh OUT_DIR [attention|peer]
+#
+# GPU tests of the fast path and the graph registry, `bench graphs` (context
+# buckets, host time, weight floor), `bench profile` (one round at batch 1);
+# with "attention": the fast-path GPU tests and `bench attention --compile`;
+# with "peer": `bench peer` instead. Wheels from .whl/ as in gpu_all.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-.out/gpu}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+date -u | tee "$out/env.txt"
+if [ "${2:-}" = "attention" ]; then
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"
+  timeout 300 python3 -m specsplit bench attention --device cuda:0 --compile 2>&1 | grep -v -E "USDT|Warning|_warn_once" | tee "$out/bench_attention.txt"
+  exit 0
+fi
+if [ "${2:-}" = "peer" ]; then
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"
+  timeout 330 python3 -m specsplit bench peer --device cuda:0 --prompts 8 --max-tokens 128 2>&1 | grep -v -E "USDT|Warning|warn" | tee "$out/bench_peer.txt"
+  timeout 100 python3 -m specsplit bench graphs --device cuda:0 2>&1 | grep -v USDT | tee "$out/bench_graphs.txt"
+  exit 0
+fi
+timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py tests/gpu/test_graphs_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"
+timeout 200 python3 -m specsplit bench graphs --device cuda:0 2>&1 | grep -v USDT | tee "$out/bench_graphs.txt"
+timeout 120 python3 -m specsplit bench profile --device cuda:0 2>&1 | grep -v -E "USDT|Warning|_warn_once" | tee "$out/profile_after.txt"
