@@ -175,15 +175,19 @@ class SpecsplitClient:
     def build_request(prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                       top_p: float = 1.0, seed: int | None = None, k: int | None = None,
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, draft_sampling: bool = False,
-                      request_id: str = "") -> opb.GenerateRequest:
+                      request_id: str = "", stop: Sequence[str] = ()) -> opb.GenerateRequest:
+        """``prompt``: text, token ids, or chat messages ``[{"role": ..., "content": ...}]``
+        (rendered with the model's chat template by the server)."""
         sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k,
                                              top_p=0.0 if top_p == 1.0 else top_p, draft_sampling=draft_sampling)
         if seed is not None:
             sampling.seed = seed
         req = opb.GenerateRequest(request_id=request_id, max_tokens=max_tokens, sampling=sampling,
-                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=list(stop))
         if isinstance(prompt, str):
             req.prompt = prompt
+        elif prompt and isinstance(prompt[0], Mapping):
+            req.messages.extend(opb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
         else:
             req.prompt_token_ids.extend(int(t) for t in prompt)
         if k is not None:
@@ -194,7 +198,7 @@ class SpecsplitClient:
                  **kw: Any) -> Iterator[GenerateEvent]:
         """Stream a generation: chunk events, then one final event. Leaving the loop early
         (or closing the iterator) cancels the call, which frees its slots on the workers.
-        Keywords: temperature, top_k, top_p, seed, k, stop_token_ids, ignore_eos,
+        Keywords: temperature, top_k, top_p, seed, k, stop_token_ids, stop (strings), ignore_eos,
         draft_sampling, request_id."""
         return self.stream(self.build_request(prompt, max_tokens, **kw), timeout=timeout)
 

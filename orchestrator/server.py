@@ -42,7 +42,7 @@ from orchestrator.worker_clients import DraftClient, TargetClient
 from runtime.config import OrchestratorConfig
 from runtime.observability import start_metrics_server
 from runtime.round_driver import SeqStats
-from runtime.tokenizer import ByteTokenizer, IncrementalDecoder
+from runtime.tokenizer import StopStrings, Tokenizer, load_tokenizer
 from specsplit import wire
 from specsplit.admin_token import token_for_worker
 from specsplit.serving import build_server
@@ -54,6 +54,7 @@ SERVICE_NAME = "specsplit.v1.Orchestrator"
 POLL_S = 1.0                       # worker status poll period (health, model facts)
 EVENT_POLL_S = 0.25                # how often a waiting Generate handler checks its client is still there
 MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 _SERVING_STATES = (common_pb2.LIFECYCLE_STATE_LOADED, common_pb2.LIFECYCLE_STATE_READY)
 _FINISH = {"stop": opb.FINISH_REASON_STOP, "length": opb.FINISH_REASON_LENGTH, "aborted": opb.FINISH_REASON_ABORTED}
 _MODES = {opb.RELOAD_MODE_RECAPTURE: RECAPTURE, opb.RELOAD_MODE_IN_PLACE: IN_PLACE}
@@ -71,6 +72,8 @@ class ModelFacts:
     weights_version: str
     slots: int                     # smallest slot count of the workers
     draft_max_k: int | None        # None: no draft reachable
+    max_position_embeddings: int = 0  # longest prompt the model takes (0: unknown)
+    eos_token_ids: tuple[int, ...] = ()
 
 
 class Orchestrator:
@@ -173,7 +176,8 @@ class Orchestrator:
             if draft_ok:
                 max_len, slots = min(max_len, d.max_len), min(slots, d.free_slots + d.used_slots)
             self.facts = ModelFacts(t.vocab_size, max_len, t.eos_token_id if t.HasField("eos_token_id") else None,
-                                    t.weights_version, slots, d.max_k if draft_ok else None)
+                                    t.weights_version, slots, d.max_k if draft_ok else None,
+                                    t.max_position_embeddings, tuple(t.eos_token_ids))
             try:
                 self.rounds = self.scheduler.status(timeout=min(self.cfg.worker_timeout_s, 5.0))
             except RequestError as exc:
@@ -262,19 +266,32 @@ def _bad(message: str) -> RequestError:
 
 
 def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFacts, has_draft: bool,
-             tokenizer: ByteTokenizer) -> GenerationRequest:
+             tokenizer: Tokenizer) -> GenerationRequest:
     """GenerateRequest -> GenerationRequest, or RequestError naming the bad field."""
     rid = req.request_id or uuid.uuid4().hex
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise _bad(f"request_id: {len(rid)} characters, at most {MAX_REQUEST_ID_CHARS} allowed")
-    if req.prompt and req.prompt_token_ids:
-        raise _bad("prompt/prompt_token_ids: set exactly one of them, not both")
-    if not req.prompt and not req.prompt_token_ids:
-        raise _bad("prompt: empty prompt (set prompt or prompt_token_ids)")
-    field = "prompt" if req.prompt else "prompt_token_ids"
-    prompt = tuple(tokenizer.encode(req.prompt)) if req.prompt else tuple(int(t) for t in req.prompt_token_ids)
+    given = [name for name, v in (("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids),
+                                  ("messages", req.messages)) if v]
+    if len(given) > 1:
+        raise _bad(f"{'/'.join(given)}: set exactly one of prompt, prompt_token_ids, messages")
+    if not given:
+        raise _bad("prompt: empty prompt (set prompt, prompt_token_ids or messages)")
+    field = given[0]
+    if field == "messages":
+        try:
+            prompt = tuple(tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.messages]))
+        except ValueError as exc:
+            raise _bad(f"messages: {exc}") from None
+    else:
+        prompt = tuple(tokenizer.encode(req.prompt)) if req.prompt else tuple(int(t) for t in req.prompt_token_ids)
     if len(prompt) > cfg.max_prompt_tokens:
         raise _bad(f"{field}: {len(prompt)} tokens exceed max_prompt_tokens={cfg.max_prompt_tokens}")
+    if facts.max_position_embeddings and len(prompt) > facts.max_position_embeddings:
+        raise _bad(f"{field}: a prompt of {len(prompt)} tokens exceeds the model's max_position_embeddings="
+                   f"{facts.max_position_embeddings}")
+    if len(req.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in req.stop):
+        raise _bad(f"stop: at most {MAX_STOP_STRINGS} strings of 1..{MAX_STOP_CHARS} characters")
     for i, t in enumerate(prompt):
         if not 0 <= t < facts.vocab_size:
             raise _bad(f"{field}[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
@@ -289,8 +306,11 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
             raise _bad(f"stop_token_ids[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
     try:
         base = wire.params_from_proto(req.sampling, "sampling")
-        params = dataclasses.replace(base, max_tokens=req.max_tokens, stop_token_ids=tuple(req.stop_token_ids),
-                                     ignore_eos=req.ignore_eos)
+        # NOTE: a model with several EOS ids (config.json list): the scheduler stops on
+        # the first; the others stop the request as stop tokens unless ignore_eos.
+        extra_eos = () if req.ignore_eos else tuple(facts.eos_token_ids[1:])
+        params = dataclasses.replace(base, max_tokens=req.max_tokens,
+                                     stop_token_ids=tuple(req.stop_token_ids) + extra_eos, ignore_eos=req.ignore_eos)
     except ValueError as exc:
         raise _bad(str(exc)) from None
     k_eff = k if has_draft else 0
@@ -313,7 +333,7 @@ def _stats_proto(s: SeqStats) -> opb.SpecStats:
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, core: Orchestrator) -> None:
         self.core = core
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(core.cfg.tokenizer)
         self._active_ids: set[str] = set()
         self._ids_lock = threading.Lock()
 
@@ -355,12 +375,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 self._reject(context, _bad(f"request_id: {greq.request_id!r} is already active"), rlog)
             self._active_ids.add(greq.request_id)
         try:
-            yield from self._stream(greq, context, rlog)
+            yield from self._stream(greq, context, rlog, tuple(request.stop))
         finally:
             with self._ids_lock:
                 self._active_ids.discard(greq.request_id)
 
-    def _stream(self, greq: GenerationRequest, context: grpc.ServicerContext, rlog: Any):
+    def _stream(self, greq: GenerationRequest, context: grpc.ServicerContext, rlog: Any, stops: tuple[str, ...]):
         try:
             handle = self.core.scheduler.submit(greq)
         except QueueFull as exc:
@@ -371,9 +391,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # and the scheduler frees the slots at its next round boundary.
         if not context.add_callback(handle.cancel):
             handle.cancel()
-        decoder = IncrementalDecoder()
+        decoder = self.tokenizer.stream()
+        stop = StopStrings(stops)
         texts: list[str] = []
         version = ""
+        n_out = 0
         while True:
             ev = handle.next_event(EVENT_POLL_S)
             if ev is None:
@@ -382,19 +404,26 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     return
                 continue
             if isinstance(ev, TokensEvent):
-                text = decoder.push(list(ev.tokens))
+                if stop.stopped:
+                    continue                               # rounds finished after the stop string
+                text = stop.push(decoder.push(list(ev.tokens)))
                 texts.append(text)
+                n_out += len(ev.tokens)
                 version = ev.weights_version
                 yield opb.GenerateResponse(chunk=opb.TokenChunk(
                     token_ids=ev.tokens, text=text, num_accepted=ev.num_accepted, num_drafted=ev.num_drafted,
                     round=ev.round, weights_version=ev.weights_version))
+                if stop.stopped:
+                    handle.cancel()                        # the final event comes as "cancelled"
             elif isinstance(ev, ErrorEvent):
                 rlog.warning("generate_failed", code=ev.code, error=ev.message, streamed=len(ev.output))
                 context.abort(grpc.StatusCode[ev.code], ev.message)
             elif isinstance(ev, FinalEvent):
-                if ev.finish_reason not in _FINISH:       # cancelled: the client is gone
+                if stop.stopped:                           # we cancelled it at a stop string
+                    ev = dataclasses.replace(ev, finish_reason="stop", output=ev.output[:n_out])
+                elif ev.finish_reason not in _FINISH:     # cancelled: the client is gone
                     return
-                tail = decoder.flush()
+                tail = stop.push(decoder.flush()) + stop.flush()
                 if tail:                                   # output ended inside a UTF-8 character
                     texts.append(tail)
                     yield opb.GenerateResponse(chunk=opb.TokenChunk(text=tail, weights_version=version))

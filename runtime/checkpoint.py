@@ -10,7 +10,10 @@ Must not know: frameworks (arrays here are numpy), requests, gRPC.
 
 The safetensors format is an 8-byte little-endian header length, a JSON
 header ``{name: {dtype, shape, data_offsets}}`` and the raw bytes; it is read
-directly here so bf16 works without a framework (numpy has no bfloat16).
+directly here so bf16 works without a framework. bf16 travels to the device
+as raw uint16 bit patterns (the backends reinterpret them); where numpy must
+hold bf16 values, ``ml_dtypes`` converts (``float32_to_bf16_bits`` /
+``bf16_bits_to_float32``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from runtime.config import ModelConfig
@@ -118,24 +122,30 @@ def validate(infos: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]],
     if not allow_extra:
         extra = sorted(set(infos) - set(expected))
         if extra:
-            raise CheckpointError(f"{what}: unexpected tensor {extra[0]!r}")
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"{what}: unexpected tensor {extra[0]!r}{more}: the model's config does not "
+                                  "describe it (check attention_bias / mlp_bias / model_type)")
 
 
 def read_tensor(info: TensorInfo, bf16_bits: bool = False) -> np.ndarray:
     """Read one tensor as float32 (bf16/f16 widened on the host), or, with
     ``bf16_bits``, a bf16 tensor as its raw uint16 bit patterns (no decode:
-    the device reinterprets them, which halves host work for bf16 models)."""
+    the device reinterprets them, which halves host work for bf16 models).
+
+    The bytes land once, in a writable buffer the returned array owns (no
+    second host copy; a CPU tensor may share it and be updated in place)."""
+    buf = bytearray(info.end - info.start)
     with open(info.file, "rb") as f:
         f.seek(info.start)
-        buf = f.read(info.end - info.start)
-    if len(buf) != info.end - info.start:
+        n = f.readinto(buf)
+    if n != len(buf):
         raise CheckpointError(f"{info.file}: tensor data truncated")
     arr = np.frombuffer(buf, dtype=_ST_DTYPES[info.dtype]).reshape(info.shape)
     if info.dtype == "BF16" and bf16_bits:
         return arr
     if info.dtype == "BF16":
-        return (arr.astype(np.uint32) << 16).view(np.float32)
-    return arr.astype(np.float32) if info.dtype == "F16" else arr.copy()
+        return bf16_bits_to_float32(arr)
+    return arr.astype(np.float32) if info.dtype == "F16" else arr
 
 
 def load_tensors(infos: dict[str, TensorInfo], names: list[str] | None = None,
@@ -143,11 +153,14 @@ def load_tensors(infos: dict[str, TensorInfo], names: list[str] | None = None,
     return {n: read_tensor(infos[n], bf16_bits) for n in (names if names is not None else list(infos))}
 
 
-def _to_bf16_bits(arr: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns with round-to-nearest-even."""
-    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-    rounding = ((bits >> 16) & 1) + 0x7FFF
-    return ((bits + rounding) >> 16).astype(np.uint16)
+def float32_to_bf16_bits(arr: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even (ml_dtypes)."""
+    return np.ascontiguousarray(arr, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
+    return np.ascontiguousarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
@@ -156,7 +169,7 @@ def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: st
     header, blobs, offset = {}, [], 0
     for name in sorted(tensors):
         arr = np.asarray(tensors[name], dtype=np.float32)
-        data = (_to_bf16_bits(arr) if dtype == "bfloat16" else arr.astype(np.float16 if dtype == "float16" else np.float32)).tobytes()
+        data = (float32_to_bf16_bits(arr) if dtype == "bfloat16" else arr.astype(np.float16 if dtype == "float16" else np.float32)).tobytes()
         header[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)

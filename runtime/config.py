@@ -31,9 +31,62 @@ def _check(cond: bool, name: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
 
 
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE variant, with the parameters transformers reads for it.
+
+    linear / dynamic: ``factor``; llama3: ``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``; yarn:
+    ``factor`` (None: max_position_embeddings / original), ``attention_factor``,
+    ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``,
+    ``original_max_position_embeddings``, ``truncate``. The frequencies are
+    computed in ``runtime/rope.py``.
+    """
+
+    rope_type: str
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        t = self.rope_type
+        _check(t in ROPE_TYPES, "model.rope_scaling.rope_type", f"one of {ROPE_TYPES} (or default)", t)
+        if t != "yarn" or self.factor is not None:
+            _check(isinstance(self.factor, (int, float)) and self.factor >= 1.0, "model.rope_scaling.factor",
+                   f"a number >= 1 for rope_type {t!r}", self.factor)
+        if t in ("llama3", "yarn"):
+            o = self.original_max_position_embeddings
+            _check(isinstance(o, int) and o >= 1, "model.rope_scaling.original_max_position_embeddings",
+                   "an integer >= 1", o)
+        if t == "llama3":
+            for name in ("low_freq_factor", "high_freq_factor"):
+                v = getattr(self, name)
+                _check(isinstance(v, (int, float)) and v > 0, f"model.rope_scaling.{name}", "a number > 0", v)
+            _check(self.high_freq_factor > self.low_freq_factor, "model.rope_scaling.high_freq_factor",
+                   f"> low_freq_factor={self.low_freq_factor}", self.high_freq_factor)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-architecture target (and the MTP layer that shares its sizes)."""
+    """Llama-family target (and the MTP layer that shares its sizes).
+
+    ``model_type`` picks the per-architecture details of the one model
+    definition: qwen2 has q/k/v biases; qwen3 normalises q and k per head
+    (RMSNorm over head_dim) before RoPE; llama may have ``attention_bias``
+    (q/k/v/o) and ``mlp_bias``; mistral is llama without biases (no sliding
+    window: refused when reading config.json).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -47,60 +100,64 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None      # the first of eos_token_ids (what single-EOS callers use)
+    model_type: str = "llama"
+    head_dim: int = 0                    # 0: hidden_size // num_attention_heads
+    attention_bias: bool = False         # llama / qwen3: biases on q, k, v and o
+    mlp_bias: bool = False               # llama: biases on gate, up and down
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id (config.json may hold a list); () with eos_token_id set: (it,)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 1, f"model.{name}", "an integer >= 1", v)
-        _check(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
-               f"divisible by num_attention_heads={self.num_attention_heads}", self.hidden_size)
+        _check(self.model_type in MODEL_TYPES, "model.model_type", f"one of {MODEL_TYPES}", self.model_type)
+        _check(isinstance(self.head_dim, int) and self.head_dim >= 0, "model.head_dim",
+               "an integer >= 1 (0 = hidden_size // num_attention_heads)", self.head_dim)
+        if self.head_dim == 0:
+            _check(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                   f"divisible by num_attention_heads={self.num_attention_heads}", self.hidden_size)
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
                f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
         _check(self.head_dim % 2 == 0, "model.head_dim", "even (RoPE rotates pairs)", self.head_dim)
         _check(0 < self.rms_norm_eps < 1, "model.rms_norm_eps", "in (0, 1)", self.rms_norm_eps)
         _check(self.rope_theta > 0, "model.rope_theta", "> 0", self.rope_theta)
         _check(self.torch_dtype in DTYPES, "model.torch_dtype", f"one of {DTYPES}", self.torch_dtype)
-        for name in ("bos_token_id", "eos_token_id"):
-            v = getattr(self, name)
-            _check(v is None or 0 <= v < self.vocab_size, f"model.{name}",
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "model.rope_scaling",
+               "None or a RopeScaling", self.rope_scaling)
+        if not self.eos_token_ids and self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id,))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        _check(self.eos_token_id is None or (self.eos_token_ids and self.eos_token_ids[0] == self.eos_token_id),
+               "model.eos_token_id", f"the first of eos_token_ids={self.eos_token_ids}", self.eos_token_id)
+        if self.eos_token_id is None and self.eos_token_ids:
+            object.__setattr__(self, "eos_token_id", self.eos_token_ids[0])
+        for name, v in [("bos_token_id", self.bos_token_id)] + [("eos_token_ids", e) for e in self.eos_token_ids]:
+            _check(v is None or (isinstance(v, int) and 0 <= v < self.vocab_size), f"model.{name}",
                    f"None or in [0, {self.vocab_size})", v)
 
+    # --- per-architecture details of the one model definition ------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Read the keys specsplit uses from a Hugging Face Llama ``config.json``."""
-        arch = raw.get("model_type", "llama")
-        _check(arch == "llama", "model.model_type", "'llama'", arch)
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        for name in required:
-            if name not in raw:
-                raise ConfigError(f"config.json is missing required key {name!r}")
-        scaling = raw.get("rope_scaling")
-        _check(scaling is None, "model.rope_scaling", "absent (RoPE scaling is not supported)", scaling)
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            torch_dtype=raw.get("torch_dtype", "float32") or "float32",
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos,
-        )
+        """Read a Hugging Face ``config.json`` (see ``runtime/hf_config.py``): every key that
+        changes the math is read, or refused with a ``ConfigError`` naming it."""
+        from runtime.hf_config import parse_hf_config
+        return parse_hf_config(cls, raw)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
@@ -108,12 +165,13 @@ class ModelConfig:
             raw = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"cannot read model config {path}: not a JSON object")
         return cls.from_hf_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu")
-        return out
+        from runtime.hf_config import to_hf_dict
+        return to_hf_dict(self)
 
     def compatible_with(self, other: "ModelConfig") -> list[str]:
         """Field names whose values differ (used to refuse incompatible reloads)."""
@@ -315,7 +373,7 @@ class OrchestratorConfig:
     max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
     max_prompt_tokens: int = 4096
     worker_timeout_s: float = 30.0       # deadline of every call to a worker
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"              # "byte" (bundled model) or a model directory with tokenizer.json
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tls_ca: str | None = None            # CA to verify the workers' certificates (TLS to workers)
@@ -359,7 +417,8 @@ class OrchestratorConfig:
         _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)
         _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
         _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)
-        _check(self.tokenizer == "byte", "tokenizer", "'byte'", self.tokenizer)
+        _check(self.tokenizer == "byte" or bool(self.tokenizer.strip()), "tokenizer",
+               "'byte' or a model directory holding tokenizer.json", self.tokenizer)
         _check((self.tls_client_cert is None) == (self.tls_client_key is None), "tls_client_cert/tls_client_key",
                "both set or both unset", (self.tls_client_cert, self.tls_client_key))
         _check(0.0 <= self.shutdown_grace_s <= 3600, "shutdown_grace_s", "in [0, 3600]", self.shutdown_grace_s)

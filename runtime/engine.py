@@ -11,6 +11,7 @@ registry to capture when told to).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,13 +48,13 @@ class SpecEngine:
         target_ck = check_target(cfg.target_path)
         self.model_cfg: ModelConfig = target_ck.cfg
         self.target_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
-        self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck)),
+        self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
                                    cfg.cache, cfg.spec.max_k, self.target_registry)
         self.draft: DraftEngine | None = None
         if use_draft and cfg.spec.max_k > 0:
             draft_ck = check_draft(target_ck, resolve_draft_path(cfg.target_path, cfg.draft_path))
             self.draft_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
-            self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck)),
+            self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck, bf16_bits=True)),
                                      cfg.cache, cfg.spec.max_k, self.draft_registry)
 
     def capture_graphs(self) -> None:
@@ -61,13 +62,21 @@ class SpecEngine:
         if self.draft is not None:
             self.draft_registry.capture_all()
 
+    def _with_all_eos(self, params: SamplingParams) -> SamplingParams:
+        """A model with several EOS ids (config.json list): the ones after the first stop too."""
+        extra = () if params.ignore_eos else tuple(self.model_cfg.eos_token_ids[1:])
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra) if extra else params
+
     def generate(self, requests: list[GenRequest], max_batch: int | None = None) -> list[GenResult]:
         """Run every request to completion; up to ``max_batch`` run at once (default: cache slots)."""
         max_batch = max_batch or self.cfg.cache.max_slots
-        waiting = [Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params,
+        waiting = [Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), self._with_all_eos(r.params),
                             self.cfg.spec.default_k if r.k is None else r.k, self.model_cfg.eos_token_id)
                    for r in requests]
+        limit = self.model_cfg.max_position_embeddings
         for s in waiting:
+            if len(s.prompt) > limit:
+                raise ValueError(f"prompt: {len(s.prompt)} tokens exceed the model's max_position_embeddings={limit}")
             if s.k > self.cfg.spec.max_k:
                 raise ValueError(f"k: {s.k} is out of range [0, {self.cfg.spec.max_k}]")
             if s.k > 0 and self.draft is None:

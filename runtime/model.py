@@ -25,6 +25,7 @@ import numpy as np
 
 from runtime.backends.base import Ops, Tensor
 from runtime.config import ModelConfig
+from runtime.rope import cos_sin_tables
 
 Params = dict[str, Tensor]
 
@@ -44,18 +45,29 @@ SHARED_FROM_TARGET = ("model.embed_tokens.weight", "model.norm.weight", "lm_head
 
 
 def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, hd = cfg.hidden_size, cfg.head_dim
-    return {
+    """One decoder layer's tensors for ``cfg.model_type`` (biases / q-k norms where it has them)."""
+    d, hd, ffn = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out = {
         "input_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, d),
-        "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, d),
-        "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, d),
-        "self_attn.o_proj.weight": (d, cfg.num_attention_heads * hd),
+        "self_attn.q_proj.weight": (qd, d),
+        "self_attn.k_proj.weight": (kvd, d),
+        "self_attn.v_proj.weight": (kvd, d),
+        "self_attn.o_proj.weight": (d, qd),
         "post_attention_layernorm.weight": (d,),
-        "mlp.gate_proj.weight": (cfg.intermediate_size, d),
-        "mlp.up_proj.weight": (cfg.intermediate_size, d),
-        "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        "mlp.gate_proj.weight": (ffn, d),
+        "mlp.up_proj.weight": (ffn, d),
+        "mlp.down_proj.weight": (d, ffn),
     }
+    if cfg.qkv_bias:
+        out.update({"self_attn.q_proj.bias": (qd,), "self_attn.k_proj.bias": (kvd,), "self_attn.v_proj.bias": (kvd,)})
+    if cfg.o_bias:
+        out["self_attn.o_proj.bias"] = (d,)
+    if cfg.qk_norm:
+        out.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if cfg.mlp_bias:
+        out.update({"mlp.gate_proj.bias": (ffn,), "mlp.up_proj.bias": (ffn,), "mlp.down_proj.bias": (d,)})
+    return out
 
 
 def target_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -95,15 +107,13 @@ def head_weight_name(cfg: ModelConfig) -> str:
 
 
 class Rope:
-    """Precomputed cos/sin tables ([max_pos, head_dim], HF rotate-half layout)."""
+    """Precomputed cos/sin tables ([max_pos, head_dim], HF rotate-half layout;
+    every RoPE type computed as transformers does, see ``runtime/rope.py``)."""
 
     def __init__(self, ops: Ops, cfg: ModelConfig, max_pos: int) -> None:
-        half = cfg.head_dim // 2
-        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) / half))
-        freqs = np.outer(np.arange(max_pos, dtype=np.float64), inv_freq)      # [P, D/2]
-        emb = np.concatenate([freqs, freqs], axis=-1)                          # [P, D]
-        self.cos = ops.from_numpy(np.cos(emb).astype(np.float32), "float32")
-        self.sin = ops.from_numpy(np.sin(emb).astype(np.float32), "float32")
+        cos, sin = cos_sin_tables(cfg, max_pos)                                # [P, D] float32
+        self.cos = ops.from_numpy(cos, "float32")
+        self.sin = ops.from_numpy(sin, "float32")
         self.max_pos = max_pos
 
     def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -179,9 +189,12 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
-    q = ops.reshape(ops.linear(hn, p[prefix + "self_attn.q_proj.weight"]), (b, t, h, hd))
-    k = ops.reshape(ops.linear(hn, p[prefix + "self_attn.k_proj.weight"]), (b, t, kvh, hd))
-    v = ops.reshape(ops.linear(hn, p[prefix + "self_attn.v_proj.weight"]), (b, t, kvh, hd))
+    q = ops.reshape(_proj(ops, p, prefix + "self_attn.q_proj", hn), (b, t, h, hd))
+    k = ops.reshape(_proj(ops, p, prefix + "self_attn.k_proj", hn), (b, t, kvh, hd))
+    v = ops.reshape(_proj(ops, p, prefix + "self_attn.v_proj", hn), (b, t, kvh, hd))
+    if cfg.qk_norm:                                                            # Qwen3: RMSNorm per head, before RoPE
+        q = ops.rms_norm(q, p[prefix + "self_attn.q_norm.weight"], eps)
+        k = ops.rms_norm(k, p[prefix + "self_attn.k_norm.weight"], eps)
     cos, sin = (meta.cos, meta.sin) if meta is not None else cos_sin
     q = apply_rope(ops, q, cos, sin)
     k = apply_rope(ops, k, cos, sin)
@@ -197,10 +210,17 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         attn = ops.attention(q, k_all, v_all, meta.mask)
     else:
         attn = ops.attention(q, k, v, train_mask)
-    x = x + ops.linear(ops.reshape(attn, (b, t, h * hd)), p[prefix + "self_attn.o_proj.weight"])
+    x = x + _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
     hn = ops.rms_norm(x, p[prefix + "post_attention_layernorm.weight"], eps)
-    mlp = ops.silu(ops.linear(hn, p[prefix + "mlp.gate_proj.weight"])) * ops.linear(hn, p[prefix + "mlp.up_proj.weight"])
-    return x + ops.linear(mlp, p[prefix + "mlp.down_proj.weight"])
+    mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
+    return x + _proj(ops, p, prefix + "mlp.down_proj", mlp)
+
+
+def _proj(ops: Ops, p: Params, name: str, x: Tensor) -> Tensor:
+    """x @ W^T (+ bias when the checkpoint has ``<name>.bias``: Qwen2 q/k/v, attention_bias, mlp_bias)."""
+    y = ops.linear(x, p[name + ".weight"])
+    bias = p.get(name + ".bias")
+    return y if bias is None else y + bias
 
 
 def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
@@ -238,7 +258,9 @@ def init_params(cfg: ModelConfig, seed: int, names: dict[str, tuple[int, ...]]) 
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in names.items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            out[name] = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+        elif len(shape) == 1:
             out[name] = np.ones(shape, dtype=np.float32)
         else:
             out[name] = (rng.standard_normal(shape) * 0.02).astype(np.float32)

@@ -22,6 +22,8 @@ from runtime.config import ModelConfig
 from runtime.model import Params, head_weight_name, mtp_tensor_shapes, target_tensor_shapes
 
 MTP_FILE = "mtp.safetensors"
+# Buffers some checkpoints carry that are recomputed from the config, never read.
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,10 @@ def check_target(path: str | Path, running: ModelConfig | None = None) -> Checke
             raise CheckpointError(f"{path}: config differs from the running model in {diff}")
     infos = checkpoint.index_checkpoint(path)
     shapes = target_tensor_shapes(cfg)
-    checkpoint.validate(infos, shapes, f"target {path}")
+    # NOTE: extra tensors are refused (a bias or norm the config does not announce would
+    # otherwise be dropped silently); only derived RoPE buffers of old checkpoints are skipped.
+    infos = {n: i for n, i in infos.items() if not n.endswith(_DERIVED_SUFFIXES)}
+    checkpoint.validate(infos, shapes, f"target {path}", allow_extra=False)
     return CheckedCheckpoint(cfg, infos, tuple(shapes))
 
 
@@ -57,7 +62,7 @@ def check_draft(target: CheckedCheckpoint, draft_path: str | Path) -> CheckedChe
     target's embedding, final norm and head (from ``target.infos``)."""
     infos = checkpoint.index_checkpoint(draft_path)
     shapes = mtp_tensor_shapes(target.cfg)
-    checkpoint.validate(infos, shapes, f"draft {draft_path}")
+    checkpoint.validate(infos, shapes, f"draft {draft_path}", allow_extra=False)
     shared = {n: target.infos[n] for n in _shared_names(target.cfg)}
     return CheckedCheckpoint(target.cfg, {**infos, **shared}, tuple(shapes) + tuple(shared))
 
@@ -76,7 +81,16 @@ def read_arrays(checked: CheckedCheckpoint, bf16_bits: bool = False) -> dict[str
 
 
 def to_device(ops: Ops, arrays: dict[str, np.ndarray]) -> Params:
-    return {name: ops.from_numpy(arr) for name, arr in arrays.items()}
+    """Host arrays -> device tensors, emptying ``arrays`` as it goes.
+
+    NOTE: each host array is dropped as soon as its device copy exists, so host
+    RAM never holds the checkpoint twice (on a CPU device the tensors *are* host
+    memory: keeping the arrays until the end would double the peak).
+    """
+    out: Params = {}
+    for name in list(arrays):
+        out[name] = ops.from_numpy(arrays.pop(name))
+    return out
 
 
 def copy_in_place(ops: Ops, params: Params, arrays: dict[str, np.ndarray]) -> None:

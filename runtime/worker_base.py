@@ -64,6 +64,8 @@ class WorkerStatus:
     max_len: int
     eos_token_id: int | None
     lifecycle_events: tuple[str, ...]
+    max_position_embeddings: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def check_request_id(request_id: str, field: str) -> None:
@@ -195,8 +197,9 @@ class WorkerBase:
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        # host memory; serving goes on meanwhile. bf16 stays raw bits for a bf16 Torch worker.
-        arrays = read_arrays(checked, bf16_bits=(self.ops.name == "torch" and self.ops.dtype == "bfloat16"))
+        # host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
+        # both backends reinterpret them on the device and cast there.
+        arrays = read_arrays(checked, bf16_bits=True)
         def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
@@ -377,4 +380,6 @@ class WorkerBase:
             vocab_size=mc.vocab_size if mc is not None else 0, hidden_size=mc.hidden_size if mc is not None else 0,
             max_len=cache.max_len if cache is not None else 0,
             eos_token_id=mc.eos_token_id if mc is not None else None,
-            lifecycle_events=tuple(self.lifecycle.event_names()))
+            lifecycle_events=tuple(self.lifecycle.event_names()),
+            max_position_embeddings=mc.max_position_embeddings if mc is not None else 0,
+            eos_token_ids=mc.eos_token_ids if mc is not None else ())

@@ -145,6 +145,12 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace, then=None) -> int:
     from specsplit.launcher import Stack, StackOptions
 
+    mtp = Path(args.model) / "mtp.safetensors"
+    if not args.no_draft and not mtp.is_file():
+        print(f"specsplit {args.command}: no MTP draft head at {mtp}; serve target-only with --no-draft",
+              file=sys.stderr)
+        return 2
+
     opts = StackOptions(model=str(args.model), backend=args.backend, draft_device=args.draft_device,
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
@@ -177,19 +183,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_up(args, then=lambda stack: run_demo(stack.orchestrator_address, args))
 
 
+def _generate_prompt(args: argparse.Namespace):
+    """The prompt as text, token ids (``--token-ids 1,2,3``) or chat messages (``--chat``:
+    the positional argument is the user message, ``--system`` an optional system message)."""
+    if args.token_ids is not None:
+        if args.prompt is not None or args.chat:
+            raise ConfigError("--token-ids replaces the prompt argument (and --chat)")
+        try:
+            return [int(t) for t in args.token_ids.replace(",", " ").split()]
+        except ValueError:
+            raise ConfigError(f"--token-ids={args.token_ids!r} is invalid: must be integers separated by "
+                              "commas or spaces") from None
+    if args.prompt is None:
+        raise ConfigError("give a prompt (or --token-ids)")
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        return system + [{"role": "user", "content": args.prompt}]
+    return args.prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     k = 0 if args.no_spec else args.k
+    prompt = _generate_prompt(args)
     with _client(args) as client:
         if args.json:
-            res = client.generate_text(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k)
+            res = client.generate_text(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop)
             print(json.dumps({"tokens": list(res.tokens), "text": res.text, "acceptance_rate": res.acceptance_rate,
                               "mean_accepted_length": res.mean_accepted_length,
                               "finish_reason": res.finish_reason}))
             return 0
         final = None
-        for event in client.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k):
+        for event in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop):
             if event.text is not None and not event.final:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -206,15 +232,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         status = client.status()
+    problems = _status_problems(status)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
-    for name in ("orchestrator", "draft", "target"):
-        part = status.get(name) or {}
-        err = status.get(f"{name}_error")
-        print(f"{name:13s} " + (f"UNREACHABLE: {err}" if err else
-              " ".join(f"{k}={v}" for k, v in sorted(part.items()) if not isinstance(v, (list, dict)))))
-    return 0
+    else:
+        for name in ("orchestrator", "draft", "target"):
+            part = status.get(name) or {}
+            err = status.get(f"{name}_error")
+            print(f"{name:13s} " + (f"UNREACHABLE: {err}" if err else
+                  " ".join(f"{k}={v}" for k, v in sorted(part.items()) if not isinstance(v, (list, dict)))))
+    for p in problems:
+        print(f"specsplit status: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+NO_DRAFT = "no draft configured"
+
+
+def _status_problems(status: dict) -> list[str]:
+    """Why the cluster is not fully serving: an unreachable worker, or one not LOADED/READY."""
+    out = []
+    for name in ("target", "draft"):
+        err = status.get(f"{name}_error") or ""
+        if name == "draft" and err.startswith(NO_DRAFT):
+            continue
+        state = (status.get(name) or {}).get("state", "")
+        if err:
+            out.append(f"{name} unreachable or degraded: {err}")
+        elif state not in ("LIFECYCLE_STATE_LOADED", "LIFECYCLE_STATE_READY"):
+            out.append(f"{name} is not serving (state {state or 'unknown'})")
+    return out
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
@@ -274,6 +321,19 @@ def cmd_push(args: argparse.Namespace) -> int:
     out = {"weights_version": res.weights_version, "staged_path": res.staged_path,
            "bytes_received": res.bytes_received, "num_tensors": res.num_tensors}
     print(json.dumps(out) if args.json else " ".join(f"{k}={v}" for k, v in out.items()))
+    return 0
+
+
+def cmd_convert_mtp(args: argparse.Namespace) -> int:
+    from runtime.checkpoint import CheckpointError
+    from runtime.convert_mtp import convert
+
+    try:
+        out = convert(args.source, args.target, args.out or Path(args.target) / "mtp.safetensors", args.layer)
+    except CheckpointError as exc:
+        print(f"specsplit convert-mtp: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"event": "converted", "mtp": str(out)}))
     return 0
 
 
@@ -409,7 +469,11 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=160)
 
     p = sub.add_parser("generate", help="stream a generation from a running orchestrator")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text (the user message with --chat)")
+    p.add_argument("--token-ids", default=None, help="prompt as token ids, e.g. '1,15043,3186' (no tokenizer)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (model's chat template)")
+    p.add_argument("--system", default=None, help="with --chat: a system message before the user message")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _client_args(p)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -459,6 +523,12 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
 
         add_train_args(p)
 
+    p = sub.add_parser("convert-mtp", help="import MTP weights stored in the DeepSeek-V3 layout")
+    p.add_argument("source", help="safetensors file or directory holding model.layers.N.{enorm,hnorm,eh_proj,...}")
+    p.add_argument("--target", required=True, help="the target checkpoint dir the head drafts for")
+    p.add_argument("--layer", type=int, default=None, help="N of the MTP layer (default: the only one)")
+    p.add_argument("--out", default=None, help="output file (default: TARGET/mtp.safetensors)")
+
     p = sub.add_parser("bench", help="benchmarks that print ratios measured side by side")
     from bench import add_bench_args
 
@@ -485,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_train(args)
             return 0
+        if args.command == "convert-mtp":
+            return cmd_convert_mtp(args)
         if args.command == "bench":
             from bench import run_bench
 

@@ -88,7 +88,7 @@ HELP: dict[str, str] = {
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "max_prompt_tokens": "longest prompt accepted",
     "worker_timeout_s": "deadline (seconds) of every call to a worker",
-    "tokenizer": "tokenizer (byte)",
+    "tokenizer": "tokenizer: 'byte' or a model directory with tokenizer.json",
     "tls_ca": "CA bundle used to verify the workers' TLS certificates",
     "worker_admin_token": "admin token presented to the workers' lifecycle RPCs",
     "reload_call_timeout_s": "deadline (seconds) of each worker lifecycle call during a weight reload",

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 15.0
@@ -182,6 +183,8 @@ class Stack:
                 argv += ["--draft-address", self.children["draft"].address]
             if self.opts.allow_insecure:
                 argv += ["--allow-insecure"]
+            if (Path(self.opts.model) / "tokenizer.json").is_file():   # the model's own tokenizer, else bytes
+                argv += ["--tokenizer", str(self.opts.model)]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
             if self.opts.http_port is not None:

@@ -227,7 +227,8 @@ def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
         max_k=s.max_k, backend=s.backend, device=s.device, free_slots=s.free_slots, used_slots=s.used_slots,
         graph_replays=s.graph_replays, eager_runs=s.eager_runs, device_memory_bytes=s.device_memory_bytes,
         active_request_ids=list(s.active_request_ids), vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-        max_len=s.max_len, lifecycle_events=list(s.lifecycle_events))
+        max_len=s.max_len, lifecycle_events=list(s.lifecycle_events),
+        max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
     if s.eos_token_id is not None:
         out.eos_token_id = s.eos_token_id
     return out

@@ -63,8 +63,10 @@ class PaddleOps:
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):
         arr = np.ascontiguousarray(arr)
-        if arr.dtype == np.uint16:  # bf16 bit patterns: widen on the host
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        if arr.dtype == np.uint16:  # bf16 bit patterns: Paddle takes uint16 arrays as bfloat16 (no host widening)
+            t = paddle.to_tensor(arr, place=self._place)
+            want = _DTYPES[dtype or self.dtype]
+            return t if t.dtype == want else t.astype(want)
         if dtype is None:
             dtype = "int64" if arr.dtype.kind in "iu" else ("bool" if arr.dtype.kind == "b" else self.dtype)
         if arr.dtype.kind in "iu":
@@ -91,6 +93,9 @@ class PaddleOps:
         paddle.assign(src.astype(dst.dtype) if src.dtype != dst.dtype else src, output=dst)
 
     def copy_from_numpy(self, dst, arr):
+        if arr.dtype == np.uint16:  # bf16 bit patterns
+            self.copy_(dst, paddle.to_tensor(np.ascontiguousarray(arr), place=self._place))
+            return
         paddle.assign(np.ascontiguousarray(arr).astype(_NP[self.dtype_name(dst)]), output=dst)
 
     def compile_step(self, fn):

@@ -198,6 +198,8 @@ class WorkerStatus(_message.Message):
     MAX_LEN_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     LIFECYCLE_EVENTS_FIELD_NUMBER: _builtins.int
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"draft" or "target"."""
     state: Global___LifecycleState.ValueType
@@ -226,6 +228,8 @@ class WorkerStatus(_message.Message):
     max_len: _builtins.int
     """Cache positions per request (prompt + generated tokens + k must fit)."""
     eos_token_id: _builtins.int
+    max_position_embeddings: _builtins.int
+    """The model's max_position_embeddings: longest prompt the orchestrator admits (0 when EMPTY)."""
     @_builtins.property
     def graph_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Captured graph keys, e.g. "verify4@8" (step kind @ batch bucket)."""
@@ -239,6 +243,10 @@ class WorkerStatus(_message.Message):
         """Graph / weight lifecycle events in order, e.g. "clear_graphs", "release_weights"
         (the last 256), for tests and operators checking teardown order.
         """
+
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every EOS id of the model (config.json may list several); eos_token_id is the first."""
 
     def __init__(
         self,
@@ -263,10 +271,12 @@ class WorkerStatus(_message.Message):
         max_len: _builtins.int = ...,
         eos_token_id: _builtins.int | None = ...,
         lifecycle_events: _abc.Iterable[_builtins.str] | None = ...,
+        max_position_embeddings: _builtins.int = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "active_request_ids", b"active_request_ids", "backend", b"backend", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "eos_token_id", b"eos_token_id", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "hidden_size", b"hidden_size", "lifecycle_events", b"lifecycle_events", "max_k", b"max_k", "max_len", b"max_len", "role", b"role", "state", b"state", "used_slots", b"used_slots", "vocab_size", b"vocab_size", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "active_request_ids", b"active_request_ids", "backend", b"backend", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "eos_token_id", b"eos_token_id", "eos_token_ids", b"eos_token_ids", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "hidden_size", b"hidden_size", "lifecycle_events", b"lifecycle_events", "max_k", b"max_k", "max_len", b"max_len", "max_position_embeddings", b"max_position_embeddings", "role", b"role", "state", b"state", "used_slots", b"used_slots", "vocab_size", b"vocab_size", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015

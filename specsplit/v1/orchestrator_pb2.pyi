@@ -103,6 +103,8 @@ class GenerateRequest(_message.Message):
     K_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id for logs and metrics; empty means one is assigned."""
     prompt: _builtins.str
@@ -116,7 +118,7 @@ class GenerateRequest(_message.Message):
     target-only decoding.
     """
     ignore_eos: _builtins.bool
-    """Do not stop at the model's EOS token."""
+    """Do not stop at the model's EOS token(s)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt as token ids, each in [0, vocab_size)."""
@@ -126,6 +128,22 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Generation stops after any of these tokens (the stop token is returned)."""
+
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """Prompt as chat messages, rendered with the model's chat template (with the
+        generation prompt appended) and tokenized as transformers'
+        apply_chat_template does. Exactly one of prompt / prompt_token_ids /
+        messages must be set; a model without a chat template (or the byte
+        tokenizer) is INVALID_ARGUMENT.
+        """
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Generation stops once the output text contains any of these strings
+        (finish reason STOP). The stop string and the text after it are not
+        returned; the token ids of the chunk that completed it are. Empty: none.
+        """
 
     def __init__(
         self,
@@ -138,16 +156,43 @@ class GenerateRequest(_message.Message):
         k: _builtins.int | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "k", b"k", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__k: _TypeAlias = _typing.Literal["k"]  # noqa: Y015
     _WhichOneofArgType__k: _TypeAlias = _typing.Literal["_k", b"_k"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__k) -> _WhichOneofReturnType__k | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a chat prompt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"system", "user", "assistant", ... (whatever the model's template knows)."""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class TokenChunk(_message.Message):

@@ -144,3 +144,40 @@ def test_bf16_bits_reach_the_device_exactly(tmp_path):
     ptr = ops.data_ptr(params["x"])
     copy_in_place(ops, params, {"x": bits})
     assert ops.data_ptr(params["x"]) == ptr and np.array_equal(ops.to_numpy(params["x"]), widened)
+
+
+def test_extra_tensor_is_refused_by_name(tmp_path):
+    """Regression (issue 11): a bias the config does not announce was dropped silently."""
+    from runtime.weights import check_target
+    tensors = init_params(CFG, 0, target_tensor_shapes(CFG))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(CFG.hidden_size, np.float32)
+    save_target(tmp_path, CFG, tensors)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias'"):
+        check_target(tmp_path)
+    del tensors["model.layers.0.self_attn.q_proj.bias"]
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)   # derived: skipped
+    save_target(tmp_path, CFG, tensors)
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" not in check_target(tmp_path).infos
+
+
+@pytest.mark.parametrize("backend, dtype", [("paddle", "bfloat16"), ("paddle", "float32"), ("torch", "bfloat16"),
+                                            ("torch", "float32")])
+def test_bf16_bits_reach_the_device_exactly(tmp_path, backend, dtype):
+    """bf16 checkpoints travel as uint16 bits (no float32 host copy) on both backends; values exact,
+    and an in-place copy of new bits lands exactly too."""
+    from runtime.backends import make_ops
+    from runtime.checkpoint import bf16_bits_to_float32
+    from runtime.config import RuntimeConfig
+    from runtime.weights import copy_in_place, to_device
+    x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    save_safetensors(tmp_path / "w.safetensors", {"w": x, "v": -x}, "bfloat16")
+    infos = index_checkpoint(tmp_path / "w.safetensors")
+    bits = load_tensors(infos, bf16_bits=True)
+    assert bits["w"].dtype == np.uint16 and bits["w"].flags.writeable
+    want = bf16_bits_to_float32(bits["w"])
+    assert np.max(np.abs(want - x)) < 1e-2
+    ops = make_ops(RuntimeConfig(backend=backend, dtype=dtype))
+    params = to_device(ops, {"w": bits["w"]})
+    np.testing.assert_array_equal(ops.to_numpy(params["w"]), want)
+    copy_in_place(ops, params, {"w": bits["v"]})
+    np.testing.assert_array_equal(ops.to_numpy(params["w"]), -want)

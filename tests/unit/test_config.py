@@ -54,3 +54,54 @@ def test_model_config_rejects_missing_key_and_other_arch(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
         ModelConfig.from_json_file(tmp_path / "config.json")
+
+
+# --- Hugging Face config.json: both generations read, unsupported math refused ----------------
+LLAMA3_V5 = {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096,
+             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}}
+
+
+def test_both_config_generations_read_the_same():
+    """Regression (issue 11): rope_parameters was ignored (theta fell back to 10000) and a
+    classic rope_scaling llama3 config was refused."""
+    old = {**{k: v for k, v in LLAMA3_V5.items() if k != "rope_parameters"}, "rope_theta": 500000.0,
+           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 1024}}
+    new, classic = ModelConfig.from_hf_dict(LLAMA3_V5), ModelConfig.from_hf_dict(old)
+    assert new == classic
+    assert new.rope_theta == 500000.0 and new.rope_scaling.rope_type == "llama3" and new.rope_scaling.factor == 8.0
+    assert ModelConfig.from_hf_dict(new.to_hf_dict()) == new
+
+
+def test_head_dim_biases_eos_list_and_qwen_variants():
+    cfg = ModelConfig.from_hf_dict({**BASE, "head_dim": 24, "attention_bias": True, "mlp_bias": True,
+                                    "eos_token_id": [5, 6], "bos_token_id": 4})
+    assert (cfg.head_dim, cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == (24, True, True, True)
+    assert cfg.eos_token_id == 5 and cfg.eos_token_ids == (5, 6) and cfg.bos_token_id == 4
+    q2 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
+    assert q2.qkv_bias and not q2.o_bias and not q2.qk_norm
+    q3 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen3"})
+    assert q3.qk_norm and q3.head_dim == 128          # Qwen3Config's default head_dim
+    assert ModelConfig.from_hf_dict(q3.to_hf_dict()) == q3
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "linear"}}, "factor"),
+    ({"rope_parameters": {"rope_type": "default", "mrope_section": [2, 2]}}, "rope_parameters.mrope_section"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"model_type": "qwen2", "mlp_bias": True}, "mlp_bias"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ({"model_type": "gemma"}, "model_type"),
+])
+def test_math_changing_keys_are_refused_by_name(extra, key):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_hf_dict({**BASE, **extra})
+    assert key in str(err.value) and "\n" not in str(err.value)

@@ -1,5 +1,7 @@
 """Byte tokenizer and incremental decoding (UTF-8 characters never split across pieces)."""
 
+import pytest
+
 from runtime.tokenizer import ByteTokenizer, IncrementalDecoder
 
 
@@ -19,3 +21,17 @@ def test_incremental_decoder_holds_back_partial_characters():
     assert all("\ufffd" not in p for p in pieces)
     # the snowman's 3 bytes produce text only on the last one
     assert pieces[1] == "" and pieces[2] == "" and pieces[3] == "☃"
+
+
+@pytest.mark.parametrize("pieces, stops, want, stopped", [
+    (["Hello wor", "ld. Bye"], ["world"], "Hello ", True),
+    (["ab", "c", "STO", "P!"], ["STOP"], "abc", True),
+    (["no stop ", "here"], ["STOP"], "no stop here", False),
+    (["x</", "s>y"], ["</s>", "y"], "x", True),
+    (["plain"], [], "plain", False),
+])
+def test_stop_strings_cut_before_the_first_stop(pieces, stops, want, stopped):
+    from runtime.tokenizer import StopStrings
+    f = StopStrings(stops)
+    out = "".join(f.push(p) for p in pieces) + f.flush()
+    assert out == want and f.stopped == stopped

@@ -173,7 +173,8 @@ def test_status_to_proto_fills_every_field():
                      graph_pool_bytes=5, graphs_mode="cuda", max_k=3, backend="torch", device="cuda:0", free_slots=6,
                      used_slots=2, graph_replays=11, eager_runs=12, device_memory_bytes=13,
                      active_request_ids=("a", "b"), vocab_size=64, hidden_size=32, max_len=128, eos_token_id=0,
-                     lifecycle_events=("load_weights", "capture_graphs"))
+                     lifecycle_events=("load_weights", "capture_graphs"), max_position_embeddings=2048,
+                     eos_token_ids=(0, 7))
     p = wire.status_to_proto(s)
     for field in pb.WorkerStatus.DESCRIPTOR.fields:
         assert p.HasField(field.name) if field.has_presence else bool(getattr(p, field.name)), field.name
