@@ -12,8 +12,11 @@ prompts (equal length, no padding) by
     split (draft / target / overhead) from the orchestrator's metrics,
   - the memory-bandwidth floor: weight bytes / measured device copy rate
     (bytes read + written), times the batch (one weight pass per step),
-and prints tokens/s and ratios to the peer. Greedy outputs of every
-specsplit row must be identical to the engine's target-only output.
+and prints tokens/s and ratios to the peer. ``ident``: speculative output
+equals target-only output within the engine and within the services (the
+lossless check); the services' target-only output is also compared with the
+engine's (``services_equal_engine``: equal in fp32; in bf16 different batch
+shapes may round a near-tie of a random model differently).
 
 transformers is installed (pip) only when missing; it is never a serving
 dependency. Our checkpoints use the Hugging Face Llama names, so the peer is
@@ -213,7 +216,12 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         row["services_target_tok_s"] = round(n_tokens / svc[0][1], 1)
         row["services_spec_tok_s"] = round(n_tokens / svc[k][1], 1)
         row["services_acceptance"] = round(svc[k][3], 4)
-        row["services_identical"] = svc[0][0] == ref and svc[k][0] == ref
+        # Lossless check within the services (spec == target-only), and the services'
+        # target-only against the engine's: the latter compares different batch
+        # shapes (requests join one by one there), so in bf16 it can differ at
+        # near-ties of a random model without any loss of exactness.
+        row["services_identical"] = svc[k][0] == svc[0][0]
+        row["services_equal_engine"] = svc[0][0] == ref
         row["round_ms_spec"] = svc[k][2]
         row["round_ms_target_only"] = svc[0][2]
         if not skip_peer:

@@ -41,19 +41,20 @@ def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) ->
     tokens = np.zeros((b, width), dtype=np.int64)
     # Padding: scratch slot, positions 0..width-1 (distinct, always in range).
     write_slots = np.full((b, width), scratch_slot, dtype=np.int64)
-    positions = np.tile(np.arange(width, dtype=np.int64) % max_len, (b, 1))
+    positions = np.empty((b, width), dtype=np.int64)
     read_slots = np.empty(b, dtype=np.int64)
     lengths = np.empty(b, dtype=np.int64)
+    ramp = np.arange(width, dtype=np.int64)
     for i, r in enumerate(rows):
         m = len(r.tokens)
         if not 1 <= m <= width:
             raise ValueError(f"row {i} has {m} tokens; expected 1..{width}")
         tokens[i, :m] = r.tokens
         write_slots[i, :m] = r.slot
-        positions[i, :m] = np.arange(r.start, r.start + m)
-        # Padding queries of a live row sit at the row's last position: their
-        # (ignored) outputs stay finite and they read only that row's rows.
-        positions[i, m:] = r.start + m - 1
+        # Positions start..start+m-1; padding queries of a live row sit at the
+        # row's last position: their (ignored) outputs stay finite and they
+        # read only that row's rows.
+        np.minimum(ramp + r.start, r.start + m - 1, out=positions[i])
         read_slots[i] = r.slot
         lengths[i] = m
     last_index = np.arange(b, dtype=np.int64) * width + lengths - 1

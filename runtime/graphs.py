@@ -110,6 +110,8 @@ class GraphRegistry:
         # kind -> one flat int64 device buffer holding every int64 input (one
         # host->device copy per step instead of one per input).
         self._packed: dict[str, Tensor] = {}
+        # kind -> (host template of the packed buffer, all pad values; name -> (offset, elements per row))
+        self._pack_plan: dict[str, tuple[np.ndarray, dict[str, tuple[int, int]]]] = {}
         self._pool: Any = None
         self.stats = GraphStats()
         self._log = log or (lambda msg: None)
@@ -184,8 +186,15 @@ class GraphRegistry:
         buffer (see ``_pack``), compute-dtype inputs as their own buffers."""
         static: dict[str, Tensor] = {}
         ints = [s for s in kind.inputs if s.dtype == "int64"]
-        packed = self.ops.from_numpy(self._pack(kind, {}, max_b, max_b), "int64")
+        template = self._pack(kind, {}, max_b, max_b)
+        packed = self.ops.from_numpy(template, "int64")
         self._packed[kind.name] = packed
+        plan, off = {}, 0
+        for s in ints:
+            n = int(np.prod(s.row_shape, dtype=np.int64))
+            plan[s.name] = (off, n)
+            off += max_b * n
+        self._pack_plan[kind.name] = (template, plan)
         offset = 0
         for s in ints:
             n = max_b * int(np.prod(s.row_shape, dtype=np.int64))
@@ -271,6 +280,7 @@ class GraphRegistry:
             self._captured.clear()
             self._static.clear()
             self._packed.clear()
+            self._pack_plan.clear()
             self._pool = None
             gc.collect()
             self.ops.synchronize()
@@ -329,7 +339,13 @@ class GraphRegistry:
                         # steps; their outputs are sliced away below.
                         self.ops.copy_(cap.inputs[spec.name][:b], value)
                 if int_values or device_ints:
-                    self.ops.copy_from_numpy(self._packed[kind_name], self._pack(kind, int_values, b, max_b))
+                    # The packed host buffer: the pad template with this step's rows written in.
+                    template, plan = self._pack_plan[kind_name]
+                    host = template.copy()
+                    for name, value in int_values.items():
+                        off, n = plan[name]
+                        host[off: off + b * n] = value.reshape(-1)
+                    self.ops.copy_from_numpy(self._packed[kind_name], host)
                 # NOTE: device ids go in after the packed upload, which rewrites
                 # the whole packed buffer (their rows included) with pad values.
                 for name, value in device_ints.items():
