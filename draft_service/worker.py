@@ -54,7 +54,8 @@ class DraftWorker(WorkerBase):
         return check_draft(target_ck, mtp)
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> DraftEngine:
-        return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry)
+        return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
+                           ahead_drafting=self.cfg.spec.ahead_drafting)
 
     # --- batched work --------------------------------------------------------------
     def prefill(self, items: list[DraftPrefillRequest | ItemError]) -> list[ItemError | None]:

@@ -187,7 +187,7 @@ class SpecConfig:
     adaptive_k: bool = False             # per request, k in [0, the request's k] follows its acceptance and the
                                          # measured round costs (runtime/adaptive_k.py); target round loop only
     ahead_drafting: bool = False         # while the target verifies, the draft drafts past d_k (used when all k are
-                                         # accepted and the bonus matches); target round loop only
+                                         # accepted and the bonus matches); set on both workers
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_k, int) and 0 <= self.max_k <= 16, "spec.max_k", "an integer in [0, 16]", self.max_k)

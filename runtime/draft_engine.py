@@ -48,7 +48,7 @@ class _DraftRequest:
 
 class DraftEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
-                 max_k: int, registry: GraphRegistry) -> None:
+                 max_k: int, registry: GraphRegistry, ahead_drafting: bool = False) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
         self.max_k = max_k
         self.cache = KVCache(ops, 1, cfg.num_key_value_heads, cfg.head_dim, cache_cfg.max_slots, cache_cfg.max_len)
@@ -58,11 +58,13 @@ class DraftEngine:
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
         self._compiled = ops.compile_step(self._step)
-        # After a round whose drafts came from ahead drafting, the next catch-up carries
-        # two rounds of pairs: a second captured width keeps it off the eager path.
-        self._catchup_wide = f"catchup{2 * self.catchup_width}"
-        for name, width in ((self._catchup_kind, self.catchup_width), (self._catchup_wide, 2 * self.catchup_width),
-                            (SUBSTEP, 1)):
+        # With ahead drafting, the catch-up after a round whose drafts came from an ahead
+        # call carries two rounds of pairs: a second captured width keeps it off the eager path.
+        self._catchup_wide = f"catchup{2 * self.catchup_width}" if ahead_drafting else None
+        kinds = [(self._catchup_kind, self.catchup_width), (SUBSTEP, 1)]
+        if self._catchup_wide is not None:
+            kinds.insert(1, (self._catchup_wide, 2 * self.catchup_width))
+        for name, width in kinds:
             registry.register(self._kind(name, width))
         # Ahead drafting: the end (MTP hidden g, last draft) of each request's last proposal,
         # by cache slot (row max_slots = scratch), and the draft position it continues at.
@@ -135,7 +137,8 @@ class DraftEngine:
     def _catch_up(self, reqs, starts: list[int], slots: list[int]):
         longest = max(len(r.tokens) for r in reqs)
         kind, width = ((self._catchup_kind, self.catchup_width) if longest <= self.catchup_width else
-                       (self._catchup_wide, 2 * self.catchup_width) if longest <= 2 * self.catchup_width else
+                       (self._catchup_wide, 2 * self.catchup_width)
+                       if self._catchup_wide is not None and longest <= 2 * self.catchup_width else
                        (None, longest))
         rows = [Row(slot, start, np.asarray(r.tokens, dtype=np.int64)) for r, start, slot in zip(reqs, starts, slots)]
         # bf16 bits travel to the device as bits when the draft computes in bf16; otherwise float32.

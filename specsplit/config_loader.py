@@ -46,7 +46,8 @@ HELP: dict[str, str] = {
     "spec.adaptive_k": "target: each round's k follows the requests' acceptance and the measured round costs "
                        "(0..the request's k; runtime/adaptive_k.py)",
     "spec.ahead_drafting": "target: while verifying, ask the draft for k+1 drafts past d_k; used next round when "
-                           "all k were accepted and the bonus matches (exact either way)",
+                           "all k were accepted and the bonus matches (exact either way); draft: also capture "
+                           "the catch-up width that follows such a round (set it on both)",
     "draft_tls_ca": "target: CA that verifies the draft's certificate (TLS to the draft); unset with mTLS "
                     "serving = security.tls_client_ca",
     "draft_client_cert": "target: client certificate shown to an mTLS draft (default with mTLS serving: "

@@ -146,9 +146,11 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
             "--capture-on-start" if capture else "--no-capture-on-start"]
     if opts.metrics:
         argv += ["--server-metrics-port", "0"]
+    # NOTE: ahead drafting is set on both workers: the target asks for ahead drafts, the draft
+    # captures the wider catch-up they lead to.
+    argv += ["--spec-ahead-drafting" if opts.ahead_drafting else "--no-spec-ahead-drafting"]
     if role == "target":
-        argv += ["--spec-ahead-drafting" if opts.ahead_drafting else "--no-spec-ahead-drafting",
-                 "--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
+        argv += ["--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
     return argv + list(opts.worker_args)
 
 
