@@ -192,7 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
 # SPECSPLIT_* variables that are not config fields: read by the CLI (client commands, logging),
 # or by deploy/docker-compose.yml's interpolation. Everything else SPECSPLIT_* must be a field.
 EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_LOG_LEVEL", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN",
-                       "SPECSPLIT_ENV_FILE", "SPECSPLIT_IMAGE", "SPECSPLIT_PORT", "SPECSPLIT_METRICS_PORT"})
+                       "SPECSPLIT_ENV_FILE", "SPECSPLIT_IMAGE", "SPECSPLIT_PORT", "SPECSPLIT_METRICS_PORT",
+                       # where generated admin-token files live / which one the CLI reads (specsplit.admin_token)
+                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE"})
 
 
 def _closest(name: str, candidates: dict[str, str]) -> str:

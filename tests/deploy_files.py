@@ -26,7 +26,8 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 K8S_DIR = DEPLOY / "k8s"
 # SPECSPLIT_* variables read outside the config dataclasses (documented in the CLI / loader).
-EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN", "SPECSPLIT_LOG_LEVEL"})
+EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN", "SPECSPLIT_LOG_LEVEL",
+                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE"})
 SERVICE_CLASSES: dict[str, type] = {"draft": WorkerConfig, "target": WorkerConfig, "orchestrator": OrchestratorConfig}
 
 
