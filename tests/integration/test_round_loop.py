@@ -21,6 +21,7 @@ from orchestrator.worker_clients import TargetClient
 from runtime.config import (CacheConfig, GraphConfig, RuntimeConfig, SamplingParams, SecurityConfig, ServerConfig,
                             SpecConfig, WorkerConfig)
 from runtime.tokenizer import ByteTokenizer
+from specsplit.admin_token import process_token
 from specsplit.v1 import target_pb2 as tpb
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
@@ -58,7 +59,9 @@ def stack():
 
     draft = draft_server.start(_cfg("draft"))
     target = target_server.start(_cfg("target", ahead_drafting=True, adaptive_k=False))
-    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26)
+    # In-process services share this process's generated admin token (ControlRounds is an admin RPC).
+    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
+                          admin_token=process_token())
     rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
     yield rounds, f"127.0.0.1:{draft.port}"
     rounds.stop()
@@ -104,12 +107,16 @@ def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Decode(tpb.DecodeRequest(**fields), timeout=TIMEOUT))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in info.value.details(), fields
+    admin = [("authorization", f"Bearer {process_token()}")]
     with pytest.raises(grpc.RpcError) as info:
         stub.ControlRounds(tpb.ControlRoundsRequest(), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED          # admin RPC: no token, no answer
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ControlRounds(tpb.ControlRoundsRequest(), timeout=TIMEOUT, metadata=admin)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "action" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         stub.ControlRounds(tpb.ControlRoundsRequest(action=tpb.ROUNDS_ACTION_CONFIGURE, max_batch=5000),
-                           timeout=TIMEOUT)
+                           timeout=TIMEOUT, metadata=admin)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_batch" in info.value.details()
     # A full queue is RESOURCE_EXHAUSTED as the request's first event.
     rounds.configure("", 1, 0, TIMEOUT)
