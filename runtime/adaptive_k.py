@@ -31,8 +31,8 @@ The acceptance estimate counts trials, not drafts: a round that accepts a of
 k drafts tested a + 1 of them when it rejected one (a < k) and k when it
 accepted all (later drafts were never tested), so a = successes / trials
 over exponentially weighted sums, started at a prior. Rounds at k* = 0
-observe nothing, so every ``PROBE_EVERY`` of them one round drafts k = 1 to
-see whether drafting pays again.
+observe nothing, so every ``PROBE_EVERY`` of them one round drafts the full k
+to see whether drafting pays again.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import collections
 import statistics
 from dataclasses import dataclass
 
-PRIOR_ACCEPTANCE = 0.7       # before a request has drafted anything
+PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained MTP head's typical first-position rate)
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two k = 1 probes
 
@@ -140,9 +140,13 @@ def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
     """k* for a round of these requests (module doc), with a k = 1 probe every PROBE_EVERY
     rounds that would otherwise not draft."""
     k = best_round_k([(p.acceptance, p.max_k) for p in policies], costs.t_verify, costs.t_draft, costs.t_exchange)
-    if k == 0 and any(p.max_k > 0 for p in policies):
+    top = max((p.max_k for p in policies), default=0)
+    if k == 0 and top > 0:
         costs.target_only_rounds += 1
         if costs.target_only_rounds >= PROBE_EVERY:
             costs.target_only_rounds = 0
-            return 1
+            # NOTE: the probe drafts the full k: a k = 1 round's draft time is mostly the
+            # exchange's fixed part, which charged per draft made every k look too dear
+            # (seen on an H200: adaptive k settled at k = 0, x0.82 of fixed k).
+            return top
     return k

@@ -40,9 +40,9 @@ def test_policy_learns_acceptance_from_trials_and_probes_when_target_only():
         pol.observe(4, 0)                             # every first draft rejected
     assert pol.acceptance < 0.05 and choose_round_k([pol], costs) == 0
     ks = [choose_round_k([pol], costs) for _ in range(3 * PROBE_EVERY)]
-    assert ks.count(1) == 3 and set(ks) == {0, 1}     # one k=1 probe every PROBE_EVERY rounds
+    assert ks.count(4) == 3 and set(ks) == {0, 4}     # one full-k probe every PROBE_EVERY rounds
     for _ in range(60):
-        pol.observe(1, 1)                             # the probes start to succeed
+        pol.observe(4, 4)                             # the probes start to succeed
     assert pol.acceptance > 0.9 and choose_round_k([pol], costs) == 4
 
 
