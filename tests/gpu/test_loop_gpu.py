@@ -57,7 +57,7 @@ def test_round_loop_variants_are_exact_on_gpus(ahead, adaptive):
             n = sum(len(r.tokens) for r in spec)
             used = sum(r.ahead_used for r in spec)
             asked = sum(r.ahead_asked for r in spec)
-            if ahead:
+            if ahead and not adaptive:                # adaptive k may choose k = 0 (no drafts to go ahead of)
                 assert used > 0, "ahead drafts were never used"
             print(f"\n[gpu loop draft {DRAFT} target {TARGET}] ahead={ahead} adaptive={adaptive} "
                   f"concurrency={conc}: target-only {n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), "
