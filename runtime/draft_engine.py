@@ -189,15 +189,8 @@ class DraftEngine:
             # Substep s: pair (g_s, d_s) at position pairs + s - 1. A row that
             # already has its k drafts runs on the scratch slot at position 0
             # (its outputs are dropped): shapes stay fixed, no live KV is touched.
-            rows = [Row(slots[i], self.cache.get(r.request_id).length + s - 1, np.zeros(1, dtype=np.int64))
-                    if r.k > s else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64))
-                    for i, r in enumerate(reqs)]
-            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
-            (g, logits), _ = self.registry.run(SUBSTEP, {
-                "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
-                "write_slots": lay.write_slots, "positions": lay.positions,
-                "read_slots": lay.read_slots, "last_index": lay.last_index})
-            tok = self.ops.argmax(logits, -1)
+            g, tok = self._greedy_substep(g, tok, [(slots[i], self.cache.get(r.request_id).length + s - 1)
+                                                   if r.k > s else None for i, r in enumerate(reqs)])
             drafts.append(tok)
         # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
@@ -247,14 +240,8 @@ class DraftEngine:
         start = [self._tail_pos[r.request_id] for r in reqs]
         drafts = []
         for j in range(kmax):
-            rows = [Row(slots[i], start[i] + j, np.zeros(1, dtype=np.int64)) if r.k > j
-                    else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64)) for i, r in enumerate(reqs)]
-            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
-            (g, logits), _ = self.registry.run(SUBSTEP, {
-                "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
-                "write_slots": lay.write_slots, "positions": lay.positions,
-                "read_slots": lay.read_slots, "last_index": lay.last_index})
-            tok = self.ops.argmax(logits, -1)
+            g, tok = self._greedy_substep(g, tok, [(slots[i], start[i] + j) if r.k > j else None
+                                                   for i, r in enumerate(reqs)])
             drafts.append(tok)
         keep = [i for i, r in enumerate(reqs) if r.k == kmax]
         for r in reqs:
@@ -265,6 +252,21 @@ class DraftEngine:
         # NOTE: the only host synchronisation of an ahead call.
         (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+
+    def _greedy_substep(self, g, tok, places: list[tuple[int, int] | None]):
+        """One greedy substep for a batch: pair (g, tok) of row i at (slot, position) = places[i]
+        -> (g', argmax) on the device. A row with no place (its drafts are complete) runs on the
+        scratch slot at position 0 and its outputs are dropped: shapes stay fixed, no live KV
+        is touched. g [B, d], tok [B] device tensors."""
+        b, d = len(places), self.cfg.hidden_size
+        rows = [Row(*p, np.zeros(1, dtype=np.int64)) if p is not None
+                else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64)) for p in places]
+        lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
+        (g, logits), _ = self.registry.run(SUBSTEP, {
+            "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
+            "write_slots": lay.write_slots, "positions": lay.positions,
+            "read_slots": lay.read_slots, "last_index": lay.last_index})
+        return g, self.ops.argmax(logits, -1)
 
     def _propose_sampled(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
         """Some row samples its draft from q: q comes to the host after every substep."""
