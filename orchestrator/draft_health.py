@@ -46,8 +46,8 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-# _GuardedDraft: the scheduler's own wrapper that turns a draft's per-item failures into a dict.
-from orchestrator.scheduler import ItemFailures, RequestError, Scheduler, _GuardedDraft
+from orchestrator.guards import GuardedDraft
+from orchestrator.scheduler import ItemFailures, RequestError, Scheduler
 from runtime.round_driver import Sequence, attach_draft
 from runtime.types import PrefillRequest
 from specsplit.v1 import common_pb2
@@ -93,7 +93,7 @@ def resync(target: Any, draft: Any, seqs: list[Sequence]) -> int:
                 s.pending_tokens = np.concatenate([q.prompt[1:], [r.first_token]]).astype(np.int64)
                 s.pending_hidden = r.hidden                                              # [n, d]
             draft_errors: dict[str, RequestError] = {}
-            attach_draft(_GuardedDraft(draft, draft_errors), [s for s, _, _ in ok])
+            attach_draft(GuardedDraft(draft, draft_errors), [s for s, _, _ in ok])
             for s, _, _ in ok:
                 if s.request_id in draft_errors:
                     s.drafting = False

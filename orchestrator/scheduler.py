@@ -35,9 +35,9 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
+from orchestrator.guards import GuardedDraft, GuardedTarget
 from runtime.adaptive_k import AdaptiveK, RoundCosts
 from runtime.round_driver import DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, run_round
-from runtime.types import PrefillResult, Proposal, VerifyResult
 
 from orchestrator.scheduler_types import (Event, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
 
@@ -45,79 +45,6 @@ log = structlog.get_logger("orchestrator.scheduler")
 
 FINISH_CANCELLED = "cancelled"
 FINISH_ABORTED = "aborted"           # ended by a weight reload with policy ABORT (partial output kept)
-
-
-class _Guard:
-    """Wraps a port: times each call and turns ``ItemFailures`` into placeholder
-    results plus entries in ``failed`` so the round driver runs on for the others."""
-
-    def __init__(self, port: Any, failed: dict[str, RequestError]) -> None:
-        self.port, self.failed = port, failed
-        self.compute_s = 0.0
-        self.raised = False                      # a whole call failed (not just some items)
-
-    def _call(self, fn: Callable[[list], Any], reqs: list, placeholder: Callable[[Any], Any]) -> Any:
-        t0 = time.perf_counter()
-        try:
-            out = fn(reqs)
-        except ItemFailures as exc:
-            self.failed.update(exc.errors)
-            out = [r if r is not None else placeholder(q) for q, r in zip(reqs, exc.results)]
-        except Exception:
-            self.raised = True
-            raise
-        finally:
-            reported = getattr(self.port, "last_compute_seconds", None)
-            self.compute_s += reported if reported is not None else time.perf_counter() - t0
-        return out
-
-    def release(self, request_id: str) -> bool:
-        return self.port.release(request_id)
-
-
-class _GuardedTarget(_Guard):
-    def prefill(self, reqs):
-        # A failed item emits a dummy token into a sequence that is about to end with its error.
-        return self._call(self.port.prefill, reqs,
-                          lambda q: PrefillResult(q.request_id, 0, np.zeros((len(q.prompt), 0), np.float32)))
-
-    def verify(self, reqs):
-        return self._call(self.port.verify, reqs,
-                          lambda q: VerifyResult(q.request_id, 0, (), np.zeros((0, 0), np.float32)))
-
-
-class _GuardedDraft(_Guard):
-    deferred: Exception | None = None            # an ahead call failed after the verify committed
-
-    def prefill(self, reqs):
-        return self._call(self.port.prefill, reqs, lambda q: None)
-
-    def propose_async(self, reqs):
-        """Ahead drafting: per-item failures give no drafts (the request goes on); a failed call
-        is kept in ``deferred`` for the scheduler to handle after the round, never raised into it."""
-        send = getattr(self.port, "propose_async", None)
-        try:
-            collect = send(reqs) if send is not None else (lambda done=self.port.propose(reqs): done)
-        except ItemFailures as exc:
-            return lambda: exc.results
-        except Exception as exc:  # noqa: BLE001
-            self.deferred = exc
-            return lambda: [None] * len(reqs)
-
-        def wait():
-            try:
-                return collect()
-            except ItemFailures as exc:
-                return exc.results
-            except Exception as exc:  # noqa: BLE001
-                self.deferred = exc
-                return [None] * len(reqs)
-        return wait
-
-    def propose(self, reqs):
-        # A failed item verifies no drafts this round (a target-only step), then ends with its error.
-        return self._call(self.port.propose, reqs,
-                          lambda q: Proposal(q.request_id, np.zeros(0, np.int64), None))
 
 
 # --- the scheduler -----------------------------------------------------------------
@@ -264,11 +191,11 @@ class Scheduler:
         try:
             # NOTE: target first, then the draft (as in _admit): the draft's pairs are the
             # target's hidden states, which must come from the weights now serving.
-            emitted = admit(_GuardedTarget(self.target, failed), None, [x.seq for x in lives], resume=True)
+            emitted = admit(GuardedTarget(self.target, failed), None, [x.seq for x in lives], resume=True)
             if self.draft is not None:
                 drafting = [x.seq for x in lives if x.seq.k > 0 and x.seq.request_id not in failed]
                 try:
-                    attach_draft(_GuardedDraft(self.draft, failed), drafting)
+                    attach_draft(GuardedDraft(self.draft, failed), drafting)
                 except Exception as exc:  # noqa: BLE001 - these requests end; the others go on
                     failed.update({s.request_id: error_of(exc) for s in drafting})
         except Exception as exc:  # noqa: BLE001 - the whole re-prefill failed: they all end
@@ -347,7 +274,7 @@ class Scheduler:
         lives = [_Live(h, self._new_sequence(h)) for h in joining]
         seqs = [x.seq for x in lives]
         failed: dict[str, RequestError] = {}
-        target = _GuardedTarget(self.target, failed)
+        target = GuardedTarget(self.target, failed)
         try:
             # NOTE: caches of requests a failed target call ended are freed before anyone
             # joins: a retry under the same request id must not find its old cache there.
@@ -370,7 +297,7 @@ class Scheduler:
         if self.draft is not None:
             drafting = [s for s in seqs if s.k > 0 and s.finish_reason is None and s.request_id not in failed]
             try:
-                attach_draft(_GuardedDraft(self.draft, failed), drafting)
+                attach_draft(GuardedDraft(self.draft, failed), drafting)
             except Exception as exc:  # noqa: BLE001
                 err = error_of(exc)
                 if self.on_draft_lost is not None:
@@ -389,8 +316,8 @@ class Scheduler:
     def _run_round(self, live: list[_Live]) -> None:
         self.round += 1
         failed: dict[str, RequestError] = {}
-        target = _GuardedTarget(self.target, failed)
-        draft = _GuardedDraft(self.draft, failed) if self.draft is not None else None
+        target = GuardedTarget(self.target, failed)
+        draft = GuardedDraft(self.draft, failed) if self.draft is not None else None
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
         t0 = time.perf_counter()
         try:
