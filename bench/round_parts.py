@@ -61,7 +61,6 @@ def main(args) -> int:
     target = TargetWorker(cfg("target", dev))
     target.load_weights(str(model), "", "v1")
     target.capture_graphs()
-    d = target.model_cfg.hidden_size
     prompt = np.arange(1, 33, dtype=np.int64)
     res = target.prefill([PrefillRequest("x", prompt, SamplingParams())])[0]
     client.prefill([DraftPrefillRequest("x", prompt[1:], res.hidden[:-1], SamplingParams())])

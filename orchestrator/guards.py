@@ -72,7 +72,8 @@ class GuardedDraft(Guard):
         try:
             collect = send(reqs) if send is not None else (lambda done=self.port.propose(reqs): done)
         except ItemFailures as exc:
-            return lambda: exc.results
+            results = exc.results            # NOTE: bound now: ``exc`` is unbound after the except block
+            return lambda: results
         except Exception as exc:  # noqa: BLE001
             self.deferred = exc
             return lambda: [None] * len(reqs)

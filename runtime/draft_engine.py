@@ -182,7 +182,7 @@ class DraftEngine:
     def _propose_greedy(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
         """Every row drafts greedily: argmax fed back on the device, one host sync at the end."""
         kmax = max(r.k for r in reqs)
-        b, d = len(reqs), self.cfg.hidden_size
+        b = len(reqs)
         tok = self.ops.argmax(logits, -1)                                # [B] d_1 (device)
         drafts = [tok]
         for s in range(1, kmax):
@@ -232,7 +232,7 @@ class DraftEngine:
         for r in reqs:
             self.check_ahead(r.request_id, r.k, "ahead")
         kmax = max(r.k for r in reqs)
-        b, d = len(reqs), self.cfg.hidden_size
+        b = len(reqs)
         slots = [self.cache.get(r.request_id).slot for r in reqs]
         at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
         g = self.ops.index_select(self._tail_g, at, 0)                        # [B, d]
