@@ -27,6 +27,7 @@ from runtime.draft_engine import SUBSTEP, DraftEngine
 from runtime.graphs import GraphRegistry
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from runtime.target_engine import TargetEngine
+from specsplit.progress import progress
 
 BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
@@ -132,7 +133,7 @@ def main(args) -> int:
     cases = [(kind, b, ctx) for kind in ("substep", "verify") for ctx in CONTEXTS for b in BUCKETS]
     engines = {"substep": (draft, d_reg, SUBSTEP), "verify": (target, t_reg, target._verify_kind)}
     results, inputs = {}, {}
-    for kind, b, ctx in cases:
+    for kind, b, ctx in progress(cases, desc="bench graphs: eager and floor", unit="step"):
         engine, reg, name = engines[kind]
         inp = inputs[(kind, b, ctx)] = inputs_for(kind, b, ctx)
         span = reg.span_for(reg.kinds[name], int(inp["positions"].max()) + 1)
@@ -141,7 +142,7 @@ def main(args) -> int:
         results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3}
     t_reg.capture_all()
     d_reg.capture_all()
-    for kind, b, ctx in cases:
+    for kind, b, ctx in progress(cases, desc="bench graphs: replays", unit="step"):
         _, reg, name = engines[kind]
         inp = inputs[(kind, b, ctx)]
         assert reg.run(name, inp)[1], f"{name}@{b} did not replay"

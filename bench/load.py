@@ -28,6 +28,7 @@ import numpy as np
 from bench.engine import TINY
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from specsplit.launcher import Stack, StackOptions
+from specsplit.progress import progress
 
 DEFAULT_CLIENTS = 8
 REQUEST_TIMEOUT_S = 120.0
@@ -120,8 +121,13 @@ def main(args) -> int:
         workers = [_Client(i, address, prompts, deadline, max_tokens, k) for i in range(clients)]
         for c in workers:
             c.start()
+        bar = progress(desc="bench load", total=round(seconds), unit="s")
         for c in workers:
-            c.join(seconds + REQUEST_TIMEOUT_S)
+            while c.is_alive() and time.monotonic() < deadline + REQUEST_TIMEOUT_S:
+                c.join(1.0)
+                bar.n = min(round(seconds), round(seconds - max(0.0, deadline - time.monotonic())))
+                bar.refresh()
+        bar.close()
         wall = time.perf_counter() - t0
         rss_after = {name: rss_bytes(pid) for name, pid in pids.items()}
     errors = sum((c.errors for c in workers + warm), Counter())

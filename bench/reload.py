@@ -35,6 +35,7 @@ from runtime.config import (CacheConfig, GraphConfig, ModelConfig, OrchestratorC
                             SpecConfig, WorkerConfig)
 from runtime.model import mtp_tensor_shapes, target_tensor_shapes
 from runtime.weights import check_draft, check_target, read_arrays, resolve_draft_path
+from specsplit.progress import progress
 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -132,7 +133,14 @@ def main(args) -> int:
                 n += 1
                 return _phase_walls(client.reload(str(path), f"{path.name}-{n}", mode=mode, inflight="wait"))
             reload("recapture")                                            # warm-up (first capture, caches)
-            runs = {mode: [reload(mode) for _ in range(reps)] for mode in ("recapture", "in_place")}
+            bar = progress(desc="bench reload", total=2 * reps, unit="reload")
+            runs = {}
+            for mode in ("recapture", "in_place"):
+                runs[mode] = []
+                for _ in range(reps):
+                    runs[mode].append(reload(mode))
+                    bar.update(1)
+            bar.close()
             reads = [read_times(p, dtype == "bfloat16") for p in (v1, v2, v1)]
         finally:
             client.close()
