@@ -70,7 +70,8 @@ class Orchestrator:
                   admin_token=None)
         # One admin-token setting serves both ends; local workers' token files are found (specsplit.admin_token).
         token = lambda address: token_for_worker(cfg.worker_admin_token, cfg.security.admin_token, address)  # noqa: E731
-        self.target = TargetClient(cfg.target_address, **{**kw, "admin_token": token(cfg.target_address)})
+        self.target = TargetClient(cfg.target_address, **{**kw, "admin_token": token(cfg.target_address),
+                                                          "token_source": lambda: token(cfg.target_address)})
         self.health = health.HealthServicer()
         self.facts: ModelFacts | None = None
         self.facts_error = "worker status not polled yet"
@@ -81,7 +82,8 @@ class Orchestrator:
         # admission checks, streaming to clients, lifecycle and the draft's address.
         self.scheduler = RemoteRounds(self.target, observer=metrics, control_timeout_s=cfg.worker_timeout_s)
         self.rounds: Any = None                      # last RoundsStatus polled from the target
-        self._make_draft = lambda address: DraftClient(address, **{**kw, "admin_token": token(address)})
+        self._make_draft = lambda address: DraftClient(address, **{**kw, "admin_token": token(address),
+                                                                  "token_source": lambda: token(address)})
         self.draft_configured = bool(cfg.draft_address or cfg.draft_address_file)
         self.draft_address = read_address_file(cfg.draft_address_file) or cfg.draft_address
         self._draft = self._make_draft(self.draft_address) if self.draft_address else None

@@ -198,8 +198,12 @@ class _WorkerClient:
 
     def __init__(self, address: str, stub_factory: Callable[[grpc.Channel], Any], *, timeout_s: float,
                  max_message_bytes: int, tls_ca: str | None = None, client_cert: str | None = None,
-                 client_key: str | None = None, admin_token: str | None = None) -> None:
+                 client_key: str | None = None, admin_token: str | None = None,
+                 token_source: Callable[[], str | None] | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
+        # Where the admin token comes from again when the worker refuses it (a restarted worker
+        # with a generated token wrote a new one to its token file).
+        self._token_source = token_source
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls_ca=tls_ca,
                                      client_cert=client_cert, client_key=client_key)
         self.stub = stub_factory(self._channel)
@@ -209,11 +213,26 @@ class _WorkerClient:
 
     def _unary(self, what: str, request: Any, *, admin: bool = False, timeout: float | None = None) -> Any:
         self.last_compute_seconds = None                 # unary answers carry no compute time
-        try:
-            return getattr(self.stub, what)(request, timeout=timeout or self.timeout_s,
-                                            metadata=self._admin_md if admin else None)
-        except grpc.RpcError as exc:
-            raise _rpc_error(self.role, what, exc) from None
+        for attempt in (0, 1):
+            try:
+                return getattr(self.stub, what)(request, timeout=timeout or self.timeout_s,
+                                                metadata=self._admin_md if admin else None)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if attempt == 0 and admin and code == grpc.StatusCode.UNAUTHENTICATED and self._refresh_token():
+                    continue                             # the worker restarted with a new generated token
+                raise _rpc_error(self.role, what, exc) from None
+        raise AssertionError("unreachable")
+
+    def _refresh_token(self) -> bool:
+        """Re-read the admin token; True when it changed (worth one retry)."""
+        if self._token_source is None:
+            return False
+        md = admin_metadata(self._token_source()) or None
+        if md == self._admin_md:
+            return False
+        self._admin_md = md
+        return True
 
     def _next_round(self) -> int:
         self._round += 1

@@ -133,6 +133,10 @@ def _check_port_free(host: str, port: int) -> None:
         raise StartupError("listen address", f"{host}: {exc.strerror or exc}") from None
     family, kind, proto, _, sockaddr = infos[0]
     with socket.socket(family, kind, proto) as probe:
+        # NOTE: SO_REUSEADDR as gRPC's own bind has it: connections of a killed process in
+        # TIME_WAIT must not make a restarted service on the same port look refused; a live
+        # listener still gives EADDRINUSE.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(sockaddr)
         except OSError as exc:
