@@ -146,8 +146,10 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
     from specsplit.launcher import Stack, StackOptions
 
     mtp = Path(args.model) / "mtp.safetensors"
-    if not args.no_draft and not mtp.is_file():
-        print(f"specsplit {args.command}: no MTP draft head at {mtp}; serve target-only with --no-draft",
+    # NOTE: only for a model directory that exists: a missing model is the target's start-up
+    # error (one line naming the weights), not a missing draft head.
+    if not args.no_draft and Path(args.model).is_dir() and not mtp.is_file():
+        print(f"specsplit: {args.command}: draft head: no MTP file at {mtp}; serve target-only with --no-draft",
               file=sys.stderr)
         return 2
 
