@@ -34,10 +34,11 @@ def _drain(handle, timeout=60.0):
     raise AssertionError(f"{handle.request_id}: no final event within {timeout}s")
 
 
-@pytest.mark.parametrize("backend", ["paddle", "torch"])
-def test_ahead_drafting_is_exact_and_used(backend):
-    eng = _engine(backend, max_k=3)
-    prompts = _prompts(6)
+def test_ahead_drafting_is_exact_and_used():
+    # Torch only: the ahead path is backend-agnostic code over Ops, and Paddle's CPU steps are the
+    # slowest part of the suite (both backends' substeps are covered by test_engine_bundled).
+    eng = _engine("torch", max_k=3)
+    prompts = _prompts(4)
     ref = {}
     for i, p in enumerate(prompts):
         ref[i] = eng.generate([GenRequest(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
