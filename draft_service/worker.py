@@ -115,11 +115,7 @@ class DraftWorker(WorkerBase):
                     if not engine.cache.has(it.request_id):
                         raise UnknownRequestError(f"items[{i}].request_id: {it.request_id!r} is unknown here "
                                                   "(never prefilled, or already released)")
-                    if it.ahead:
-                        # k drafts past the last proposal's k: up to max_k + 1 (the bonus check + a round).
-                        if not 1 <= it.k <= engine.max_k + 1:
-                            raise ValueError(f"items[{i}].k: {it.k} is out of range [1, {engine.max_k + 1}] "
-                                             "for an ahead item")
+                    if it.ahead:                 # the engine owns the ahead rules (k up to max_k + 1)
                         engine.check_ahead(it.request_id, it.k, f"items[{i}]")
                         good.append((i, it))
                         continue

@@ -14,7 +14,6 @@ scheduler is the single owner of the batch; this side never sees a round.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from typing import Any
@@ -31,7 +30,6 @@ _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 # Status codes of a broken Decode call that mean "the target is gone", not "this request is bad".
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
          grpc.StatusCode.UNKNOWN)
-_SEEN_ROUNDS = 4096                  # round numbers remembered to record each round's timing once
 
 
 def stats_from_proto(p: tpb.DecodeStats) -> SeqStats:
@@ -168,8 +166,7 @@ class RemoteRounds:
         self.stopping = False
         self._open: set[RemoteHandle] = set()
         self._lock = threading.Lock()
-        self._seen: collections.deque[int] = collections.deque(maxlen=_SEEN_ROUNDS)
-        self._seen_set: set[int] = set()
+        self._last_timed_round = 0              # the latest round whose timing was recorded
         # Requests whose Decode call broke with the target gone: their draft caches may be left
         # behind (the target's round loop died with them); the orchestrator releases them.
         self.orphaned: set[str] = set()
@@ -202,16 +199,14 @@ class RemoteRounds:
             self.observer.on_outcome(None, ev.code)
 
     def observe_chunk(self, ev: TokensEvent) -> None:
-        """Round timing once per round (every request of a round carries it), acceptance per chunk."""
+        """Round timing once per round (every request of a round carries it; the target numbers
+        rounds in order), acceptance per chunk."""
         timing = ev.timing
         with self._lock:
-            if timing is not None and timing.round in self._seen_set:
+            if timing is not None and timing.round <= self._last_timed_round:
                 timing = None
             elif timing is not None:
-                if len(self._seen) == self._seen.maxlen:
-                    self._seen_set.discard(self._seen[0])
-                self._seen.append(timing.round)
-                self._seen_set.add(timing.round)
+                self._last_timed_round = timing.round
         self.observer.on_round(timing, [(ev.num_drafted, ev.num_accepted)] if ev.round else [])
 
     def open_calls(self) -> int:
@@ -250,8 +245,12 @@ class RemoteRounds:
 
     def configure(self, draft_address: str, max_batch: int, max_queue: int, draft_timeout_s: float,
                   timeout: float | None = None) -> tpb.RoundsStatus:
-        return self.control(tpb.ROUNDS_ACTION_CONFIGURE, timeout, draft_address=draft_address, max_batch=max_batch,
-                            max_queue=max_queue, draft_timeout_s=draft_timeout_s).status
+        status = self.control(tpb.ROUNDS_ACTION_CONFIGURE, timeout, draft_address=draft_address, max_batch=max_batch,
+                              max_queue=max_queue, draft_timeout_s=draft_timeout_s).status
+        with self._lock:
+            # NOTE: a (re)configured target may be a restarted one, numbering rounds from 1 again.
+            self._last_timed_round = min(self._last_timed_round, int(status.round))
+        return status
 
     def pause_admission(self, timeout: float | None = None) -> None:
         self.control(tpb.ROUNDS_ACTION_PAUSE_ADMISSION, timeout)

@@ -215,7 +215,8 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
                 proposals[s.request_id] = Proposal(s.request_id, s.ready_drafts[:k], None)
                 s.stats.ahead_used += 1
             s.ready_drafts = None
-    greedy_drafts = {s.request_id: not (s.params.draft_sampling and not s.params.greedy) for s in seqs}
+    greedy_drafts = ({s.request_id: not (s.params.draft_sampling and not s.params.greedy) for s in seqs}
+                     if ahead else {})
     to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
     if to_propose:
         reqs = [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
