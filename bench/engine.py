@@ -12,11 +12,12 @@ import json
 import time
 from pathlib import Path
 
-from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer
-from specsplit.progress import progress
+from core.progress import progress
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "tiny"

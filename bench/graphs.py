@@ -27,7 +27,7 @@ from runtime.draft_engine import SUBSTEP, DraftEngine
 from runtime.graphs import GraphRegistry
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from runtime.target_engine import TargetEngine
-from specsplit.progress import progress
+from core.progress import progress
 
 BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)

@@ -28,7 +28,7 @@ import numpy as np
 from bench.engine import TINY
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from specsplit.launcher import Stack, StackOptions
-from specsplit.progress import progress
+from core.progress import progress
 
 DEFAULT_CLIENTS = 8
 REQUEST_TIMEOUT_S = 120.0

@@ -41,8 +41,8 @@ import numpy as np
 from bench.engine import TINY, heldout_prompts
 from bench.graphs import BIG
 from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SamplingParams,
-                            SpecConfig)
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.model import mtp_tensor_shapes, target_tensor_shapes
 from runtime.tokenizer import ByteTokenizer
 from runtime.weights import check_target, read_arrays

@@ -24,7 +24,8 @@ import numpy as np
 
 from bench.graphs import BIG, SMALL, _random_params
 from runtime.backends import make_ops
-from runtime.config import CacheConfig, RuntimeConfig, SamplingParams
+from core.params import SamplingParams
+from runtime.config import CacheConfig, RuntimeConfig
 from runtime.draft_engine import DraftEngine
 from runtime.graphs import GraphRegistry
 from runtime.model import mtp_tensor_shapes, target_tensor_shapes

@@ -31,11 +31,13 @@ import numpy as np
 
 from bench.graphs import BIG
 from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import (CacheConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
+from core.config import ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from runtime.model import mtp_tensor_shapes, target_tensor_shapes
 from runtime.weights import check_draft, check_target, read_arrays, resolve_draft_path
-from specsplit.progress import progress
+from core.progress import progress
 
 SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
@@ -96,7 +98,7 @@ def main(args) -> int:
     from draft_service.server import start as start_draft
     from orchestrator.client import SpecsplitClient
     from orchestrator.server import create_server
-    from runtime.observability import configure_logging
+    from core.observability import configure_logging
     from target_service.server import start as start_target
 
     configure_logging("bench-reload", "WARNING")             # service logs to stderr, warnings only

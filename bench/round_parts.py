@@ -37,9 +37,11 @@ def _median_ms(fn, n: int = N) -> float:
 
 def main(args) -> int:
     from draft_service import server as draft_server
-    from orchestrator.worker_clients import DraftClient
-    from runtime.config import (CacheConfig, GraphConfig, RuntimeConfig, SamplingParams, SecurityConfig,
-                                ServerConfig, SpecConfig, WorkerConfig)
+    from rounds.worker_clients import DraftClient
+    from core.config import SecurityConfig, ServerConfig
+    from core.params import SamplingParams
+    from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+    from worker.config import WorkerConfig
     from runtime.types import DraftPrefillRequest, PrefillRequest, ProposeRequest, VerifyRequest
     from target_service.rounds import LocalTarget
     from target_service.worker import TargetWorker

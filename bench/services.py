@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.engine import TINY, heldout_prompts
 from orchestrator.client import SpecsplitClient
 from specsplit.launcher import Stack, StackOptions
-from specsplit.progress import progress
+from core.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
 VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive")

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-.out/tiny}}"
 mkdir -p "$out"
-PYTHONUNBUFFERED=1 exec python3 -m runtime.backends.torch_train \
+PYTHONUNBUFFERED=1 exec python3 -m training.torch_train \
   --out "$out" --device cuda --seed 0 \
   --steps 3000 --batch 64 --seq-len 512 --lr 3e-3 --warmup 150 \
   --mtp-steps 2000 --mtp-unroll 3 --naive-head --mtp-lr 2e-3 --mtp-distill 1.0 \

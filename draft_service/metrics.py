@@ -1,8 +1,8 @@
 """Prometheus metrics of the draft service (prefix ``specsplit_draft_``).
 
 Owns: the draft's own counter (proposed tokens) and ``DraftMetrics``; the
-families every worker shares come from ``specsplit.worker_metrics``. Served
-by ``runtime.observability.start_metrics_server`` when
+families every worker shares come from ``core.worker_metrics``. Served
+by ``core.observability.start_metrics_server`` when
 ``server.metrics_port`` is set.
 
 Must not know: gRPC, models, frameworks.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from specsplit.worker_metrics import WorkerMetrics, families
+from core.worker_metrics import WorkerMetrics, families
 
 FAMILIES = families("draft", "Draft steps (catch-up and substeps) run by CUDA-graph replay vs eagerly.",
                     "draft cache")

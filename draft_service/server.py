@@ -1,13 +1,13 @@
 """The draft service's gRPC servicer and ``create_server``.
 
-Owns: proto <-> record conversion for DraftService (via ``specsplit.wire``),
+Owns: proto <-> record conversion for DraftService (via ``core.wire``),
 the persistent Propose stream (one batched response per batched request,
 per-item errors, the stream survives bad items and failed batches), and
 assembling worker + servicer + health + metrics into a started server.
 
 Must not know: tensors beyond decoding them into numpy records, models,
 frameworks. All work happens in ``DraftWorker``; lifecycle / status / release
-RPCs come from ``specsplit.serving.WorkerServicerMixin``.
+RPCs come from ``worker.service.WorkerServicerMixin``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import numpy as np
 import structlog
 
 from draft_service.worker import DraftWorker
-from runtime.config import WorkerConfig
-from runtime.observability import redact
+from worker.config import WorkerConfig
+from core.observability import redact
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
-from specsplit import wire
-from specsplit.serving import WorkerService, WorkerServicerMixin, start_worker_service
+from core import wire
+from worker.service import WorkerService, WorkerServicerMixin, start_worker_service
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc
 

@@ -1,6 +1,6 @@
 """The draft worker: lifecycle + the MTP proposer's batched work.
 
-Owns: a ``DraftEngine`` behind the lifecycle (``runtime.worker_base.WorkerBase``:
+Owns: a ``DraftEngine`` behind the lifecycle (``worker.base.WorkerBase``:
 load / in-place update / release of weights, graph capture and clear, status),
 the draft's checkpoint rules (the MTP file plus the embedding, final norm and
 head copied from the target checkpoint), per-item validation of Prefill and
@@ -22,15 +22,16 @@ from typing import Any
 import numpy as np
 
 from draft_service.metrics import DraftMetrics
-from runtime.config import ModelConfig, WorkerConfig
+from runtime.config import ModelConfig
+from worker.config import WorkerConfig
 from runtime.draft_engine import DraftEngine
 from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.worker_base import (WorkerBase, check_hidden, check_request_id, check_token_range,
+from worker.base import (WorkerBase, check_hidden, check_request_id, check_token_range,
                                repeated_ids)
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
 from runtime.weights import CheckedCheckpoint, check_draft, check_target, resolve_draft_path
-from specsplit.serving import check_checkpoint_path
-from specsplit.wire import ItemError, item_error_for
+from core.serving import check_checkpoint_path
+from core.wire import ItemError, item_error_for
 
 PREFILL, PROPOSE = "prefill", "propose"
 

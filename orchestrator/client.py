@@ -165,7 +165,7 @@ class SpecsplitClient:
         self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         if token is None:
             # The Jupyter pattern: a local service's generated admin token is in its token file.
-            from specsplit.admin_token import find_admin_token
+            from core.admin_token import find_admin_token
 
             token = find_admin_token(address)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None

@@ -1,9 +1,9 @@
 """Prometheus metrics of the orchestrator (names start with ``specsplit_``).
 
 Owns: the metric definitions and how scheduler observations map onto them
-(it implements ``orchestrator.scheduler.Observer``). Each orchestrator gets
+(it implements ``rounds.scheduler.Observer``). Each orchestrator gets
 its own ``CollectorRegistry`` so several can live in one process (tests);
-``runtime.observability.start_metrics_server`` serves it.
+``core.observability.start_metrics_server`` serves it.
 
 Must not know: gRPC, models, frameworks.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from orchestrator.scheduler import RoundTiming
+from rounds.scheduler import RoundTiming
 
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LENGTH_BUCKETS = tuple(float(i) for i in range(1, 18))

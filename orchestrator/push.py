@@ -31,7 +31,8 @@ from typing import BinaryIO
 import numpy as np
 
 from runtime.checkpoint import CheckpointError
-from runtime.config import ConfigError, ModelConfig
+from core.config import ConfigError
+from runtime.config import ModelConfig
 from runtime.model import MTP_PREFIX, mtp_tensor_shapes, target_tensor_shapes
 from runtime.weights import MTP_FILE, check_draft, check_target
 

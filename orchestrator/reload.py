@@ -31,8 +31,8 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from orchestrator.round_client import RemoteRounds
-from orchestrator.scheduler_types import RequestError
-from runtime.config import OrchestratorConfig
+from rounds.scheduler_types import RequestError
+from orchestrator.config import OrchestratorConfig
 from specsplit.v1 import common_pb2
 
 log = structlog.get_logger("orchestrator.reload")

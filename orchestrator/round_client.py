@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
-from orchestrator.scheduler_types import (ErrorEvent, Event, FinalEvent, GenerationRequest, NullObserver,
+from rounds.scheduler_types import (ErrorEvent, Event, FinalEvent, GenerationRequest, NullObserver,
                                           RequestError, RoundTiming, TokensEvent)
 from runtime.round_driver import SeqStats
-from specsplit import wire
+from core import wire
 from specsplit.v1 import target_pb2 as tpb
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -155,7 +155,7 @@ class RemoteRounds:
 
     def __init__(self, target: Any, observer: Any = None, decode_deadline_s: float = 24 * 3600.0,
                  control_timeout_s: float = 30.0, resume_wait_s: float = 120.0) -> None:
-        self.target = target                     # orchestrator.worker_clients.TargetClient
+        self.target = target                     # rounds.worker_clients.TargetClient
         self.resume_wait_s = resume_wait_s
         # Hooks the orchestrator sets: is a reload running, wait for it, free a draft cache.
         self.reloading: Any = lambda: False

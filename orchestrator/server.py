@@ -28,23 +28,23 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2
 from grpc_status import rpc_status
 
-from orchestrator.draft_health import read_address_file
+from rounds.draft_health import read_address_file
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.push import PushError, PushStaging
 from orchestrator.reload import (ABORT, IN_PLACE, RECAPTURE, RECOMPUTE, WAIT, ReloadCoordinator, ReloadError,
                                  ReloadEvent, ReloadSpec)
 from orchestrator.round_client import RemoteRounds
-from orchestrator.scheduler_types import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError,
+from rounds.scheduler_types import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError,
                                           TokensEvent)
 from orchestrator.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, ModelFacts, _bad, validate  # noqa: F401
-from orchestrator.worker_clients import DraftClient, TargetClient
-from runtime.config import OrchestratorConfig
-from runtime.observability import start_metrics_server
+from rounds.worker_clients import DraftClient, TargetClient
+from orchestrator.config import OrchestratorConfig
+from core.observability import start_metrics_server
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import StopStrings, Tokenizer, load_tokenizer
-from specsplit import wire
-from specsplit.admin_token import token_for_worker
-from specsplit.serving import build_server
+from core import wire
+from core.admin_token import token_for_worker
+from core.serving import build_server
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
 log = structlog.get_logger("orchestrator")
@@ -68,7 +68,7 @@ class Orchestrator:
                   tls_ca=cfg.tls_ca, client_cert=(cfg.tls_client_cert or cfg.security.tls_cert) if cfg.tls_ca else None,
                   client_key=(cfg.tls_client_key or cfg.security.tls_key) if cfg.tls_ca else None,
                   admin_token=None)
-        # One admin-token setting serves both ends; local workers' token files are found (specsplit.admin_token).
+        # One admin-token setting serves both ends; local workers' token files are found (core.admin_token).
         token = lambda address: token_for_worker(cfg.worker_admin_token, cfg.security.admin_token, address)  # noqa: E731
         self.target = TargetClient(cfg.target_address, **{**kw, "admin_token": token(cfg.target_address),
                                                           "token_source": lambda: token(cfg.target_address)})

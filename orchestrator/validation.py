@@ -14,10 +14,10 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
-from orchestrator.scheduler_types import GenerationRequest, RequestError
-from runtime.config import OrchestratorConfig
+from rounds.scheduler_types import GenerationRequest, RequestError
+from orchestrator.config import OrchestratorConfig
 from runtime.tokenizer import Tokenizer
-from specsplit import wire
+from core import wire
 from specsplit.v1 import orchestrator_pb2 as opb
 
 MAX_REQUEST_ID_CHARS = 128

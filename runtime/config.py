@@ -1,8 +1,10 @@
-"""Configuration tree for specsplit: frozen dataclasses, validated on construction.
+"""Model and engine configuration: frozen dataclasses, validated on construction.
 
-Owns: the shape of every setting (model architecture read from a Hugging Face
-``config.json``, speculation, sampling, cache limits, backend/device choice)
-and the rules for valid values. Invalid values raise ``ConfigError`` naming
+Owns: the model architecture (read from a Hugging Face ``config.json``) and the
+engine's settings (speculation, cache limits, graphs, backend/device choice)
+and the rules for valid values. The services' own settings live with them
+(``worker.config``, ``orchestrator.config``; server/security in ``core.config``);
+a request's decoding parameters in ``core.params``. Invalid values raise ``ConfigError`` naming
 the field and the allowed range.
 
 Must not know: where values come from (flags, TOML, env vars are parsed only
@@ -13,22 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.config import ConfigError
+from core.config import check as _check
+
 DTYPES = ("float32", "float16", "bfloat16")
 BACKENDS = ("paddle", "torch")
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the field."""
-
-
-def _check(cond: bool, name: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
 
 
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
@@ -196,31 +191,6 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters. temperature 0 means greedy."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    draft_sampling: bool = False  # True: the draft samples from q and sends q (probabilistic draft)
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _check(math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]", self.temperature)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
-        _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1] (1 = off)", self.top_p)
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "None or in [0, 2^63)", self.seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
 class CacheConfig:
     """Static KV-cache capacity: ``max_slots`` requests of up to ``max_len`` positions."""
 
@@ -280,152 +250,3 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     graphs: GraphConfig = field(default_factory=GraphConfig)
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    """TLS / admin-token settings of one service (all optional)."""
-
-    tls_cert: str | None = None          # server certificate (PEM path); enables TLS
-    tls_key: str | None = None
-    tls_client_ca: str | None = None     # require client certificates signed by this CA (mTLS)
-    admin_token: str | None = None       # required in `authorization: Bearer <token>` for admin RPCs
-    checkpoint_roots: tuple[str, ...] = ()  # checkpoint paths must resolve under one of these (empty = any)
-    generate_token: str | None = None    # generation-only token: Generate needs it (or the admin token) when set;
-                                         # admin RPCs presented with it are PERMISSION_DENIED
-    admin_client_cns: tuple[str, ...] = ()  # mTLS: client-certificate common names allowed to call admin RPCs
-    max_tensor_bytes: int = 64 * 1024 * 1024  # largest tensor (data bytes) a request may carry
-    admin_token_file: str | None = None  # where a generated admin token is written (default: the runtime dir)
-    allow_insecure: bool = False         # serve plaintext on a non-loopback address (warned at every start)
-
-    def __post_init__(self) -> None:
-        _check((self.tls_cert is None) == (self.tls_key is None), "security.tls_cert/tls_key",
-               "both set or both unset", (self.tls_cert, self.tls_key))
-        _check(self.tls_client_ca is None or self.tls_cert is not None, "security.tls_client_ca",
-               "used only together with tls_cert/tls_key", self.tls_client_ca)
-        _check(not self.admin_client_cns or self.tls_client_ca is not None, "security.admin_client_cns",
-               "used only with mutual TLS (tls_client_ca set): a common name is only trusted when the "
-               "certificate was verified", self.admin_client_cns)
-        _check(not self.generate_token or self.generate_token != self.admin_token,
-               "security.generate_token", "different from the admin token", "***")
-        _check(isinstance(self.max_tensor_bytes, int) and 1 <= self.max_tensor_bytes <= 2**31 - 1,
-               "security.max_tensor_bytes", "an integer in [1, 2^31-1]", self.max_tensor_bytes)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Where a service listens and its transport limits."""
-
-    host: str = "127.0.0.1"
-    port: int = 0                        # 0 = pick a free port
-    metrics_port: int | None = None      # Prometheus HTTP port; None = no metrics endpoint, 0 = pick
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_workers: int = 16                # gRPC thread pool size
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.port, int) and 0 <= self.port <= 65535, "server.port", "an integer in [0, 65535]", self.port)
-        _check(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "server.metrics_port",
-               "None or an integer in [0, 65535]", self.metrics_port)
-        _check(1024 <= self.max_message_bytes <= 2**31 - 1, "server.max_message_bytes", "in [1024, 2^31-1]", self.max_message_bytes)
-        _check(1 <= self.max_workers <= 1024, "server.max_workers", "in [1, 1024]", self.max_workers)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """A draft or target worker service."""
-
-    role: str                            # "draft" | "target"
-    target_path: str | None              # load at start when set (else start EMPTY)
-    draft_path: str | None = None
-    weights_version: str = ""
-    capture_on_start: bool = False       # capture graphs after the start-up load
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    graphs: GraphConfig = field(default_factory=GraphConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
-    draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
-                                         # mTLS serving: security.tls_client_ca, showing security.tls_cert
-    draft_client_cert: str | None = None  # client certificate shown to an mTLS draft
-    draft_client_key: str | None = None
-
-    def __post_init__(self) -> None:
-        _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
-        _check((self.draft_client_cert is None) == (self.draft_client_key is None),
-               "draft_client_cert/draft_client_key", "both set or both unset",
-               (self.draft_client_cert, self.draft_client_key))
-        _check(self.draft_client_cert is None or self.draft_tls_ca is not None, "draft_client_cert",
-               "used only together with draft_tls_ca", self.draft_client_cert)
-
-
-@dataclass(frozen=True)
-class OrchestratorConfig:
-    """The client-facing orchestrator."""
-
-    draft_address: str | None            # host:port; None = target-only serving
-    target_address: str = "127.0.0.1:50052"
-    default_k: int = 3
-    max_k: int = 3
-    max_batch: int = 16                  # sequences per round
-    max_queue: int = 64                  # waiting requests before RESOURCE_EXHAUSTED
-    max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
-    max_prompt_tokens: int = 4096
-    worker_timeout_s: float = 30.0       # deadline of every call to a worker
-    tokenizer: str = "byte"              # "byte" (bundled model) or a model directory with tokenizer.json
-    server: ServerConfig = field(default_factory=ServerConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    tls_ca: str | None = None            # CA to verify the workers' certificates (TLS to workers)
-    worker_admin_token: str | None = None  # token the orchestrator presents to the workers' admin RPCs
-    tls_client_cert: str | None = None   # client certificate shown to mTLS workers (default: security.tls_cert)
-    tls_client_key: str | None = None
-    # --- failures and shutdown (orchestrator.draft_health, graceful shutdown) ---
-    draft_address_file: str | None = None  # file holding the draft's host:port, re-read every second; a new
-                                           # address there moves the orchestrator to that draft
-    shutdown_grace_s: float = 10.0       # SIGTERM: in-flight requests may finish for this long, then exit
-    # --- weight reload (ReloadWeights / PushWeights) ---
-    reload_call_timeout_s: float = 600.0  # deadline of each worker lifecycle call of a reload (loads are slow)
-    reload_wait_timeout_s: float = 60.0   # WAIT policy: longest drain of in-flight requests, then the reload fails
-    reload_rollback_wait_s: float = 60.0  # rollback: how long to wait for an unreachable (restarting) worker
-    generate_wait_during_reload_s: float = 30.0  # a Generate during a reload waits this long, then UNAVAILABLE; 0 = at once
-    push_staging_dir: str | None = None   # PushWeights staging root (workers must read it at the same path); None = off
-    push_max_bytes: int = 64 * 1024**3    # largest PushWeights payload (tensor bytes)
-    push_keep_versions: int = 3           # staged pushes kept on disk (the serving one and its predecessors)
-    # --- OpenAI-compatible HTTP API (orchestrator.http_api) ---
-    http_port: int | None = None          # None = off, 0 = pick; served on server.host next to the gRPC port
-    http_model_name: str = "specsplit"    # the model id of /v1/models and the `model` field requests must name
-
-    def __post_init__(self) -> None:
-        _check(1.0 <= self.reload_call_timeout_s <= 86400, "reload_call_timeout_s", "in [1, 86400]",
-               self.reload_call_timeout_s)
-        _check(0.0 <= self.reload_wait_timeout_s <= 86400, "reload_wait_timeout_s", "in [0, 86400]",
-               self.reload_wait_timeout_s)
-        _check(0.0 <= self.reload_rollback_wait_s <= 86400, "reload_rollback_wait_s", "in [0, 86400]",
-               self.reload_rollback_wait_s)
-        _check(0.0 <= self.generate_wait_during_reload_s <= 3600, "generate_wait_during_reload_s", "in [0, 3600]",
-               self.generate_wait_during_reload_s)
-        _check(self.push_staging_dir is None or bool(self.push_staging_dir.strip()), "push_staging_dir",
-               "None or a non-empty directory path", self.push_staging_dir)
-        _check(1 <= self.push_max_bytes <= 1 << 50, "push_max_bytes", "in [1, 2^50]", self.push_max_bytes)
-        _check(2 <= self.push_keep_versions <= 100, "push_keep_versions", "in [2, 100] (the serving version and "
-               "the one a rollback returns to)", self.push_keep_versions)
-        _check(0 <= self.max_k <= 16, "max_k", "in [0, 16]", self.max_k)
-        _check(0 <= self.default_k <= self.max_k, "default_k", f"in [0, max_k={self.max_k}]", self.default_k)
-        _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
-        _check(0 <= self.max_queue <= 100000, "max_queue", "in [0, 100000]", self.max_queue)
-        _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)
-        _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
-        _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)
-        _check(self.tokenizer == "byte" or bool(self.tokenizer.strip()), "tokenizer",
-               "'byte' or a model directory holding tokenizer.json", self.tokenizer)
-        _check((self.tls_client_cert is None) == (self.tls_client_key is None), "tls_client_cert/tls_client_key",
-               "both set or both unset", (self.tls_client_cert, self.tls_client_key))
-        _check(0.0 <= self.shutdown_grace_s <= 3600, "shutdown_grace_s", "in [0, 3600]", self.shutdown_grace_s)
-        _check(self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "None or an integer in "
-               "[0, 65535]", self.http_port)
-        _check(bool(self.http_model_name.strip()), "http_model_name", "a non-empty model id", self.http_model_name)
-        # NOTE: the HTTP API calls Generate over plaintext loopback and serves plaintext itself,
-        # so it is refused beside a TLS gRPC port rather than silently downgrading security.
-        _check(self.http_port is None or not self.security.tls_cert, "http_port", "unset when security.tls_cert "
-               "is set (the HTTP API serves plaintext: put a TLS-terminating proxy in front of it)", self.http_port)

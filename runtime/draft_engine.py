@@ -30,7 +30,8 @@ import numpy as np
 from runtime import sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
-from runtime.config import CacheConfig, ModelConfig, SamplingParams
+from core.params import SamplingParams
+from runtime.config import CacheConfig, ModelConfig
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache
 from runtime.model import Params, Rope, build_attn_meta, lm_head, mtp_forward

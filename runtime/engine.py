@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.backends import make_ops
-from runtime.config import EngineConfig, ModelConfig, SamplingParams
+from core.params import SamplingParams
+from runtime.config import EngineConfig, ModelConfig
 from runtime.draft_engine import DraftEngine
 from runtime.graphs import GraphRegistry
 from runtime.round_driver import SeqStats, Sequence, admit, release, run_round

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.config import ConfigError, ModelConfig, RopeScaling
+from core.config import ConfigError
+from runtime.config import ModelConfig, RopeScaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

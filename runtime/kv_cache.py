@@ -15,18 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.errors import ResourceExhausted, UnknownRequest
 from runtime.backends.base import Ops, Tensor
 
 
-class CapacityError(RuntimeError):
+class CapacityError(ResourceExhausted):
     """The cache cannot hold a request (no free slot, or a sequence too long)."""
 
 
-class UnknownRequestError(KeyError):
+class UnknownRequestError(UnknownRequest):
     """A request id that holds no slot here."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0]) if self.args else "unknown request"
 
 
 @dataclass

@@ -5,7 +5,7 @@ state, the idempotent no-ops, the ordered event log of transitions (the last
 256, reported by GetStatus) and notifying observers (metrics, health, logs)
 of every transition attempt.
 
-The worker that the lifecycle drives is ``runtime/worker_base.py``.
+The worker that the lifecycle drives is ``worker/base.py``.
 
 Must not know: gRPC, frameworks, models, scheduling. The work a transition
 stands for is a callable passed to ``Lifecycle.apply``; the state machine only
@@ -38,6 +38,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from core.errors import FailedPrecondition
+
 MAX_EVENTS = 256
 
 
@@ -47,7 +49,7 @@ class State(enum.Enum):
     READY = "READY"      # weights loaded and graphs captured
 
 
-class LifecycleError(RuntimeError):
+class LifecycleError(FailedPrecondition):
     """A transition or request not allowed in the current state (FAILED_PRECONDITION)."""
 
 

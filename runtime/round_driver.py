@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.acceptance import truncate_at_stop
 from runtime.adaptive_k import AdaptiveK, RoundCosts, choose_round_k
-from runtime.config import SamplingParams
+from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.config import SamplingParams
+from core.params import SamplingParams
 
 
 def hidden_float32(arr: np.ndarray) -> np.ndarray:

@@ -21,8 +21,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from runtime.config import ConfigError, OrchestratorConfig, WorkerConfig
-from specsplit import config_loader
+from core.config import ConfigError
+from orchestrator.config import OrchestratorConfig
+from worker.config import WorkerConfig
+from core import config_loader
+from specsplit import configs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tiny"
@@ -47,7 +50,7 @@ def announce(service: str, port: int, metrics_port: int | None, host: str, secur
     msg: dict[str, Any] = {"event": "listening", "service": service, "address": f"{host}:{port}",
                            "metrics_port": metrics_port, **extra}
     if security is not None and not (security.admin_token or security.admin_client_cns):
-        from specsplit.admin_token import default_token_path
+        from core.admin_token import default_token_path
 
         msg["admin_token_file"] = str(security.admin_token_file or default_token_path(port))
     print(json.dumps(msg), flush=True)
@@ -74,10 +77,10 @@ def wait_for_signal() -> int:
 
 
 def cmd_worker(role: str, args: argparse.Namespace) -> int:
-    from runtime.observability import configure_logging, redact
+    from core.observability import configure_logging, redact
 
     overrides = {"role": role}
-    cfg = config_loader.build(WorkerConfig, args, overrides=overrides)
+    cfg = configs.build(WorkerConfig, args, overrides=overrides)
     log = configure_logging(f"{role}_service", args.log_level)
     log.info("starting", config=redact(cfg))
     try:
@@ -101,14 +104,14 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:
-    from runtime.observability import configure_logging, redact
+    from core.observability import configure_logging, redact
 
     try:
         from orchestrator.server import create_server
     except ImportError as exc:
         raise StartFailed() from exc
 
-    cfg = config_loader.build(OrchestratorConfig, args)
+    cfg = configs.build(OrchestratorConfig, args)
     log = configure_logging("orchestrator", args.log_level)
     log.info("starting", config=redact(cfg))
     try:
@@ -158,7 +161,7 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
                         log_level=args.log_level, extra_env={}, admin_token=args.admin_token, host=args.host,
                         allow_insecure=args.allow_insecure, http_port=args.http_port)
-    from specsplit.startup import StartupError
+    from core.startup import StartupError
 
     stack = Stack(opts)
     try:
@@ -270,7 +273,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Reload the serving weights; prints one line (or JSON object) per progress event."""
     from orchestrator.client import ReloadFailed, SpecsplitClient
 
-    from specsplit.progress import progress
+    from core.progress import progress
 
     with _client(args) as client, progress(desc="reload", unit="phase") as bar:
         try:
@@ -293,7 +296,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     """Send a checkpoint's tensors (the target's, from its index, and the MTP file's) over PushWeights."""
     from orchestrator.client import ReloadFailed
     from runtime.checkpoint import CheckpointError, index_checkpoint, read_tensor
-    from specsplit.progress import progress
+    from core.progress import progress
 
     root = Path(args.checkpoint)
     try:
@@ -357,7 +360,7 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            from specsplit.tls_hint import tls_mismatch
+            from core.tls_hint import tls_mismatch
 
             hint = tls_mismatch(args.address, args.tls_ca, args.tls_cert, args.tls_key)
             if hint:
@@ -398,7 +401,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 def client_token(args: argparse.Namespace) -> str | None:
     """--token, else --token-file, else the token file of a local service at --address (or None)."""
-    from specsplit.admin_token import find_admin_token, read_token_file
+    from core.admin_token import find_admin_token, read_token_file
 
     if args.token:
         return args.token
@@ -521,7 +524,7 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     if train_args:
         # NOTE: imported only for `train`: it loads Torch, which the other
         # commands (and Paddle workers) must not pay for.
-        from runtime.backends.torch_train import add_train_args
+        from training.torch_train import add_train_args
 
         add_train_args(p)
 
@@ -553,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
                     "status": cmd_status, "reload": cmd_reload, "push": cmd_push, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
-            from runtime.backends.torch_train import run_train
+            from training.torch_train import run_train
 
             run_train(args)
             return 0
@@ -586,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_failed(cause: BaseException, args: argparse.Namespace) -> int:
     """``specsplit: <what>: <why>`` on one line, exit 2; the traceback only under --log-level debug."""
-    from specsplit.startup import describe
+    from core.startup import describe
 
     if str(getattr(args, "log_level", "")).upper() == "DEBUG":
         import traceback
@@ -602,7 +605,7 @@ def _tls_hint(exc: Any, args: argparse.Namespace) -> str | None:
 
     if getattr(exc, "code", None) != grpc.StatusCode.UNAVAILABLE or not getattr(args, "address", None):
         return None
-    from specsplit.tls_hint import tls_mismatch
+    from core.tls_hint import tls_mismatch
 
     return tls_mismatch(args.address, getattr(args, "tls_ca", None), getattr(args, "tls_cert", None),
                         getattr(args, "tls_key", None))

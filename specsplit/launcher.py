@@ -166,7 +166,7 @@ class Stack:
     def __enter__(self) -> "Stack":
         env = {**os.environ, **self.opts.extra_env}
         # NOTE: one token for the three services: the orchestrator presents its own admin token
-        # to the workers when no separate worker token is set (specsplit.admin_token.token_for_worker).
+        # to the workers when no separate worker token is set (core.admin_token.token_for_worker).
         self.admin_token = self.opts.admin_token or env.get("SPECSPLIT_SECURITY_ADMIN_TOKEN") or \
             secrets.token_urlsafe(32)
         env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.admin_token
@@ -201,7 +201,7 @@ class Stack:
 
     def _write_token_files(self) -> None:
         """The stack's token in the token file of every service's port (0600), for the CLI."""
-        from specsplit.admin_token import default_token_path, split_address, write_token_file
+        from core.admin_token import default_token_path, split_address, write_token_file
 
         for name, c in self.children.items():
             port = split_address(c.address)[1]

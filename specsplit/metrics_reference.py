@@ -23,9 +23,9 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
 
     from prometheus_client import CollectorRegistry
 
-    from specsplit.audit import admin_rpc_counter
+    from core.audit import admin_rpc_counter
 
-    # Every server counts its admin RPCs (specsplit.serving.build_server).
+    # Every server counts its admin RPCs (core.serving.build_server).
     admin = lambda: [admin_rpc_counter(CollectorRegistry())]  # noqa: E731
     # NOTE: the orchestrator's metrics are whatever its registry holds once every part that
     # registers there exists (the reload coordinator's too), not only OrchestratorMetrics' attributes.

@@ -2,8 +2,8 @@
 
 Owns: the target's own counters (drafts verified and accepted) and
 ``TargetMetrics``; the families every worker shares come from
-``specsplit.worker_metrics``. Served by
-``runtime.observability.start_metrics_server`` when ``server.metrics_port``
+``core.worker_metrics``. Served by
+``core.observability.start_metrics_server`` when ``server.metrics_port``
 is set.
 
 Must not know: gRPC, models, frameworks.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from specsplit.worker_metrics import WorkerMetrics, families
+from core.worker_metrics import WorkerMetrics, families
 
 FAMILIES = families("target", "Target steps (verify) run by CUDA-graph replay vs eagerly.", "target KV cache")
 VERIFIED_DRAFTS = Counter("specsplit_target_verified_drafts_total", "Draft tokens verified.")

@@ -1,10 +1,10 @@
 """The round loop, hosted next to the target (DESIGN § Topology).
 
 Owns: the target process's scheduler (continuous batching over the
-speculative round, ``orchestrator.scheduler``) with the in-process target
+speculative round, ``rounds.scheduler``) with the in-process target
 worker as its target port and the draft service as its draft port (one
 persistent stream, target -> draft, one exchange per round), the draft link
-(fallback to target-only and re-attach, ``orchestrator.draft_health``), the
+(fallback to target-only and re-attach, ``rounds.draft_health``), the
 Decode requests joining it, and the control actions the orchestrator's
 lifecycle work needs (pause / settle / abort / park / resume, configure).
 
@@ -29,13 +29,13 @@ from typing import Any, Callable
 
 import structlog
 
-from orchestrator.draft_health import DraftLink
-from orchestrator.scheduler import (GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
+from rounds.draft_health import DraftLink
+from rounds.scheduler import (GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
                                     Scheduler)
-from orchestrator.worker_clients import DraftClient
-from runtime.config import WorkerConfig
+from rounds.worker_clients import DraftClient
+from worker.config import WorkerConfig
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
-from specsplit.wire import ItemError
+from core.wire import ItemError
 from target_service.worker import TargetWorker
 
 log = structlog.get_logger("target.rounds")

@@ -1,13 +1,13 @@
 """The target service's gRPC servicer and ``create_server``.
 
-Owns: proto <-> record conversion for TargetService (via ``specsplit.wire``),
+Owns: proto <-> record conversion for TargetService (via ``core.wire``),
 the persistent Verify stream (one batched response per batched request,
 per-item errors, the stream survives bad items and failed batches), and
 assembling worker + servicer + health + metrics into a started server.
 
 Must not know: tensors beyond decoding them into numpy records, models,
 frameworks. All work happens in ``TargetWorker``; lifecycle / status / release
-RPCs come from ``specsplit.serving.WorkerServicerMixin``.
+RPCs come from ``worker.service.WorkerServicerMixin``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import grpc
 import numpy as np
 import structlog
 
-from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, SeqStats,
+from rounds.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, SeqStats,
                                     TokensEvent)
-from runtime.config import WorkerConfig
-from runtime.observability import redact
+from worker.config import WorkerConfig
+from core.observability import redact
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
-from runtime.worker_base import check_request_id, check_token_range
-from specsplit import wire
-from specsplit.serving import WorkerService, WorkerServicerMixin, start_worker_service
+from worker.base import check_request_id, check_token_range
+from core import wire
+from worker.service import WorkerService, WorkerServicerMixin, start_worker_service
 from specsplit.v1 import common_pb2
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc

@@ -1,6 +1,6 @@
 """The target worker: lifecycle + prefill and batched verification.
 
-Owns: a ``TargetEngine`` behind the lifecycle (``runtime.worker_base.WorkerBase``:
+Owns: a ``TargetEngine`` behind the lifecycle (``worker.base.WorkerBase``:
 load / in-place update / release of weights, graph capture and clear,
 status), the target's checkpoint rules (a Hugging Face Llama directory),
 per-item validation of Prefill and Verify batches, and the target's metrics.
@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from runtime.config import ModelConfig, WorkerConfig
+from runtime.config import ModelConfig
+from worker.config import WorkerConfig
 from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.worker_base import WorkerBase, check_request_id, check_token_range, repeated_ids
+from worker.base import WorkerBase, check_request_id, check_token_range, repeated_ids
 from runtime.target_engine import TargetEngine
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from runtime.weights import CheckedCheckpoint, check_target
-from specsplit.serving import check_checkpoint_path
-from specsplit.wire import ItemError, item_error_for
+from core.serving import check_checkpoint_path
+from core.wire import ItemError, item_error_for
 from target_service.metrics import TargetMetrics
 
 PREFILL, VERIFY = "prefill", "verify"

@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import (CacheConfig, GraphConfig, ModelConfig, RuntimeConfig, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
+from core.config import SecurityConfig, ServerConfig
+from runtime.config import CacheConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 
 TIMEOUT = 30.0  # seconds: deadline of every stub call in the tests
@@ -102,7 +103,7 @@ def worker_config(tiny_model_dir: Path) -> Callable[..., WorkerConfig]:
 
 @dataclass
 class RunningWorker:
-    service: Any            # specsplit.serving.WorkerService
+    service: Any            # worker.service.WorkerService
     channel: grpc.Channel | None   # None for a TLS server (tests bring credentials)
     stub: Any                      # DraftServiceStub | TargetServiceStub
     health: Any                    # HealthStub
@@ -141,7 +142,7 @@ def worker_server(worker_config: Callable[..., WorkerConfig]) -> Callable[..., R
             channel = grpc.insecure_channel(address)
             grpc.channel_ready_future(channel).result(timeout=TIMEOUT)
             if not (cfg.security.admin_token or cfg.security.admin_client_cns):
-                from specsplit.admin_token import process_token
+                from core.admin_token import process_token
 
                 channel = grpc.intercept_channel(channel, _AdminToken(process_token()))
             running = RunningWorker(svc, channel, stub_cls(channel), health_pb2_grpc.HealthStub(channel), address)

@@ -18,8 +18,11 @@ from typing import Any
 
 import yaml
 
-from runtime.config import ConfigError, OrchestratorConfig, WorkerConfig
-from specsplit import cli, config_loader
+from core.config import ConfigError
+from orchestrator.config import OrchestratorConfig
+from worker.config import WorkerConfig
+from core import config_loader
+from specsplit import cli, configs
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -222,7 +225,7 @@ def build_config(command: str, args: argparse.Namespace, env: dict[str, str], wh
     cls = SERVICE_CLASSES[command]
     overrides = {"role": command} if cls is WorkerConfig else None
     try:
-        return config_loader.build(cls, args, env=env, overrides=overrides)
+        return configs.build(cls, args, env=env, overrides=overrides)
     except ConfigError as exc:
         raise AssertionError(f"{where}: invalid configuration: {exc}") from None
 

@@ -23,8 +23,8 @@ from runtime.backends import make_ops  # noqa: E402
 from runtime.backends.torch_sampling import accept_rows  # noqa: E402
 from runtime.batch_layout import Row, context_spans, layout_rows  # noqa: E402
 from runtime.checkpoint import save_safetensors, save_target  # noqa: E402
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig,  # noqa: E402
-                            SamplingParams, SpecConfig)
+from core.params import SamplingParams  # noqa: E402
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig  # noqa: E402
 from runtime.engine import GenRequest, SpecEngine  # noqa: E402
 from runtime.graphs import GraphRegistry  # noqa: E402
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes  # noqa: E402

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from runtime.backends import make_ops  # noqa: E402
 from runtime.batch_layout import Row, layout_rows  # noqa: E402
 from runtime.checkpoint import save_safetensors, save_target  # noqa: E402
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig,  # noqa: E402
-                            SamplingParams, SpecConfig)
+from core.params import SamplingParams  # noqa: E402
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig  # noqa: E402
 from runtime.draft_engine import SUBSTEP, DraftEngine  # noqa: E402
 from runtime.engine import GenRequest, SpecEngine  # noqa: E402
 from runtime.graphs import GraphRegistry  # noqa: E402

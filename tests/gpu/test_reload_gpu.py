@@ -31,8 +31,10 @@ from draft_service.server import start as start_draft  # noqa: E402
 from orchestrator.client import SpecsplitClient  # noqa: E402
 from orchestrator.server import create_server  # noqa: E402
 from runtime.checkpoint import save_safetensors, save_target  # noqa: E402
-from runtime.config import (CacheConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,  # noqa: E402
-                            ServerConfig, SpecConfig, WorkerConfig)
+from core.config import ServerConfig  # noqa: E402
+from orchestrator.config import OrchestratorConfig  # noqa: E402
+from runtime.config import CacheConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
 from runtime.model import mtp_tensor_shapes, target_tensor_shapes  # noqa: E402
 from target_service.server import start as start_target  # noqa: E402
 
@@ -82,7 +84,7 @@ def quiet_logs():
     """Service logs at WARNING on stderr for this test (the table is the output); restored after."""
     import structlog
 
-    from runtime.observability import configure_logging
+    from core.observability import configure_logging
     saved = structlog.get_config()
     configure_logging("test-reload-gpu", "WARNING")
     yield

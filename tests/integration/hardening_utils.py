@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from specsplit.launcher import Child
 from tests.byte_model import write_byte_model
 

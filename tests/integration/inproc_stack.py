@@ -14,8 +14,10 @@ from typing import Any
 
 from draft_service.server import start as start_draft
 from orchestrator.server import create_server
-from runtime.config import (CacheConfig, GraphConfig, OrchestratorConfig, RuntimeConfig, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
+from core.config import SecurityConfig, ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from target_service.server import start as start_target
 from tests.byte_model import write_byte_model
 

@@ -145,7 +145,8 @@ class LoopbackRewrite:
 
 _REFERENCE = """
 import json, sys
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 model, backend, prompt, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 eng = SpecEngine(EngineConfig(target_path=model, runtime=RuntimeConfig(backend=backend),

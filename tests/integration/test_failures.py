@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
-from runtime.config import OrchestratorConfig, ServerConfig
+from core.config import ServerConfig
+from orchestrator.config import OrchestratorConfig
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2_grpc
 from tests.integration.hardening_utils import Reference, Stream, WorkerProcs, make_model, prompt_of, wait_until

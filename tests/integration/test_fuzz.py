@@ -30,9 +30,11 @@ from hypothesis import strategies as st
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient
 from orchestrator.server import create_server
-from runtime.config import (CacheConfig, GraphConfig, OrchestratorConfig, RuntimeConfig, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
-from specsplit.auth import admin_metadata
+from core.config import SecurityConfig, ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
+from core.auth import admin_metadata
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc

@@ -31,10 +31,12 @@ from hypothesis import strategies as st
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient
 from orchestrator.server import create_server
-from runtime.config import (CacheConfig, GraphConfig, OrchestratorConfig, RuntimeConfig, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
-from specsplit.auth import ADMIN_METHODS, admin_metadata
-from specsplit.reflection import V1
+from core.config import SecurityConfig, ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
+from core.auth import ADMIN_METHODS, admin_metadata
+from core.reflection import V1
 from specsplit.v1 import draft_pb2, orchestrator_pb2, target_pb2
 from target_service.server import start as start_target
 from tests.integration.hardening_utils import make_model
@@ -48,7 +50,7 @@ NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
 def _reflection_v1_service():
-    import specsplit.reflection as refl
+    import core.reflection as refl
     from google.protobuf import descriptor_pool
 
     refl._register_v1_descriptor()

@@ -18,8 +18,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
-from runtime.config import CacheConfig, GraphConfig, OrchestratorConfig, RuntimeConfig, ServerConfig, SpecConfig, \
-    WorkerConfig
+from core.config import ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from target_service.server import start as start_target
 from tests import hf_models
 

@@ -26,10 +26,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
-from orchestrator.worker_clients import DraftClient, TargetClient
-from orchestrator.scheduler import WorkerUnavailable
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, OrchestratorConfig, RuntimeConfig,
-                            SamplingParams, ServerConfig, SpecConfig, WorkerConfig)
+from rounds.worker_clients import DraftClient, TargetClient
+from rounds.scheduler import WorkerUnavailable
+from core.config import ServerConfig
+from core.params import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.tokenizer import ByteTokenizer
 from runtime.types import ProposeRequest
@@ -173,9 +176,11 @@ def test_greedy_through_services_equals_target_only_paddle(client, reference):
 
 TORCH_WORKERS = r"""
 import json, sys
-from runtime.observability import configure_logging
+from core.observability import configure_logging
 configure_logging("torch-workers", "WARNING")      # logs to stderr; stdout carries only the ports
-from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, ServerConfig, SpecConfig, WorkerConfig
+from core.config import ServerConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from target_service.server import start as start_target
 from draft_service.server import start as start_draft
 def cfg(role):
@@ -407,8 +412,8 @@ def test_status_health_reflection_metrics_and_reload_checks_its_request(orch, cl
         assert "specsplit.v1.Orchestrator" in names and "grpc.health.v1.Health" in names
         from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        from specsplit.admin_token import find_admin_token
-        from specsplit.auth import admin_metadata
+        from core.admin_token import find_admin_token
+        from core.auth import admin_metadata
         with pytest.raises(grpc.RpcError) as info:          # admin RPCs are never open: the generated token
             list(stub.ReloadWeights(orchestrator_pb2.ReloadWeightsRequest(), timeout=TIMEOUT,
                                     metadata=admin_metadata(find_admin_token(address))))

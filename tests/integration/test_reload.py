@@ -38,8 +38,11 @@ from draft_service.server import start as start_draft
 from orchestrator.client import ReloadFailed, SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
 from runtime.checkpoint import index_checkpoint, load_tensors, save_safetensors, save_target
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,
-                            SamplingParams, SecurityConfig, ServerConfig, SpecConfig, WorkerConfig)
+from core.config import SecurityConfig, ServerConfig
+from core.params import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from runtime.engine import GenRequest, SpecEngine
 from specsplit.v1 import common_pb2
 from target_service.server import start as start_target
@@ -383,10 +386,12 @@ def test_failure_at_each_phase_rolls_back_both_workers(stacks, models, ref, phas
 
 TARGET_WORKER = r"""
 import json, sys, time
-from runtime.observability import configure_logging
+from core.observability import configure_logging
 configure_logging("target-subprocess", "WARNING")
-import runtime.worker_base as lc
-from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, ServerConfig, SpecConfig, WorkerConfig
+import worker.base as lc
+from core.config import ServerConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from target_service.server import start
 model, version, port, hang_on = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 real_read = lc.read_arrays
@@ -507,7 +512,7 @@ def _health(address: str, service: str = "") -> int:
 
 
 def test_one_reload_at_a_time_generate_waits_or_gets_retry_info(stacks, models, ref, monkeypatch):
-    import runtime.worker_base as lc
+    import worker.base as lc
     s = stacks(models["A"], "A", generate_wait_during_reload_s=2.0)
     gate, loading = threading.Event(), threading.Event()
     real = lc.read_arrays

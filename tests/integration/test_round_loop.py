@@ -16,12 +16,14 @@ import grpc
 import pytest
 
 from orchestrator.round_client import RemoteRounds
-from orchestrator.scheduler_types import ErrorEvent, FinalEvent, GenerationRequest, TokensEvent
-from orchestrator.worker_clients import TargetClient
-from runtime.config import (CacheConfig, GraphConfig, RuntimeConfig, SamplingParams, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
+from rounds.scheduler_types import ErrorEvent, FinalEvent, GenerationRequest, TokensEvent
+from rounds.worker_clients import TargetClient
+from core.config import SecurityConfig, ServerConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from runtime.tokenizer import ByteTokenizer
-from specsplit.admin_token import process_token
+from core.admin_token import process_token
 from specsplit.v1 import target_pb2 as tpb
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"

@@ -35,11 +35,13 @@ from grpc_reflection.v1alpha import reflection_pb2
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient
 from orchestrator.server import create_server
-from runtime.config import (CacheConfig, GraphConfig, OrchestratorConfig, RuntimeConfig, SecurityConfig, ServerConfig,
-                            SpecConfig, WorkerConfig)
-from specsplit.admin_token import default_token_path, fingerprint, process_token
-from specsplit.auth import admin_metadata
-from specsplit.reflection import V1
+from core.config import SecurityConfig, ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
+from core.admin_token import default_token_path, fingerprint, process_token
+from core.auth import admin_metadata
+from core.reflection import V1
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2_grpc, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 from target_service.server import start as start_target

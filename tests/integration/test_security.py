@@ -20,10 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
-from runtime.config import (CacheConfig, ConfigError, GraphConfig, OrchestratorConfig, RuntimeConfig, SecurityConfig,
-                            ServerConfig, SpecConfig, WorkerConfig)
-from specsplit import wire
-from specsplit.auth import admin_metadata
+from core.config import ConfigError, SecurityConfig, ServerConfig
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
+from core import wire
+from core.auth import admin_metadata
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc

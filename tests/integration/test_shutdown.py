@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
-from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, ServerConfig, SpecConfig, WorkerConfig
+from core.config import ServerConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from worker.config import WorkerConfig
 from specsplit.launcher import Child
 from target_service.server import start as start_target
 from tests.integration.hardening_utils import (REPO, Reference, Stream, child_env, make_model, prompt_of,

@@ -18,14 +18,16 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from runtime.backends import make_ops
-from runtime.config import CacheConfig, RuntimeConfig, SamplingParams, SecurityConfig, ServerConfig
+from core.config import SecurityConfig, ServerConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, RuntimeConfig
 from runtime.draft_engine import DraftEngine
 from runtime.graphs import GraphRegistry
 from runtime.target_engine import TargetEngine
 from runtime.types import DraftPrefillRequest, PrefillRequest, ProposeRequest, VerifyRequest
 from runtime.weights import check_draft, check_target, read_arrays, resolve_draft_path, to_device
-from specsplit import wire
-from specsplit.serving import admin_metadata
+from core import wire
+from core.serving import admin_metadata
 from tests.integration.hardening_utils import make_cert
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2 as dpb

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from specsplit import admin_token as at
+from core import admin_token as at
 
 
 @pytest.fixture

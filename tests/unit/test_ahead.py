@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from orchestrator.scheduler import FinalEvent, GenerationRequest, Scheduler, TokensEvent
-from runtime.config import SamplingParams
+from rounds.scheduler import FinalEvent, GenerationRequest, Scheduler, TokensEvent
+from core.params import SamplingParams
 from runtime.engine import GenRequest
 from runtime.types import ProposeRequest
 from tests.unit.test_engine_bundled import _engine, _prompts

@@ -22,7 +22,7 @@ def test_version_prints_the_package_version():
 
 def test_train_on_cpu_without_sizes_takes_the_cpu_recipe(capsys):
     pytest.importorskip("torch")
-    from runtime.backends.torch_train import RECIPES, add_train_args, apply_recipe
+    from training.torch_train import RECIPES, add_train_args, apply_recipe
 
     args = add_train_args(argparse.ArgumentParser()).parse_args(["--out", "x"])
     assert apply_recipe(args) == "cpu"
@@ -35,7 +35,7 @@ def test_train_on_cpu_without_sizes_takes_the_cpu_recipe(capsys):
 
 
 def test_progress_goes_to_stderr_only(capsys):
-    from specsplit.progress import progress
+    from core.progress import progress
 
     bar = progress(range(3), desc="x", disable=False)
     assert list(bar) == [0, 1, 2]

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
-from runtime.config import (CacheConfig, ConfigError, GraphConfig, ModelConfig, OrchestratorConfig, RuntimeConfig,
-                            SamplingParams, SecurityConfig, SpecConfig)
+from core.config import ConfigError, SecurityConfig
+from core.params import SamplingParams
+from orchestrator.config import OrchestratorConfig
+from runtime.config import CacheConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
 
 BASE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)

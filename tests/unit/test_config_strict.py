@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import ConfigError, OrchestratorConfig, WorkerConfig
-from specsplit import config_loader
+from core.config import ConfigError
+from orchestrator.config import OrchestratorConfig
+from worker.config import WorkerConfig
+from specsplit import configs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 def build(tmp_path: Path, toml: str, cls: type = WorkerConfig, env: dict | None = None):
     path = tmp_path / "c.toml"
     path.write_text(toml)
-    return config_loader.build(cls, argparse.Namespace(config=path), env=env or {},
-                               overrides={"role": "target"} if cls is WorkerConfig else None)
+    return configs.build(cls, argparse.Namespace(config=path), env=env or {},
+                         overrides={"role": "target"} if cls is WorkerConfig else None)
 
 
 @pytest.mark.parametrize("toml, cls, words", [

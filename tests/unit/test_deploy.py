@@ -43,8 +43,10 @@ import grpc
 import pytest
 import yaml
 
-from runtime.config import OrchestratorConfig, WorkerConfig
-from specsplit import cli, config_loader
+from orchestrator.config import OrchestratorConfig
+from worker.config import WorkerConfig
+from core import config_loader
+from specsplit import cli
 from tests.deploy_files import (COMPOSE_FILE, DEPLOY, K8S_DIR, REPO, SERVICE_CLASSES, build_config, check_cli,
                                 check_env_names, compose_argv, compose_env_files, compose_healthcheck,
                                 compose_service_env, dockerfile_entrypoint, dockerfile_env, dockerfile_healthcheck,

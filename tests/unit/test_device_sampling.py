@@ -120,7 +120,8 @@ def test_engine_device_path_equals_oracle_path(tiny_model_dir):
     """One prefill + one verify round of mixed greedy / sampled / sampled-draft requests:
     the Torch engine with its device sampler gives what the numpy oracle path gives."""
     from runtime.backends import make_ops
-    from runtime.config import CacheConfig, RuntimeConfig, SamplingParams
+    from core.params import SamplingParams
+    from runtime.config import CacheConfig, RuntimeConfig
     from runtime.graphs import GraphRegistry
     from runtime.target_engine import TargetEngine
     from runtime.types import PrefillRequest, VerifyRequest

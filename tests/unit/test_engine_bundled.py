@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer

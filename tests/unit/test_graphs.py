@@ -5,8 +5,8 @@ import pytest
 
 from runtime.backends import make_ops
 from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import (CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SamplingParams,
-                            SpecConfig)
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes

@@ -1,11 +1,11 @@
-"""The ports' guards (orchestrator/guards.py): ahead-drafting calls never end a request or a round."""
+"""The ports' guards (rounds/guards.py): ahead-drafting calls never end a request or a round."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.guards import GuardedDraft
-from orchestrator.scheduler_types import ItemFailures, RequestError, WorkerUnavailable
+from rounds.guards import GuardedDraft
+from rounds.scheduler_types import ItemFailures, RequestError, WorkerUnavailable
 from runtime.types import Proposal, ProposeRequest
 
 

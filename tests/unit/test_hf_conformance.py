@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.model import lm_head
 from runtime.types import PrefillRequest

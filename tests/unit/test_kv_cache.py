@@ -10,7 +10,7 @@ from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import init_params, target_tensor_shapes
 from runtime.target_engine import TargetEngine
 from runtime.types import PrefillRequest, VerifyRequest
-from runtime.config import SamplingParams
+from core.params import SamplingParams
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from orchestrator.chat import NoChatTemplate, render_chat
 from orchestrator.openai_api import ApiError, StopMatcher, parse_chat, parse_completion
-from runtime.config import ConfigError, OrchestratorConfig, SecurityConfig
+from core.config import ConfigError, SecurityConfig
+from orchestrator.config import OrchestratorConfig
 
 M = "m"
 

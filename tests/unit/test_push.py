@@ -15,7 +15,7 @@ import pytest
 from orchestrator.push import PushError, PushStaging
 from runtime.checkpoint import index_checkpoint, load_tensors
 from runtime.config import ModelConfig
-from runtime.worker_base import MAX_KEPT_SOURCES
+from worker.base import MAX_KEPT_SOURCES
 from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from runtime.weights import check_draft, check_target
 

@@ -16,7 +16,8 @@ from scipy.stats import chisquare
 
 from runtime.backends import make_ops
 from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.model import (Rope, init_params, lm_head, mtp_tensor_shapes, target_forward, target_tensor_shapes)
 from runtime.sampling import process_logits

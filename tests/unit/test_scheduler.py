@@ -1,4 +1,4 @@
-"""Continuous batching in ``orchestrator.scheduler`` over in-process ports (no gRPC).
+"""Continuous batching in ``rounds.scheduler`` over in-process ports (no gRPC).
 
 The runtime engines (``TargetEngine``/``DraftEngine``) satisfy the round
 driver's ports directly; wrappers around them inject per-item and whole-call
@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
+from rounds.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
                                     RequestError, RoundTiming, Scheduler, TokensEvent, WorkerUnavailable)
-from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SamplingParams, SpecConfig
+from core.params import SamplingParams
+from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from tests.byte_model import write_byte_model
 

@@ -1,4 +1,4 @@
-"""Unit tests for runtime/backends/torch_train.py and runtime/corpus.py (CPU, seconds).
+"""Unit tests for training/torch_train.py and training/corpus.py (CPU, seconds).
 
 - the unrolled MTP loss reproduces, pass for pass, what the draft engine computes at
   inference (catch-up over true pairs in a KV cache, then substeps on its own hidden);
@@ -18,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
-from runtime.backends.torch_train import (add_train_args, make_params, main_train, mtp_unrolled_logits,  # noqa: E402
+from training.torch_train import (add_train_args, make_params, main_train, mtp_unrolled_logits,  # noqa: E402
                                           mtp_unrolled_loss, target_hidden, target_loss, tiny_config,
                                           unroll_layout)
-from runtime.corpus import BatchSampler, heldout_prompts, is_heldout, list_sources, load_corpus  # noqa: E402
+from training.corpus import BatchSampler, heldout_prompts, is_heldout, list_sources, load_corpus  # noqa: E402
 from runtime.model import Rope, build_attn_meta, lm_head, mtp_forward, mtp_tensor_shapes, target_tensor_shapes  # noqa: E402
 from runtime.weights import check_draft, check_target, read_arrays  # noqa: E402
 
@@ -177,5 +177,5 @@ def test_train_cli_end_to_end(tmp_path):
     args = add_train_args(argparse.ArgumentParser()).parse_args(
         argv[:6] + ["--steps", "0", "--batch", "2", "--seq-len", "16", "--mtp-steps", "2", "--mtp-unroll", "2",
                     "--prompts", "0", "--no-progress"])
-    from runtime.backends.torch_train import run_train
+    from training.torch_train import run_train
     assert run_train(args)["mtp"]["unrolls"] == [2]

@@ -1,4 +1,4 @@
-"""Unit tests for specsplit/wire.py: tensors, sampling params, error mapping, status."""
+"""Unit tests for core/wire.py: tensors, sampling params, error mapping, status."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from runtime.checkpoint import CheckpointError
-from runtime.config import ConfigError, SamplingParams
+from core.config import ConfigError
+from core.params import SamplingParams
 from runtime.kv_cache import CapacityError, UnknownRequestError
 from runtime.lifecycle import LifecycleError, State
-from runtime.worker_base import WorkerStatus
-from specsplit import wire
+from worker.base import WorkerStatus
+from core import wire
+from worker.service import status_to_proto
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import target_pb2 as tpb
 
@@ -175,10 +177,10 @@ def test_status_to_proto_fills_every_field():
                      active_request_ids=("a", "b"), vocab_size=64, hidden_size=32, max_len=128, eos_token_id=0,
                      lifecycle_events=("load_weights", "capture_graphs"), max_position_embeddings=2048,
                      eos_token_ids=(0, 7))
-    p = wire.status_to_proto(s)
+    p = status_to_proto(s)
     for field in pb.WorkerStatus.DESCRIPTOR.fields:
         assert p.HasField(field.name) if field.has_presence else bool(getattr(p, field.name)), field.name
     assert p.state == pb.LIFECYCLE_STATE_READY and p.eos_token_id == 0 and list(p.graph_keys) == list(s.graph_keys)
-    empty = wire.status_to_proto(WorkerStatus("target", State.EMPTY, "", (), 0, "eager (cpu)", 3, "paddle", "cpu", 0, 0,
+    empty = status_to_proto(WorkerStatus("target", State.EMPTY, "", (), 0, "eager (cpu)", 3, "paddle", "cpu", 0, 0,
                                               0, 0, 0, (), 0, 0, 0, None, ()))
     assert empty.state == pb.LIFECYCLE_STATE_EMPTY and not empty.HasField("eos_token_id")

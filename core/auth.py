@@ -14,9 +14,9 @@ verified client certificate's common name:
 
 Admin RPCs are never open: with neither an admin token nor admin common
 names configured, the server generates a token at start
-(``specsplit.admin_token``; ``set_admin_token``) and writes it to a file
+(``core.admin_token``; ``set_admin_token``) and writes it to a file
 only its user can read. Every admin call, allowed or refused, goes to the
-audit trail (``specsplit.audit``) with its final status.
+audit trail (``core.audit``) with its final status.
 
 Must not know: what the methods do. Tokens are compared in constant time
 and never logged (only fingerprints) or echoed in a status message.
@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import grpc
 
-from runtime.config import SecurityConfig
-from specsplit.admin_token import fingerprint
-from specsplit.audit import AdminAudit, request_fields
+from core.config import SecurityConfig
+from core.admin_token import fingerprint
+from core.audit import AdminAudit, request_fields
 
 ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
                            "ReloadWeights", "PushWeights", "ControlRounds"})

@@ -12,7 +12,7 @@ truncated field, a wrong wire type), walking nested messages, e.g.
 
 Without it, grpc answers INTERNAL ("Exception deserializing request!").
 
-Must not know: any particular service or message; tokens (``specsplit.auth``
+Must not know: any particular service or message; tokens (``core.auth``
 runs before it).
 """
 

@@ -6,7 +6,7 @@ streams (``GenerationRequest``, ``TokensEvent``/``FinalEvent``/``ErrorEvent``,
 ``RequestHandle``), and the per-round timing record with its ``Observer``.
 
 Must not know: gRPC, frameworks, how rounds are scheduled
-(``orchestrator/scheduler.py``).
+(``rounds/scheduler.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from runtime.config import SamplingParams
+from core.params import SamplingParams
 from runtime.kv_cache import CapacityError
 from runtime.round_driver import SeqStats
 

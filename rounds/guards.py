@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from orchestrator.scheduler_types import ItemFailures, RequestError
+from rounds.scheduler_types import ItemFailures, RequestError
 from runtime.types import PrefillResult, Proposal, VerifyResult
 
 

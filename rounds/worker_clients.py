@@ -27,11 +27,11 @@ from typing import Any, Callable, Iterator
 import grpc
 import numpy as np
 
-from orchestrator.scheduler import ItemFailures, RequestError, WorkerUnavailable
+from rounds.scheduler import ItemFailures, RequestError, WorkerUnavailable
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
-from specsplit import wire
-from specsplit.serving import admin_metadata
+from core import wire
+from core.serving import admin_metadata
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 # Codes meaning "the worker (or the path to it) is gone", not "this request is bad".

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import ssl
 
-from specsplit.admin_token import split_address
+from core.admin_token import split_address
 
 PROBE_TIMEOUT_S = 3.0
 _PLAINTEXT_SIGNS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNEXPECTED_EOF",

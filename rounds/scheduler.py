@@ -6,7 +6,7 @@ failures, and the per-round time split (draft compute, target compute,
 everything else). The round itself is ``runtime.round_driver`` (admit,
 run_round, release); this module only decides *who* is in each round.
 
-Worker failures: with ``on_draft_lost`` set (``orchestrator.draft_health``), a
+Worker failures: with ``on_draft_lost`` set (``rounds.draft_health``), a
 failed draft call never ends a request: the round re-runs target-only and
 every request goes on without drafts until the handler re-attaches a draft.
 A failed target call ends the requests of that call with UNAVAILABLE at once;
@@ -35,13 +35,13 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from orchestrator.guards import GuardedDraft, GuardedTarget
+from rounds.guards import GuardedDraft, GuardedTarget
 from runtime.adaptive_k import AdaptiveK, RoundCosts
 from runtime.round_driver import DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, run_round
 
-from orchestrator.scheduler_types import (Event, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
+from rounds.scheduler_types import (Event, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
 
-log = structlog.get_logger("orchestrator.scheduler")
+log = structlog.get_logger("rounds.scheduler")
 
 FINISH_CANCELLED = "cancelled"
 FINISH_ABORTED = "aborted"           # ended by a weight reload with policy ABORT (partial output kept)
@@ -79,7 +79,7 @@ class Scheduler:
         self._stopping = False
         self._paused = False                         # admission paused (weight reload); see pause_admission
         self._parked: list[_Live] = []               # RECOMPUTE: out of the batch, caches released, to resume
-        # Draft failures (orchestrator.draft_health sets this): with a handler, a failed draft
+        # Draft failures (rounds.draft_health sets this): with a handler, a failed draft
         # call degrades every request to target-only decoding instead of ending any of them.
         self.on_draft_lost: Callable[[RequestError], None] | None = None
         self._unreleased: set[str] = set()           # target caches of requests a failed target call ended
@@ -429,7 +429,7 @@ class Scheduler:
                 self.target.release(rid)
         self._unreleased.difference_update(ids)
 
-    # --- draft fallback and recovery (driven by orchestrator.draft_health) -------------------
+    # --- draft fallback and recovery (driven by rounds.draft_health) -------------------
     def draft_failed(self, err: RequestError) -> None:
         """Scheduler thread only: the draft is gone (a whole call failed, or its address changed):
         every request goes on target-only and the handler (``on_draft_lost``) reconnects."""

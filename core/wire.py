@@ -3,7 +3,8 @@
 Owns: tensors (numpy <-> ``Tensor {dtype, shape, data}``, with validation that
 names the offending field), sampling parameters (proto <-> ``SamplingParams``),
 per-item errors (``ItemError``) and the one mapping from exceptions to gRPC
-status codes used by every service; ``WorkerStatus`` record -> proto.
+status codes used by every service (the kinds: ``core.errors``). A worker's
+status record -> proto is ``worker.service`` (a layer up: it knows the worker).
 
 Must not know: models, frameworks, servicers or channels. The orchestrator
 uses the tensor and params helpers too (hidden states pass through it as
@@ -15,7 +16,6 @@ Public API:
     decode_optional_tensor(msg, name, field, ...) -> np.ndarray | None
     params_to_proto(SamplingParams) / params_from_proto(proto, field)
     ItemError, status_code_for(exc), item_error_for(exc), item_error_to_proto(err)
-    status_to_proto(WorkerStatus), state_to_proto(State)
 
 bfloat16: numpy has no bf16, so bf16 tensors travel as raw bf16 bits; encode
 rounds float arrays to nearest-even (or takes a uint16 array as bit patterns),
@@ -30,10 +30,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from runtime.config import SamplingParams
-from runtime.kv_cache import CapacityError, UnknownRequestError
-from runtime.lifecycle import LifecycleError, State
-from runtime.worker_base import WorkerStatus
+from core.errors import FailedPrecondition, ResourceExhausted, UnknownRequest
+from core.params import SamplingParams
 from specsplit.v1 import common_pb2 as pb
 
 MAX_TENSOR_DIMS = 8
@@ -182,15 +180,16 @@ class ItemError:
 def status_code_for(exc: BaseException) -> grpc.StatusCode:
     """The one exception -> status code mapping of every specsplit service.
 
-    LifecycleError -> FAILED_PRECONDITION; CapacityError -> RESOURCE_EXHAUSTED;
-    an unknown request id and ValueError (ConfigError, CheckpointError, bad
-    fields) -> INVALID_ARGUMENT; anything else -> INTERNAL.
+    FailedPrecondition (LifecycleError) -> FAILED_PRECONDITION; ResourceExhausted
+    (CapacityError) -> RESOURCE_EXHAUSTED; UnknownRequest and ValueError (ConfigError,
+    CheckpointError, bad fields) -> INVALID_ARGUMENT; anything else -> INTERNAL.
+    The kinds are ``core.errors``; lower layers subclass them.
     """
-    if isinstance(exc, LifecycleError):
+    if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, CapacityError):
+    if isinstance(exc, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, (UnknownRequestError, ValueError)):
+    if isinstance(exc, (UnknownRequest, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.INTERNAL
 
@@ -208,27 +207,3 @@ def item_error_for(exc: BaseException) -> ItemError:
 
 def item_error_to_proto(err: ItemError) -> pb.ItemError:
     return pb.ItemError(code=err.code.value[0], message=err.message)
-
-
-# --- status ------------------------------------------------------------------------
-
-_STATES = {State.EMPTY: pb.LIFECYCLE_STATE_EMPTY, State.LOADED: pb.LIFECYCLE_STATE_LOADED,
-           State.READY: pb.LIFECYCLE_STATE_READY}
-
-
-def state_to_proto(state: State) -> int:
-    return _STATES[state]
-
-
-def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
-    out = pb.WorkerStatus(
-        role=s.role, state=state_to_proto(s.state), weights_version=s.weights_version,
-        graph_keys=list(s.graph_keys), graph_pool_bytes=s.graph_pool_bytes, graphs_mode=s.graphs_mode,
-        max_k=s.max_k, backend=s.backend, device=s.device, free_slots=s.free_slots, used_slots=s.used_slots,
-        graph_replays=s.graph_replays, eager_runs=s.eager_runs, device_memory_bytes=s.device_memory_bytes,
-        active_request_ids=list(s.active_request_ids), vocab_size=s.vocab_size, hidden_size=s.hidden_size,
-        max_len=s.max_len, lifecycle_events=list(s.lifecycle_events),
-        max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
-    if s.eos_token_id is not None:
-        out.eos_token_id = s.eos_token_id
-    return out

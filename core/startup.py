@@ -28,7 +28,7 @@ _BACKEND_MODULES = {"paddle": "paddlepaddle", "torch": "torch"}
 
 def describe(exc: BaseException) -> tuple[str, str]:
     """(what, why) of an exception that stopped a service from starting."""
-    from runtime.config import ConfigError
+    from core.config import ConfigError
 
     if isinstance(exc, StartupError):
         return exc.what, exc.why

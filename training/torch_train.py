@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from runtime import checkpoint
 from runtime.backends.torch_ops import TorchOps
 from runtime.config import ModelConfig
-from runtime.corpus import BatchSampler, Corpus, heldout_prompts, load_corpus
+from training.corpus import BatchSampler, Corpus, heldout_prompts, load_corpus
 from runtime.model import (Rope, init_params, lm_head, mtp_forward, mtp_tensor_shapes, target_forward,
                            target_tensor_shapes)
 from runtime.tokenizer import ByteTokenizer
@@ -392,7 +392,8 @@ def heldout_metrics(cfg: ModelConfig, target: dict[str, torch.Tensor], heads: li
 def measure_acceptance(target_dir: str | Path, draft_path: str | Path, prompts: list[str], device: str = "cpu",
                        k: int = 3, max_tokens: int = 128) -> dict[str, Any]:
     """Greedy generation with SpecEngine (torch backend) over ``prompts``; pooled stats."""
-    from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SamplingParams, SpecConfig
+    from core.params import SamplingParams
+    from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
     from runtime.engine import GenRequest, SpecEngine
     from runtime.round_driver import SeqStats
 

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-log = structlog.get_logger("specsplit.audit")
+log = structlog.get_logger("core.audit")
 
 REQUEST_FIELDS = ("version", "target_path", "draft_path")   # what an audit line repeats from a request
 _counters: "weakref.WeakKeyDictionary[CollectorRegistry, Counter]" = weakref.WeakKeyDictionary()

@@ -26,7 +26,8 @@ import structlog
 
 from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
-from runtime.config import ModelConfig, RuntimeConfig, WorkerConfig
+from runtime.config import ModelConfig, RuntimeConfig
+from worker.config import WorkerConfig
 from runtime.device_thread import DeviceThread
 from runtime.graphs import GraphRegistry, graph_backend_name
 from runtime.lifecycle import (CAPTURE_GRAPHS, CLEAR_GRAPHS, LOAD_WEIGHTS, LOAD_WEIGHTS_IN_PLACE, RELEASE_WEIGHTS,

@@ -46,13 +46,13 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from orchestrator.guards import GuardedDraft
-from orchestrator.scheduler import ItemFailures, RequestError, Scheduler
+from rounds.guards import GuardedDraft
+from rounds.scheduler import ItemFailures, RequestError, Scheduler
 from runtime.round_driver import Sequence, attach_draft
 from runtime.types import PrefillRequest
 from specsplit.v1 import common_pb2
 
-log = structlog.get_logger("orchestrator.draft_health")
+log = structlog.get_logger("rounds.draft_health")
 
 SHADOW_SUFFIX = "~resync"
 BACKOFF_S = (0.1, 1.0)              # first retry delay, longest delay (doubling in between)

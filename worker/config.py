@@ -1,0 +1,46 @@
+"""The configuration of a model worker service (draft or target).
+
+Owns: ``WorkerConfig``: the role, the weights to load at start, and the runtime, cache,
+graph, server and security settings of one worker process.
+Must not know: how values are read (``core.config_loader``) or the orchestrator's settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.config import SecurityConfig, ServerConfig
+from core.config import check as _check
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A draft or target worker service."""
+
+    role: str                            # "draft" | "target"
+    target_path: str | None              # load at start when set (else start EMPTY)
+    draft_path: str | None = None
+    weights_version: str = ""
+    capture_on_start: bool = False       # capture graphs after the start-up load
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
+    draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
+                                         # mTLS serving: security.tls_client_ca, showing security.tls_cert
+    draft_client_cert: str | None = None  # client certificate shown to an mTLS draft
+    draft_client_key: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
+        _check((self.draft_client_cert is None) == (self.draft_client_key is None),
+               "draft_client_cert/draft_client_key", "both set or both unset",
+               (self.draft_client_cert, self.draft_client_key))
+        _check(self.draft_client_cert is None or self.draft_tls_ca is not None, "draft_client_cert",
+               "used only together with draft_tls_ca", self.draft_client_cert)
+
+

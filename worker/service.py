@@ -1,0 +1,199 @@
+"""The gRPC face both model workers share: health that follows the lifecycle, the
+lifecycle / status / release RPC handlers, a worker's status as a proto, and starting a
+worker service.
+
+Owns: ``bind_health``, ``WorkerServicerMixin`` (LoadWeights, ReleaseWeights, CaptureGraphs,
+ClearGraphs, GetStatus, Release and the error handling of every worker RPC),
+``status_to_proto`` / ``state_to_proto``, ``WorkerService`` and ``start_worker_service``.
+
+Must not know: which engine the worker runs (draft or target), scheduling, frameworks.
+Errors become status codes through ``core.wire`` (the one map).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from core import wire
+from core.observability import start_metrics_server
+from core.serving import build_server, refuse_insecure_bind
+from core.startup import StartupError
+from runtime.lifecycle import State
+from specsplit.v1 import common_pb2 as pb
+from worker.base import WorkerBase, WorkerStatus
+from worker.config import WorkerConfig
+
+
+# --- health follows the lifecycle ---------------------------------------------------
+
+
+def bind_health(worker: WorkerBase, health_servicer: health.HealthServicer, service_name: str) -> None:
+    """SERVING when LOADED/READY, NOT_SERVING when EMPTY, for "" and ``service_name``; kept
+    current on every transition."""
+
+    def publish(*_args: Any) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if worker.lifecycle.state != State.EMPTY
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", service_name):
+            health_servicer.set(name, status)
+
+    publish()
+    worker.lifecycle.add_observer(publish)
+
+
+# --- RPC handlers both workers share --------------------------------------------------
+
+
+class WorkerServicerMixin:
+    """LoadWeights / ReleaseWeights / CaptureGraphs / ClearGraphs / GetStatus / Release.
+
+    Put before the generated servicer base in the class bases. Needs ``self.worker``
+    (a WorkerBase) and ``self.log``.
+    """
+
+    worker: WorkerBase
+    log: Any
+
+    def _run(self, context: grpc.ServicerContext, rpc: str, fn: Callable[[], Any]) -> Any:
+        """fn(), or abort the call with the status code its exception maps to."""
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status code
+            code = wire.status_code_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                self.log.exception("rpc_failed", rpc=rpc, code=code.name)
+            else:
+                self.log.warning("rpc_refused", rpc=rpc, code=code.name, error=str(exc))
+            context.abort(code, wire.error_message(exc))
+        self.log.debug("rpc_done", rpc=rpc, seconds=round(time.perf_counter() - t0, 6))
+        return out
+
+    def _round_results(self, step: str, work: Callable[[], list[Any]], n_items: int,
+                       round_: int) -> tuple[list[Any], float]:
+        """One round message of a Propose/Verify stream: (per-item results, compute seconds).
+
+        A failure of the whole batch (e.g. no weights) becomes that error for every
+        item, so the persistent stream stays open for the next round.
+        """
+        t0 = time.perf_counter()
+        try:
+            results = work()
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed
+            err = wire.item_error_for(exc)
+            if err.code == grpc.StatusCode.INTERNAL:
+                self.log.exception(f"{step}_failed", round=round_)
+            results = [err] * n_items
+        return results, time.perf_counter() - t0
+
+    def _status(self) -> pb.WorkerStatus:
+        return status_to_proto(self.worker.status())
+
+    def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.ServicerContext) -> pb.LoadWeightsResponse:
+        self._run(context, "LoadWeights", lambda: self.worker.load_weights(
+            request.target_path, request.draft_path, request.version, request.in_place, request.validate_only))
+        return pb.LoadWeightsResponse(status=self._status())
+
+    def ReleaseWeights(self, request: pb.ReleaseWeightsRequest,
+                       context: grpc.ServicerContext) -> pb.ReleaseWeightsResponse:
+        self._run(context, "ReleaseWeights", self.worker.release_weights)
+        return pb.ReleaseWeightsResponse(status=self._status())
+
+    def CaptureGraphs(self, request: pb.CaptureGraphsRequest,
+                      context: grpc.ServicerContext) -> pb.CaptureGraphsResponse:
+        self._run(context, "CaptureGraphs", self.worker.capture_graphs)
+        return pb.CaptureGraphsResponse(status=self._status())
+
+    def ClearGraphs(self, request: pb.ClearGraphsRequest, context: grpc.ServicerContext) -> pb.ClearGraphsResponse:
+        self._run(context, "ClearGraphs", self.worker.clear_graphs)
+        return pb.ClearGraphsResponse(status=self._status())
+
+    def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
+        return pb.GetStatusResponse(status=self._run(context, "GetStatus", self._status))
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        released = self._run(context, "Release", lambda: self.worker.release(list(request.request_ids)))
+        if released:
+            self.log.info("released", request_ids=released)
+        return pb.ReleaseResponse(released=released)
+
+
+# --- starting a worker service ------------------------------------------------------------
+
+
+@dataclass
+class WorkerService:
+    """A started worker service. ``stop`` ends the server, then tears the worker down in order."""
+
+    server: grpc.Server
+    port: int
+    worker: WorkerBase
+    health: health.HealthServicer
+    metrics_port: int | None = None
+    before_close: list[Callable[[], None]] = field(default_factory=list)   # run after the server stops
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        stopped = self.server.stop(grace)
+        # NOTE: hosted loops end first (their streams get their status while the server
+        # drains), then the worker's ordered teardown (graphs, then weights).
+        for fn in self.before_close:
+            fn()
+        stopped.wait()
+        self.worker.close()
+
+
+def start_worker_service(cfg: WorkerConfig, worker: WorkerBase, servicer: Any,
+                         add_servicer: Callable[[Any, grpc.Server], None], service_name: str,
+                         log: Any) -> WorkerService:
+    """Load at start if configured (and capture if asked), bind, start, serve metrics."""
+    # NOTE: the bind policy is checked before the (slow) start-up load, so a refused start is quick.
+    refuse_insecure_bind(cfg.server, cfg.security, service_name)
+    if cfg.target_path:
+        try:
+            worker.load_weights(cfg.target_path, cfg.draft_path or "", cfg.weights_version)
+        except (ValueError, OSError) as exc:
+            raise StartupError("start-up weights", str(exc)) from exc
+        if cfg.capture_on_start:
+            worker.capture_graphs()
+    health_servicer = health.HealthServicer()
+    bind_health(worker, health_servicer, service_name)
+    server, port = build_server(cfg.server, cfg.security, [lambda s: add_servicer(servicer, s)],
+                                [service_name], health_servicer)
+    server.start()
+    metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)
+    log.info("serving", service=service_name, address=f"{cfg.server.host}:{port}", metrics_port=metrics_port,
+             state=worker.lifecycle.state.value, weights_version=worker.weights_version,
+             backend=worker.ops.name, device=worker.ops.device, graphs_mode=worker.graphs_mode,
+             tls=bool(cfg.security.tls_cert), mtls=bool(cfg.security.tls_client_ca),
+             admin_token=bool(cfg.security.admin_token))
+    return WorkerService(server, port, worker, health_servicer, metrics_port)
+
+
+# --- status as a proto ------------------------------------------------------------------------
+
+_STATES = {State.EMPTY: pb.LIFECYCLE_STATE_EMPTY, State.LOADED: pb.LIFECYCLE_STATE_LOADED,
+           State.READY: pb.LIFECYCLE_STATE_READY}
+
+
+def state_to_proto(state: State) -> int:
+    return _STATES[state]
+
+
+def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
+    out = pb.WorkerStatus(
+        role=s.role, state=state_to_proto(s.state), weights_version=s.weights_version,
+        graph_keys=list(s.graph_keys), graph_pool_bytes=s.graph_pool_bytes, graphs_mode=s.graphs_mode,
+        max_k=s.max_k, backend=s.backend, device=s.device, free_slots=s.free_slots, used_slots=s.used_slots,
+        graph_replays=s.graph_replays, eager_runs=s.eager_runs, device_memory_bytes=s.device_memory_bytes,
+        active_request_ids=list(s.active_request_ids), vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+        max_len=s.max_len, lifecycle_events=list(s.lifecycle_events),
+        max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
+    if s.eos_token_id is not None:
+        out.eos_token_id = s.eos_token_id
+    return out
