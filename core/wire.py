@@ -17,7 +17,7 @@ Public API:
     params_to_proto(SamplingParams) / params_from_proto(proto, field)
     ItemError, status_code_for(exc), item_error_for(exc), item_error_to_proto(err)
 
-bfloat16: numpy has no bf16, so bf16 tensors travel as raw bf16 bits; encode
+bfloat16: numpy has no bf16, so bf16 tensors travel as raw bf16 bits (``core.bf16``); encode
 rounds float arrays to nearest-even (or takes a uint16 array as bit patterns),
 decode widens to float32 exactly (or returns the uint16 bits if asked).
 """
@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from core.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from core.errors import FailedPrecondition, ResourceExhausted, UnknownRequest
 from core.params import SamplingParams
 from specsplit.v1 import common_pb2 as pb
@@ -50,21 +51,6 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # --- tensors -------------------------------------------------------------------
 
 
-def _to_bf16_bits(arr: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns, round-to-nearest-even (NaN stays NaN)."""
-    f = np.ascontiguousarray(arr, dtype=np.float32)
-    bits = f.view(np.uint32)
-    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    nan = np.isnan(f)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # keep a quiet NaN
-    return rounded
-
-
-def _from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def encode_tensor(arr: Any, dtype: str | None = None) -> pb.Tensor:
     """numpy array -> Tensor. ``dtype`` None infers it: float32, float16, integers -> int64
     (float64 -> float32). ``dtype="bfloat16"``: a uint16 array is taken as bf16 bit
@@ -83,7 +69,7 @@ def encode_tensor(arr: Any, dtype: str | None = None) -> pb.Tensor:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     enum, wire = _DTYPES[dtype]
     if dtype == "bfloat16":
-        data = a.astype("<u2") if a.dtype == np.uint16 else _to_bf16_bits(a).astype("<u2")
+        data = a.astype("<u2") if a.dtype == np.uint16 else float32_to_bf16_bits(a).astype("<u2")
     else:
         data = a.astype(wire, copy=False)
     return pb.Tensor(dtype=enum, shape=list(a.shape), data=np.ascontiguousarray(data).tobytes())
@@ -123,7 +109,7 @@ def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = No
         raise ValueError(f"{field}: {len(t.data)} bytes, expected {expected} for shape {shape} {name}")
     arr = np.frombuffer(t.data, dtype=wire).reshape(shape)
     if name == "bfloat16":
-        return arr.astype(np.uint16) if bf16_bits else _from_bf16_bits(arr)
+        return arr.astype(np.uint16) if bf16_bits else bf16_bits_to_float32(arr)
     return arr.astype(wire.newbyteorder("="), copy=True)
 
 

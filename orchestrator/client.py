@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
+from core.bf16 import float32_to_bf16_bits
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
 _FINISH_NAMES = {opb.FINISH_REASON_STOP: "stop", opb.FINISH_REASON_LENGTH: "length",
@@ -137,8 +138,7 @@ def _wire_bytes(arr: np.ndarray, bfloat16: bool) -> tuple[str, bytes]:
     if arr.dtype == np.uint16:
         return "bfloat16", arr.astype("<u2").tobytes()
     if bfloat16:
-        bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
-        return "bfloat16", ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16).astype("<u2").tobytes()
+        return "bfloat16", float32_to_bf16_bits(arr).astype("<u2").tobytes()
     if arr.dtype == np.float16:
         return "float16", arr.astype("<f2").tobytes()
     return "float32", arr.astype("<f4").tobytes()

@@ -12,8 +12,8 @@ The safetensors format is an 8-byte little-endian header length, a JSON
 header ``{name: {dtype, shape, data_offsets}}`` and the raw bytes; it is read
 directly here so bf16 works without a framework. bf16 travels to the device
 as raw uint16 bit patterns (the backends reinterpret them); where numpy must
-hold bf16 values, ``ml_dtypes`` converts (``float32_to_bf16_bits`` /
-``bf16_bits_to_float32``).
+hold bf16 values, ``core.bf16`` converts (``float32_to_bf16_bits`` /
+``bf16_bits_to_float32``, the codebase's one bf16 conversion).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
+from core.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
 from runtime.config import ModelConfig
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
@@ -151,16 +151,6 @@ def read_tensor(info: TensorInfo, bf16_bits: bool = False) -> np.ndarray:
 def load_tensors(infos: dict[str, TensorInfo], names: list[str] | None = None,
                  bf16_bits: bool = False) -> dict[str, np.ndarray]:
     return {n: read_tensor(infos[n], bf16_bits) for n in (names if names is not None else list(infos))}
-
-
-def float32_to_bf16_bits(arr: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even (ml_dtypes)."""
-    return np.ascontiguousarray(arr, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
-    return np.ascontiguousarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.bf16 import bf16_bits_to_float32
 from core.params import SamplingParams
 
 
 def hidden_float32(arr: np.ndarray) -> np.ndarray:
-    """Hidden rows as float32: uint16 bf16 bit patterns are widened exactly (bits << 16)."""
+    """Hidden rows as float32: uint16 bf16 bit patterns are widened exactly."""
     arr = np.asarray(arr)
     if arr.dtype == np.uint16:
-        return (arr.astype(np.uint32) << 16).view(np.float32)
+        return bf16_bits_to_float32(arr)
     return arr.astype(np.float32, copy=False)
 
 

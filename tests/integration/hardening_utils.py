@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from specsplit.launcher import Child
 from tests.byte_model import write_byte_model
+from tests.waiting import wait_until  # noqa: F401 (used by the tests that import this module too)
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0
@@ -66,16 +67,6 @@ class Reference:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             self._memo[key] = self._engine.generate([GenRequest("ref", ids, params, k=0)])[0].tokens
         return self._memo[key]
-
-
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 # --- worker subprocesses -----------------------------------------------------------------------

@@ -7,7 +7,6 @@ workers) and ``GEN`` (Generate). PushWeights stages under ``staging``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
 from worker.config import WorkerConfig
 from target_service.server import start as start_target
 from tests.byte_model import write_byte_model
+from tests.waiting import wait_until  # noqa: F401 (used by the tests that import this module too)
 
 TIMEOUT = 30.0
 MAX_LEN = 256
@@ -67,11 +67,3 @@ def start_stack(models: dict[str, Path], staging: Path) -> InprocStack:
     return InprocStack(target, draft, server, f"127.0.0.1:{port}", port, staging)
 
 
-def wait_until(cond, what: str, timeout: float = TIMEOUT):
-    """Poll ``cond`` (bounded) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

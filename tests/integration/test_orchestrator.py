@@ -39,6 +39,7 @@ from runtime.types import ProposeRequest
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from target_service.server import start as start_target
 from tests.byte_model import write_byte_model
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -114,16 +115,6 @@ def reference(model_dir):
 
 def prompt_of(i: int, n: int) -> list[int]:
     return [256, *(int(x) for x in np.random.default_rng(500 + i).integers(0, 256, n - 1))]
-
-
-def wait_until(cond, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def slots_free(client: SpecsplitClient) -> bool:

@@ -47,6 +47,7 @@ from runtime.engine import GenRequest, SpecEngine
 from specsplit.v1 import common_pb2
 from target_service.server import start as start_target
 from tests.byte_model import write_byte_model
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -188,15 +189,6 @@ def in_thread(fn):
             raise out["error"]
         return out["value"]
     return join
-
-
-def wait_until(cond, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := cond():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def check_segments(ref: Reference, models: dict, prompt, chunks, versions: dict | None = None) -> None:
@@ -544,8 +536,16 @@ def test_one_reload_at_a_time_generate_waits_or_gets_retry_info(stacks, models, 
         retry = error_details_pb2.RetryInfo()
         assert rpc_status.from_call(err.value).details[0].Unpack(retry) and retry.retry_delay.seconds >= 1
     # One that arrives shortly before the reload ends waits and is served by B.
+    reloader, entered = s.server.core.reloader, threading.Event()
+    real_wait = reloader.wait_idle
+
+    def wait_idle(timeout: float) -> bool:
+        entered.set()                                    # this Generate now waits on the reload gate
+        return real_wait(timeout)
+    monkeypatch.setattr(reloader, "wait_idle", wait_idle)
     waiting = in_thread(lambda: run_gen(s.client, PROMPTS[1], 20, k=3))
-    time.sleep(0.3)
+    assert entered.wait(TIMEOUT), "the Generate never reached the reload gate"
+    assert reloader.active                               # ... while the reload still runs
     gate.set()
     first()
     chunks, final = waiting()

@@ -19,6 +19,7 @@ from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from tests.byte_model import write_byte_model
+from tests.waiting import wait_until as wait_for
 
 EVENT_TIMEOUT_S = 30.0
 SLOTS = 8
@@ -91,15 +92,6 @@ def drain(handle):
 def prompt_of(i: int, n: int) -> tuple[int, ...]:
     rng = np.random.default_rng(100 + i)
     return (256, *(int(x) for x in rng.integers(0, 256, n - 1)))
-
-
-def wait_for(cond, what: str, timeout: float = EVENT_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def slots_free(engines) -> bool:
