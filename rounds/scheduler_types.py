@@ -5,8 +5,9 @@ Owns: the error contract between ports and the scheduler (``RequestError``,
 streams (``GenerationRequest``, ``TokensEvent``/``FinalEvent``/``ErrorEvent``,
 ``RequestHandle``), and the per-round timing record with its ``Observer``.
 
-Must not know: gRPC, frameworks, how rounds are scheduled
-(``rounds/scheduler.py``).
+Must not know: channels, servicers, frameworks, how rounds are scheduled
+(``rounds/scheduler.py``). Exceptions become status names only through
+``core.wire.status_code_for``, the codebase's one map.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from core import wire
 from core.params import SamplingParams
-from runtime.kv_cache import CapacityError
 from runtime.round_driver import SeqStats
 
 # --- the port error contract ---------------------------------------------------
@@ -49,14 +50,11 @@ class ItemFailures(Exception):
 
 
 def error_of(exc: BaseException) -> RequestError:
-    """The status a whole-call exception gives every request of that call."""
+    """The status a whole-call exception gives every request of that call: a RequestError as it
+    is, anything else through the codebase's one exception -> status map (``core.wire``)."""
     if isinstance(exc, RequestError):
         return exc
-    if isinstance(exc, CapacityError):
-        return RequestError("RESOURCE_EXHAUSTED", str(exc))
-    if isinstance(exc, (ValueError, KeyError)):
-        return RequestError("INVALID_ARGUMENT", str(exc))
-    return RequestError("INTERNAL", f"{type(exc).__name__}: {exc}")
+    return RequestError(wire.status_code_for(exc).name, wire.error_message(exc))
 
 
 # --- what a request sees ---------------------------------------------------------
