@@ -7,8 +7,9 @@ smaller buckets use leading views of them), capture order (largest bucket
 first so smaller graphs reuse its pool), padding/unpadding, replay vs eager
 accounting and teardown.
 
-Must not know: models, requests, gRPC. The step functions are opaque
-callables over framework tensors.
+Must not know: models, requests, gRPC, frameworks. The step functions are
+opaque callables over framework tensors; recording a graph and its memory
+pool are the backend's (``Ops.capture`` / ``Ops.graph_pool``).
 
 On a device without CUDA graphs (CPU, or Paddle built without CUDA) the
 registry runs the *same* code path with an eager stand-in for the graph
@@ -91,13 +92,6 @@ class _EagerGraph:
 
     def reset(self) -> None:
         self.fn = None
-
-
-def graph_backend_name(ops: Ops) -> str:
-    """What 'capture' means for this ops object (reported by GetStatus)."""
-    if not ops.device.startswith("cuda"):
-        return "eager (cpu)"
-    return "cuda"
 
 
 class GraphRegistry:
@@ -235,39 +229,13 @@ class GraphRegistry:
         self._log(f"captured {label}")
 
     def _new_pool(self) -> Any:
-        if self.ops.device.startswith("cuda") and self.ops.name == "torch":
-            import torch
-
-            return torch.cuda.graph_pool_handle()
-        if self.ops.device.startswith("cuda") and self.ops.name == "paddle":
-            from paddle.base import core
-
-            return core.CUDAGraph.gen_new_memory_pool_id()
-        return None
+        return self.ops.graph_pool()
 
     def _record(self, fn: StepFn, views: dict[str, Tensor]) -> tuple[Any, tuple]:
-        if self.ops.device.startswith("cuda") and self.ops.name == "torch":
-            import torch
-
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls other threads make meanwhile (another
-            # worker serving eagerly) neither fail nor invalidate this capture.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = tuple(fn(**views))
-            return graph, outputs
-        if self.ops.device.startswith("cuda") and self.ops.name == "paddle":
-            import paddle
-            from paddle.device.cuda.graphs import CUDAGraph
-
-            paddle.device.synchronize()
-            graph = CUDAGraph(pool_id=self._pool)
-            graph.capture_begin()
-            outputs = tuple(fn(**views))
-            graph.capture_end()
-            return graph, outputs
-        outputs = tuple(fn(**views))
-        return _EagerGraph(self.ops, fn, views, outputs), outputs
+        graph, outputs = self.ops.capture(fn, views, self._pool)
+        if graph is None:                 # no device graphs here: replay re-runs the step
+            graph = _EagerGraph(self.ops, fn, views, outputs)
+        return graph, outputs
 
     def clear(self) -> None:
         """Destroy every graph, drop static buffers and the pool, empty the framework cache."""

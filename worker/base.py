@@ -29,7 +29,7 @@ from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig
 from worker.config import WorkerConfig
 from runtime.device_thread import DeviceThread
-from runtime.graphs import GraphRegistry, graph_backend_name
+from runtime.graphs import GraphRegistry
 from runtime.lifecycle import (CAPTURE_GRAPHS, CLEAR_GRAPHS, LOAD_WEIGHTS, LOAD_WEIGHTS_IN_PLACE, RELEASE_WEIGHTS,
                                Lifecycle, State)
 from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_device
@@ -163,7 +163,7 @@ class WorkerBase:
             # CUDA)") rather than pretend to be on the GPU.
             self.log.warning("paddle_without_cuda", requested_device=rt.device, error=str(exc))
             return make_ops(RuntimeConfig(backend="paddle", device="cpu", dtype=rt.dtype)), GRAPHS_PADDLE_NO_CUDA
-        return ops, graph_backend_name(ops)
+        return ops, ops.graphs_mode
 
     def _log_transition(self, action: str, outcome: str, before: State, after: State, detail: str) -> None:
         level = self.log.info if outcome in ("ok", "noop") else self.log.warning

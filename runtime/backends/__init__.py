@@ -1,4 +1,4 @@
-"""Tensor backends: the only place (with graph capture) that imports a framework.
+"""Tensor backends: the only place that imports a framework (device-graph capture included).
 
 Owns: choosing and constructing an ``Ops`` object for a ``RuntimeConfig``.
 Each backend module imports its framework lazily, so a Torch worker never

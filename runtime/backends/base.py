@@ -83,3 +83,15 @@ class Ops(Protocol):
     def empty_cache(self) -> None: ...
     def no_grad(self) -> Any:
         """Context manager disabling autograd."""
+
+    # --- device graphs -------------------------------------------------------
+    # The framework half of graph capture; runtime.graphs keeps the buckets, the
+    # static buffers and the replay bookkeeping and imports no framework.
+    graphs_mode: str
+    """What capture means here, as GetStatus reports it: "cuda", or "eager (cpu)"."""
+    def graph_pool(self) -> Any:
+        """A new device memory pool for the graphs of one capture pass (None without device graphs)."""
+    def capture(self, fn: Any, inputs: dict[str, Tensor], pool: Any) -> tuple[Any, tuple]:
+        """Record ``fn(**inputs)`` into a device graph allocating from ``pool``: (graph, outputs);
+        the graph has ``replay()`` and ``reset()``, the outputs are the tensors each replay
+        rewrites. Without device graphs: (None, the outputs of one eager run)."""

@@ -195,3 +195,27 @@ class PaddleOps:
 
     def no_grad(self):
         return paddle.no_grad()
+
+    # --- device graphs (runtime.graphs keeps the buckets and buffers) -------
+    @property
+    def graphs_mode(self):
+        return "cuda" if self.device.startswith("cuda") else "eager (cpu)"
+
+    def graph_pool(self):
+        if not self.device.startswith("cuda"):
+            return None
+        from paddle.base import core
+
+        return core.CUDAGraph.gen_new_memory_pool_id()
+
+    def capture(self, fn, inputs, pool):
+        if not self.device.startswith("cuda"):
+            return None, tuple(fn(**inputs))
+        from paddle.device.cuda.graphs import CUDAGraph
+
+        paddle.device.synchronize()
+        graph = CUDAGraph(pool_id=pool)
+        graph.capture_begin()
+        outputs = tuple(fn(**inputs))
+        graph.capture_end()
+        return graph, outputs

@@ -233,3 +233,22 @@ class TorchOps:
 
     def no_grad(self):
         return torch.no_grad()
+
+    # --- device graphs (runtime.graphs keeps the buckets and buffers) -------
+    @property
+    def graphs_mode(self):
+        return "cuda" if self._dev.type == "cuda" else "eager (cpu)"
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle() if self._dev.type == "cuda" else None
+
+    def capture(self, fn, inputs, pool):
+        if self._dev.type != "cuda":
+            return None, tuple(fn(**inputs))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls other threads make meanwhile (another
+        # worker serving eagerly) neither fail nor invalidate this capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = tuple(fn(**inputs))
+        return graph, outputs
