@@ -25,3 +25,8 @@ class DraftMetrics(WorkerMetrics):
 
     def proposed(self, tokens: int) -> None:
         PROPOSED_TOKENS.inc(tokens)
+
+    def results(self, step: str, items: list, results: list) -> None:
+        """After a batch ran: count the drafts a Propose batch proposed."""
+        if step == "propose":
+            self.proposed(sum(len(p.drafts) for p in results))

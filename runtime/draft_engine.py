@@ -3,7 +3,9 @@
 Owns: the MTP weights plus the draft's own copy of the target's embedding,
 final norm and output head; the draft KV cache; per-request draft state
 (pairs written, sampling params, seeded RNG); the two step kinds the graph
-registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1).
+registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1);
+what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
+run by the worker before a batch; one bad item never fails the others).
 
 Must not know: gRPC, lifecycle states, scheduling, the target's layers.
 
@@ -23,6 +25,7 @@ the next catch-up overwrites it (DESIGN § The speculative round, steps 1-2).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,8 +36,9 @@ from runtime.batch_layout import Row, attend_need, attend_span, context_spans, l
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
-from runtime.kv_cache import CapacityError, KVCache
+from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, lm_head, mtp_forward
+from runtime.request_checks import check_batch, check_hidden, check_token_range
 from runtime.target_engine import request_rng
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
@@ -111,6 +115,56 @@ class DraftEngine:
         return self.registry.run(kind, inputs)[0]
 
     # --- requests --------------------------------------------------------------
+    # --- what a request must satisfy (run before the batch; a refused item never joins it) ----
+    def check_prefill(self, items: list[tuple[int, DraftPrefillRequest]]
+                      ) -> tuple[list[tuple[int, DraftPrefillRequest]], dict[int, Exception]]:
+        def one(i: int, it: DraftPrefillRequest, admitted: int) -> DraftPrefillRequest:
+            cfg = self.cfg
+            if self.cache.has(it.request_id):
+                raise ValueError(f"items[{i}].request_id: {it.request_id!r} is already active here")
+            check_token_range(it.tokens, cfg.vocab_size, f"items[{i}].tokens")
+            if len(it.tokens) == 0 and it.hidden.size == 0:   # one-token prompt: no pairs yet
+                it = dataclasses.replace(it, hidden=np.zeros((0, cfg.hidden_size), dtype=np.float32))
+            check_hidden(it.hidden, len(it.tokens), cfg.hidden_size, f"items[{i}].hidden")
+            need = len(it.tokens) + self.max_k + 1
+            if need > self.cache.max_len:
+                raise CapacityError(f"items[{i}].tokens: {len(it.tokens)} prompt pairs + max_k "
+                                    f"{self.max_k} + 1 need {need} draft cache positions; "
+                                    f"cache.max_len is {self.cache.max_len}")
+            if admitted >= self.cache.free_slots:
+                raise CapacityError(f"items[{i}]: no free draft cache slot "
+                                    f"({self.cache.max_slots} slots, all in use)")
+            return it
+
+        return check_batch(items, one)
+
+    def check_propose(self, items: list[tuple[int, ProposeRequest]]
+                      ) -> tuple[list[tuple[int, ProposeRequest]], dict[int, Exception]]:
+        def one(i: int, it: ProposeRequest, _admitted: int) -> ProposeRequest:
+            if not self.cache.has(it.request_id):
+                raise UnknownRequestError(f"items[{i}].request_id: {it.request_id!r} is unknown here "
+                                          "(never prefilled, or already released)")
+            if it.ahead:                 # ahead items: k up to max_k + 1, continuing a kept proposal
+                self.check_ahead(it.request_id, it.k, f"items[{i}]")
+                return it
+            held = self.cache.get(it.request_id).length
+            if it.start_position != held:
+                raise ValueError(f"items[{i}].start_position: {it.start_position} != {held} pairs held "
+                                 f"for request {it.request_id!r} (lost or repeated round?)")
+            if not 1 <= it.k <= self.max_k:
+                raise ValueError(f"items[{i}].k: {it.k} is out of range [1, {self.max_k}]")
+            if len(it.tokens) < 1:
+                raise ValueError(f"items[{i}].tokens: at least one new pair is required")
+            check_token_range(it.tokens, self.cfg.vocab_size, f"items[{i}].tokens")
+            check_hidden(it.hidden, len(it.tokens), self.cfg.hidden_size, f"items[{i}].hidden")
+            need = held + len(it.tokens) + it.k
+            if need > self.cache.max_len:
+                raise CapacityError(f"items[{i}]: request {it.request_id!r} needs {need} draft cache "
+                                    f"positions; cache.max_len is {self.cache.max_len}")
+            return it
+
+        return check_batch(items, one)
+
     def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
         """Allocate each request and write its prompt pairs (h_0,t_1)..(h_{m-1},t_m)."""
         for r in reqs:

@@ -2,7 +2,9 @@
 
 Owns: the target's weights on the device, its KV cache, per-request decoding
 state (committed length, last token, sampling params, seeded RNG) and the
-step kinds the graph registry captures (``verify`` at k+1 positions).
+step kinds the graph registry captures (``verify`` at k+1 positions); what
+each of its requests must satisfy (``check_prefill`` / ``check_verify``, run
+by the worker before a batch; one bad item never fails the others).
 
 Must not know: gRPC, lifecycle states, scheduling or the draft's internals;
 those live in ``target_service`` and the round driver. Framework calls go
@@ -30,8 +32,9 @@ from runtime.batch_layout import Row, attend_need, attend_span, context_spans, l
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
-from runtime.kv_cache import CapacityError, KVCache
+from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, lm_head, target_forward
+from runtime.request_checks import check_batch, check_token_range
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 
 
@@ -94,6 +97,50 @@ class TargetEngine:
         return hidden, self.ops.argmax(logits, -1), logits
 
     # --- requests --------------------------------------------------------------
+    # --- what a request must satisfy (run before the batch; a refused item never joins it) ----
+    def check_prefill(self, items: list[tuple[int, PrefillRequest]]
+                      ) -> tuple[list[tuple[int, PrefillRequest]], dict[int, Exception]]:
+        def one(i: int, it: PrefillRequest, admitted: int) -> PrefillRequest:
+            vocab = self.cfg.vocab_size
+            if self.cache.has(it.request_id):
+                raise ValueError(f"items[{i}].request_id: {it.request_id!r} is already active here")
+            n = len(it.prompt)
+            if n == 0:
+                raise ValueError(f"items[{i}].prompt: must hold at least one token (empty)")
+            check_token_range(it.prompt, vocab, f"items[{i}].prompt")
+            if it.resume_token is not None and not 0 <= it.resume_token < vocab:
+                raise ValueError(f"items[{i}].resume_token: {it.resume_token} is out of range [0, {vocab})")
+            if n + 1 > self.cache.max_len:
+                raise CapacityError(f"items[{i}].prompt: {n} tokens need {n + 1} cache positions; "
+                                    f"cache.max_len is {self.cache.max_len}")
+            if admitted >= self.cache.free_slots:
+                raise CapacityError(f"items[{i}]: no free KV cache slot "
+                                    f"({self.cache.max_slots} slots, all in use)")
+            return it
+
+        return check_batch(items, one)
+
+    def check_verify(self, items: list[tuple[int, VerifyRequest]]
+                     ) -> tuple[list[tuple[int, VerifyRequest]], dict[int, Exception]]:
+        def one(i: int, it: VerifyRequest, _admitted: int) -> VerifyRequest:
+            vocab = self.cfg.vocab_size
+            if not self.cache.has(it.request_id):
+                raise UnknownRequestError(f"items[{i}].request_id: {it.request_id!r} is unknown here "
+                                          "(never prefilled, or already released)")
+            length = self.cache.get(it.request_id).length
+            k = len(it.drafts)
+            if k > self.max_k:
+                raise ValueError(f"items[{i}].drafts: {k} drafts exceed max_k={self.max_k}")
+            check_token_range(it.drafts, vocab, f"items[{i}].drafts")
+            if it.draft_probs is not None:
+                _check_probs(it.draft_probs, k, vocab, f"items[{i}].draft_probs")
+            if length + k + 1 > self.cache.max_len:
+                raise CapacityError(f"items[{i}]: request {it.request_id!r} needs {length + k + 1} cache "
+                                    f"positions; cache.max_len is {self.cache.max_len}")
+            return it
+
+        return check_batch(items, one)
+
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         """Run each prompt t_0..t_{n-1}; sample t_n (or take ``resume_token``)."""
         for r in reqs:
@@ -231,3 +278,13 @@ class TargetEngine:
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)
         return self.cache.free(request_id)
+
+
+def _check_probs(q: np.ndarray, k: int, vocab: int, field: str) -> None:
+    """Draft distributions: float [k, vocab], finite, non-negative."""
+    if q.dtype.kind != "f":
+        raise ValueError(f"{field}: dtype {q.dtype} is not a float type")
+    if q.shape != (k, vocab):
+        raise ValueError(f"{field}: shape {list(q.shape)}, expected [{k}, {vocab}] (one row per draft)")
+    if not np.isfinite(q).all() or (q < 0).any():
+        raise ValueError(f"{field}: must be finite and non-negative")

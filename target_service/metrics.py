@@ -27,3 +27,8 @@ class TargetMetrics(WorkerMetrics):
     def verified(self, drafted: int, accepted: int) -> None:
         VERIFIED_DRAFTS.inc(drafted)
         ACCEPTED_DRAFTS.inc(accepted)
+
+    def results(self, step: str, items: list, results: list) -> None:
+        """After a batch ran: count the drafts a Verify batch checked and accepted."""
+        if step == "verify":
+            self.verified(sum(len(it.drafts) for it in items), sum(r.num_accepted for r in results))

@@ -24,7 +24,7 @@ from rounds.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFu
 from worker.config import WorkerConfig
 from core.observability import redact
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
-from worker.base import check_request_id, check_token_range
+from runtime.request_checks import check_request_id, check_token_range
 from core import wire
 from worker.service import WorkerService, WorkerServicerMixin, start_worker_service
 from specsplit.v1 import common_pb2

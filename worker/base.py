@@ -1,15 +1,20 @@
 """The part of a draft or target worker that both roles share and the lifecycle drives.
 
-Owns: the ops object, the graph registry, the engine (None when EMPTY),
-loading / in-place updating / releasing weights and capturing / clearing
-graphs in the right order (all on the worker's one device thread), request
-release, the ``WorkerStatus`` record, request-field checks both roles use,
-and where recent weight versions came from (so a rollback can reload the
-previous version by its tag). Roles add checkpoint checks, the engine
-constructor and their per-item request handling.
+Owns: ``Worker``, one class for both roles, parameterized by its engine: the
+ops object, the graph registry, the engine (None when EMPTY), loading /
+in-place updating / releasing weights and capturing / clearing graphs in the
+right order (all on the worker's one device thread), running a batched step
+(``run``: the engine's ``check_<step>`` refuses bad items, the engine's
+``<step>`` runs the rest as one batch, per-item errors through ``core.wire``),
+request release, the ``WorkerStatus`` record, the checkpoint-path policy, and
+where recent weight versions came from (so a rollback can reload the previous
+version by its tag). A role (``draft_service.worker``, ``target_service.worker``)
+adds only its checkpoint rules, its engine constructor, its metrics and the
+names of its steps.
 
-Must not know: gRPC, frameworks (all device work goes through ``Ops``, the
-registry and the engines), scheduling.
+Must not know: servicers, frameworks (all device work goes through ``Ops``,
+the registry and the engines), scheduling, what a valid request of a role is
+(the engine's).
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import structlog
 
+from core.serving import check_checkpoint_path
+from core.wire import ItemError, item_error_for
 from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig
@@ -36,7 +43,6 @@ from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_de
 
 MAX_KEPT_SOURCES = 4     # weights sources a worker remembers for rollback (LoadWeights with empty target_path)
 
-MAX_REQUEST_ID_CHARS = 256
 GRAPHS_PADDLE_NO_CUDA = "eager (paddle without CUDA)"
 GRAPHS_DISABLED = "disabled"
 
@@ -69,45 +75,8 @@ class WorkerStatus:
     eos_token_ids: tuple[int, ...] = ()
 
 
-def check_request_id(request_id: str, field: str) -> None:
-    if not request_id:
-        raise ValueError(f"{field}: request_id is required (empty)")
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"{field}: request_id is {len(request_id)} characters, at most {MAX_REQUEST_ID_CHARS}")
-
-
-def check_token_range(tokens: np.ndarray, vocab_size: int, field: str) -> None:
-    """Every id in [0, vocab_size); names the first offender."""
-    if tokens.size == 0:
-        return
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{field}[{i}]: token id {int(tokens[i])} is out of range [0, {vocab_size})")
-
-
-def check_hidden(hidden: np.ndarray, rows: int, width: int, field: str) -> None:
-    """hidden must be float [rows, width] (or uint16 bf16 bit patterns) and finite."""
-    if hidden.dtype.kind != "f" and hidden.dtype != np.uint16:
-        raise ValueError(f"{field}: dtype {hidden.dtype} is not a float type")
-    if hidden.shape != (rows, width):
-        raise ValueError(f"{field}: shape {list(hidden.shape)}, expected [{rows}, {width}]")
-    # bf16 bits: exponent all ones is inf or NaN.
-    finite = (hidden & 0x7F80) != 0x7F80 if hidden.dtype == np.uint16 else np.isfinite(hidden)
-    if not finite.all():
-        raise ValueError(f"{field}: contains NaN or infinite values")
-
-
-def repeated_ids(ids: list[str]) -> set[str]:
-    seen: set[str] = set()
-    dup: set[str] = set()
-    for rid in ids:
-        (dup if rid in seen else seen).add(rid)
-    return dup
-
-
-class WorkerBase:
-    """Lifecycle-driven weights and graphs of one worker; subclasses add the role's work.
+class Worker:
+    """Lifecycle-driven weights and graphs of one worker, and the batched steps of its engine.
 
     Threading: gRPC calls arrive on many threads. All model work (steps, loads,
     capture, clear, release) runs on one ``DeviceThread``, which also serializes
@@ -116,15 +85,11 @@ class WorkerBase:
     """
 
     role = "worker"
-    # Role hooks for per-item errors: the error record type and exception -> error.
-    # (Set by the service; kept abstract here so this module stays free of gRPC.)
-    error_type: type = type("NoItemErrors", (), {})
-    error_for: Callable[[BaseException], Any] = staticmethod(lambda exc: exc)
-    # Duck-typed metrics adapter: on_transition(...), step(...), graphs(...), slots(...).
+    # Duck-typed metrics adapter: on_transition(...), step(...), graphs(...), slots(...),
+    # results(step, items, results) (the role's own counters).
     metrics: Any = None
 
-    def __init__(self, cfg: WorkerConfig, check_path: Callable[[str], Path] | None = None,
-                 log: Any = None) -> None:
+    def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
         self.cfg = cfg
         self.log = (log or structlog.get_logger()).bind(role=self.role)
         self.ops, self.graphs_mode = self._make_ops(cfg.runtime)
@@ -138,7 +103,7 @@ class WorkerBase:
         self.model_cfg: ModelConfig | None = None
         self.weights_version = ""
         self._pool_bytes = 0
-        self._check_path = check_path or (lambda p: Path(p))
+        self._check_path = lambda p: check_checkpoint_path(p, cfg.security.checkpoint_roots)
         # version -> (target_path, draft_path) of the last MAX_KEPT_SOURCES loads, newest
         # last: what a rollback reloads (LoadWeights with an empty target_path).
         self._sources: OrderedDict[str, tuple[str, str]] = OrderedDict()
@@ -316,32 +281,39 @@ class WorkerBase:
 
         return self.device.run(work)
 
-    def _batch(self, step: str, items: list[Any], validate: Callable, run: Callable,
-               round_: int | None = None) -> list[Any]:
-        """Answer every item of a batch, in order.
+    def run(self, step: str, items: list[Any], round_: int | None = None) -> list[Any]:
+        """Answer every item of a batched ``step`` ("prefill", "propose", "verify"), in order.
 
-        ``validate(engine, [(i, item)], out)`` returns the valid (i, item) pairs and
-        writes an error into ``out[i]`` for the others; ``run(engine, valid, out)``
-        runs the valid ones as one batch and writes their results. Items that are
-        already errors (the servicer could not decode them) pass through. If the
-        batch itself fails, each of its items gets that error; the worker goes on.
-        Raises LifecycleError for the whole batch when no weights are loaded.
+        The engine's ``check_<step>`` refuses the items it cannot run (each gets its error);
+        its ``<step>`` runs the rest as one batch (a result per item; None where the step
+        returns nothing). Items that are already errors (the servicer could not decode them)
+        pass through. If the batch itself fails, each of its items gets that error; the
+        worker goes on. Raises LifecycleError for the whole batch when no weights are loaded.
         """
         t0 = time.perf_counter()
 
         def work() -> list[Any]:
             engine = self._serving_engine(step.capitalize())
             out: list[Any] = list(items)
-            ok = [(i, it) for i, it in enumerate(items) if not isinstance(it, self.error_type)]
-            good = validate(engine, ok, out)
+            ok = [(i, it) for i, it in enumerate(items) if not isinstance(it, ItemError)]
+            good, refused = getattr(engine, f"check_{step}")(ok)
+            for i, exc in refused.items():
+                out[i] = item_error_for(exc)
             if good:
+                batch = [it for _, it in good]
                 try:
-                    run(engine, good, out)
+                    results = getattr(engine, step)(batch)
                 except Exception as exc:  # noqa: BLE001 - the batch failed: every item says why
-                    err = self.error_for(exc)
+                    err = item_error_for(exc)
                     self.log.exception("batch_failed", step=step, round=round_, items=len(good))
                     for i, _ in good:
                         out[i] = err
+                else:
+                    results = [None] * len(batch) if results is None else results
+                    for (i, _), res in zip(good, results):
+                        out[i] = res
+                    if self.metrics is not None:
+                        self.metrics.results(step, batch, results)
             stats = self.registry.stats
             if self.metrics is not None:
                 self.metrics.graphs(stats.replays, stats.eager_runs)
@@ -349,7 +321,7 @@ class WorkerBase:
             return out
 
         out = self.device.run(work)
-        errors = [(i, e) for i, e in enumerate(out) if isinstance(e, self.error_type)]
+        errors = [(i, e) for i, e in enumerate(out) if isinstance(e, ItemError)]
         if self.metrics is not None:
             self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])
         for i, e in errors:

@@ -25,14 +25,14 @@ from core.serving import build_server, refuse_insecure_bind
 from core.startup import StartupError
 from runtime.lifecycle import State
 from specsplit.v1 import common_pb2 as pb
-from worker.base import WorkerBase, WorkerStatus
+from worker.base import Worker, WorkerStatus
 from worker.config import WorkerConfig
 
 
 # --- health follows the lifecycle ---------------------------------------------------
 
 
-def bind_health(worker: WorkerBase, health_servicer: health.HealthServicer, service_name: str) -> None:
+def bind_health(worker: Worker, health_servicer: health.HealthServicer, service_name: str) -> None:
     """SERVING when LOADED/READY, NOT_SERVING when EMPTY, for "" and ``service_name``; kept
     current on every transition."""
 
@@ -53,10 +53,10 @@ class WorkerServicerMixin:
     """LoadWeights / ReleaseWeights / CaptureGraphs / ClearGraphs / GetStatus / Release.
 
     Put before the generated servicer base in the class bases. Needs ``self.worker``
-    (a WorkerBase) and ``self.log``.
+    (a Worker) and ``self.log``.
     """
 
-    worker: WorkerBase
+    worker: Worker
     log: Any
 
     def _run(self, context: grpc.ServicerContext, rpc: str, fn: Callable[[], Any]) -> Any:
@@ -132,7 +132,7 @@ class WorkerService:
 
     server: grpc.Server
     port: int
-    worker: WorkerBase
+    worker: Worker
     health: health.HealthServicer
     metrics_port: int | None = None
     before_close: list[Callable[[], None]] = field(default_factory=list)   # run after the server stops
@@ -148,7 +148,7 @@ class WorkerService:
         self.worker.close()
 
 
-def start_worker_service(cfg: WorkerConfig, worker: WorkerBase, servicer: Any,
+def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
                          add_servicer: Callable[[Any, grpc.Server], None], service_name: str,
                          log: Any) -> WorkerService:
     """Load at start if configured (and capture if asked), bind, start, serve metrics."""
