@@ -16,46 +16,38 @@ from typing import Any, Iterator
 
 import grpc
 import numpy as np
-import structlog
 
 from draft_service.worker import DraftWorker
 from worker.config import WorkerConfig
-from core.observability import redact
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
 from core import wire
-from worker.service import WorkerService, WorkerServicerMixin, start_worker_service
+from worker.service import (WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
+                            start_worker_service)
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc
 
 SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DraftService"].full_name   # "specsplit.v1.DraftService"
 
 
-def _decode_prefill(i: int, item: dpb.DraftPrefillItem,
-                    max_bytes: int | None = None) -> DraftPrefillRequest | wire.ItemError:
-    try:
-        # NOTE: bf16 rows stay bf16 bit patterns (uint16) up to the device (runtime/types.py).
-        hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES,
-                                             bf16_bits=True, max_bytes=max_bytes)
-        if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
-            hidden = np.zeros((0, 0), dtype=np.float32)
-        return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
-                                   _float_or_bits(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
-    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
-        return wire.item_error_for(exc)
+def _decode_prefill(i: int, item: dpb.DraftPrefillItem, max_bytes: int | None = None) -> DraftPrefillRequest:
+    # NOTE: bf16 rows stay bf16 bit patterns (uint16) up to the device (runtime/types.py).
+    hidden = wire.decode_optional_tensor(item, "hidden", f"items[{i}].hidden", wire.FLOAT_DTYPES,
+                                         bf16_bits=True, max_bytes=max_bytes)
+    if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
+        hidden = np.zeros((0, 0), dtype=np.float32)
+    return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
+                               _float_or_bits(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
 
 
-def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None) -> ProposeRequest | wire.ItemError:
-    try:
-        if item.ahead:
-            return ProposeRequest(item.request_id, int(item.start_position), np.zeros(0, dtype=np.int64),
-                                  np.zeros((0, 0), dtype=np.float32), int(item.k), ahead=True,
-                                  keep_tail=bool(item.keep_tail))
-        hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, bf16_bits=True,
-                                    max_bytes=max_bytes)
-        return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
-                              _float_or_bits(hidden), int(item.k), keep_tail=bool(item.keep_tail))
-    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
-        return wire.item_error_for(exc)
+def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None) -> ProposeRequest:
+    if item.ahead:
+        return ProposeRequest(item.request_id, int(item.start_position), np.zeros(0, dtype=np.int64),
+                              np.zeros((0, 0), dtype=np.float32), int(item.k), ahead=True,
+                              keep_tail=bool(item.keep_tail))
+    hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, bf16_bits=True,
+                                max_bytes=max_bytes)
+    return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
+                          _float_or_bits(hidden), int(item.k), keep_tail=bool(item.keep_tail))
 
 
 def _float_or_bits(hidden: np.ndarray) -> np.ndarray:
@@ -63,13 +55,11 @@ def _float_or_bits(hidden: np.ndarray) -> np.ndarray:
     return hidden if hidden.dtype == np.uint16 else wire.as_float32(hidden)
 
 
-def _proposal(request_id: str, res: Proposal | wire.ItemError) -> dpb.ProposeResult:
-    if isinstance(res, wire.ItemError):
-        return dpb.ProposeResult(request_id=request_id, error=wire.item_error_to_proto(res))
+def _proposal(res: Proposal) -> dict[str, Any]:
     out = dpb.Proposal(drafts=res.drafts.tolist())
     if res.draft_probs is not None:
         out.draft_probs.CopyFrom(wire.encode_tensor(res.draft_probs, "float32"))   # [k, V]
-    return dpb.ProposeResult(request_id=request_id, proposal=out)
+    return {"proposal": out}
 
 
 class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
@@ -79,39 +69,32 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
         self.max_tensor_bytes = worker.cfg.security.max_tensor_bytes
 
     def Prefill(self, request: dpb.DraftPrefillRequest, context: grpc.ServicerContext) -> dpb.DraftPrefillResponse:
-        items = [_decode_prefill(i, it, self.max_tensor_bytes) for i, it in enumerate(request.items)]
+        items = decode_items(request.items, lambda i, it: _decode_prefill(i, it, self.max_tensor_bytes))
         if request.release_request_ids:
             # NOTE: releases first: a request id that finished and joins again must find its old cache gone.
             self._run(context, "Release", lambda: self.worker.release(list(request.release_request_ids)))
         results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
-        out = dpb.DraftPrefillResponse()
-        for it, res in zip(request.items, results):
-            r = out.results.add(request_id=it.request_id)
-            if res is not None:
-                r.error.CopyFrom(wire.item_error_to_proto(res))
-        return out
+        return dpb.DraftPrefillResponse(results=[result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {})
+                                                 for it, res in zip(request.items, results)])
 
     def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
                 context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:
         """One response per request message, in order; the stream ends when the client ends it."""
-        for msg in request_iterator:
-            items = [_decode_propose(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
+        def release(msg: dpb.ProposeRequest) -> None:
             if msg.release_request_ids:
                 ids = list(msg.release_request_ids)
                 self._round_results("release", lambda: self.worker.release(ids), 0, msg.round)
-            results, seconds = self._round_results("propose", lambda: self.worker.propose(items, msg.round),
-                                                   len(items), msg.round)
-            yield dpb.ProposeResponse(round=msg.round, compute_seconds=seconds, results=[
-                _proposal(it.request_id, res) for it, res in zip(msg.items, results)])
+
+        return self._round_stream(request_iterator, "propose",
+                                  lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
+                                  lambda items, round_: self.worker.propose(items, round_),
+                                  lambda rid, res: result_proto(dpb.ProposeResult, rid, res, _proposal),
+                                  dpb.ProposeResponse, before=release)
 
 
 def start(cfg: WorkerConfig) -> WorkerService:
     """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving."""
-    if cfg.role != "draft":
-        raise ValueError(f"role={cfg.role!r}: the draft service needs role 'draft'")
-    log = structlog.get_logger(service="draft")
-    log.info("starting", config=redact(cfg))
-    worker = DraftWorker(cfg, log=log)
+    worker, log = new_worker(cfg, "draft", DraftWorker)
     return start_worker_service(cfg, worker, DraftServicer(worker, log),
                                 draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, log)
 

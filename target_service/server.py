@@ -17,16 +17,15 @@ from typing import Any, Iterator
 
 import grpc
 import numpy as np
-import structlog
 
 from rounds.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError, SeqStats,
                                     TokensEvent)
 from worker.config import WorkerConfig
-from core.observability import redact
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from runtime.request_checks import check_request_id, check_token_range
 from core import wire
-from worker.service import WorkerService, WorkerServicerMixin, start_worker_service
+from worker.service import (WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
+                            start_worker_service)
 from specsplit.v1 import common_pb2
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
@@ -37,38 +36,27 @@ from target_service.worker import TargetWorker
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TargetService"].full_name   # "specsplit.v1.TargetService"
 
 
-def _decode_prefill(i: int, item: tpb.TargetPrefillItem) -> PrefillRequest | wire.ItemError:
-    try:
-        return PrefillRequest(item.request_id, np.asarray(item.prompt, dtype=np.int64),
-                              wire.params_from_proto(item.params, f"items[{i}].params"),
-                              int(item.resume_token) if item.HasField("resume_token") else None)
-    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
-        return wire.item_error_for(exc)
+def _decode_prefill(i: int, item: tpb.TargetPrefillItem) -> PrefillRequest:
+    return PrefillRequest(item.request_id, np.asarray(item.prompt, dtype=np.int64),
+                          wire.params_from_proto(item.params, f"items[{i}].params"),
+                          int(item.resume_token) if item.HasField("resume_token") else None)
 
 
-def _decode_verify(i: int, item: tpb.VerifyItem, max_bytes: int | None = None) -> VerifyRequest | wire.ItemError:
-    try:
-        probs = wire.decode_optional_tensor(item, "draft_probs", f"items[{i}].draft_probs", wire.FLOAT_DTYPES,
-                                            max_bytes=max_bytes)
-        return VerifyRequest(item.request_id, np.asarray(item.drafts, dtype=np.int64),
-                             wire.as_float32(probs) if probs is not None else None)
-    except Exception as exc:  # noqa: BLE001 - a bad item must never end the call
-        return wire.item_error_for(exc)
+def _decode_verify(i: int, item: tpb.VerifyItem, max_bytes: int | None = None) -> VerifyRequest:
+    probs = wire.decode_optional_tensor(item, "draft_probs", f"items[{i}].draft_probs", wire.FLOAT_DTYPES,
+                                        max_bytes=max_bytes)
+    return VerifyRequest(item.request_id, np.asarray(item.drafts, dtype=np.int64),
+                         wire.as_float32(probs) if probs is not None else None)
 
 
-def _prefill_result(request_id: str, res: PrefillResult | wire.ItemError) -> tpb.TargetPrefillResult:
-    if isinstance(res, wire.ItemError):
-        return tpb.TargetPrefillResult(request_id=request_id, error=wire.item_error_to_proto(res))
-    return tpb.TargetPrefillResult(request_id=request_id, output=tpb.PrefillOutput(
-        first_token=res.first_token, hidden=wire.encode_tensor(res.hidden, "float32")))   # [n, d]
+def _prefill_output(res: PrefillResult) -> dict[str, Any]:
+    return {"output": tpb.PrefillOutput(first_token=res.first_token,
+                                        hidden=wire.encode_tensor(res.hidden, "float32"))}   # [n, d]
 
 
-def _verify_result(request_id: str, res: VerifyResult | wire.ItemError) -> tpb.VerifyResult:
-    if isinstance(res, wire.ItemError):
-        return tpb.VerifyResult(request_id=request_id, error=wire.item_error_to_proto(res))
-    return tpb.VerifyResult(request_id=request_id, output=tpb.VerifyOutput(
-        num_accepted=res.num_accepted, tokens=list(res.tokens),
-        hidden=wire.encode_tensor(res.hidden, "float32")))                               # [a+1, d]
+def _verify_output(res: VerifyResult) -> dict[str, Any]:
+    return {"output": tpb.VerifyOutput(num_accepted=res.num_accepted, tokens=list(res.tokens),
+                                       hidden=wire.encode_tensor(res.hidden, "float32"))}    # [a+1, d]
 
 
 _ACTIONS = {tpb.ROUNDS_ACTION_STATUS: STATUS, tpb.ROUNDS_ACTION_PAUSE_ADMISSION: PAUSE,
@@ -188,29 +176,25 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
 
     def Prefill(self, request: tpb.TargetPrefillRequest,
                 context: grpc.ServicerContext) -> tpb.TargetPrefillResponse:
-        items = [_decode_prefill(i, it) for i, it in enumerate(request.items)]
+        items = decode_items(request.items, _decode_prefill)
         results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
         return tpb.TargetPrefillResponse(results=[
-            _prefill_result(it.request_id, res) for it, res in zip(request.items, results)])
+            result_proto(tpb.TargetPrefillResult, it.request_id, res, _prefill_output)
+            for it, res in zip(request.items, results)])
 
     def Verify(self, request_iterator: Iterator[tpb.VerifyRequest],
                context: grpc.ServicerContext) -> Iterator[tpb.VerifyResponse]:
         """One response per request message, in order; the stream ends when the client ends it."""
-        for msg in request_iterator:
-            items = [_decode_verify(i, it, self.max_tensor_bytes) for i, it in enumerate(msg.items)]
-            results, seconds = self._round_results("verify", lambda: self.worker.verify(items, msg.round),
-                                                   len(items), msg.round)
-            yield tpb.VerifyResponse(round=msg.round, compute_seconds=seconds, results=[
-                _verify_result(it.request_id, res) for it, res in zip(msg.items, results)])
+        return self._round_stream(request_iterator, "verify",
+                                  lambda i, it: _decode_verify(i, it, self.max_tensor_bytes),
+                                  lambda items, round_: self.worker.verify(items, round_),
+                                  lambda rid, res: result_proto(tpb.VerifyResult, rid, res, _verify_output),
+                                  tpb.VerifyResponse)
 
 
 def start(cfg: WorkerConfig) -> WorkerService:
     """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving."""
-    if cfg.role != "target":
-        raise ValueError(f"role={cfg.role!r}: the target service needs role 'target'")
-    log = structlog.get_logger(service="target")
-    log.info("starting", config=redact(cfg))
-    worker = TargetWorker(cfg, log=log)
+    worker, log = new_worker(cfg, "target", TargetWorker)
     rounds = RoundHost(worker, cfg)
     # NOTE: every Decode call holds a handler thread for its whole life (the running
     # batch plus the waiting queue), so the pool is sized for that, not for cfg alone.

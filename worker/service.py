@@ -3,8 +3,10 @@ lifecycle / status / release RPC handlers, a worker's status as a proto, and sta
 worker service.
 
 Owns: ``bind_health``, ``WorkerServicerMixin`` (LoadWeights, ReleaseWeights, CaptureGraphs,
-ClearGraphs, GetStatus, Release and the error handling of every worker RPC),
-``status_to_proto`` / ``state_to_proto``, ``WorkerService`` and ``start_worker_service``.
+ClearGraphs, GetStatus, Release, the error handling of every worker RPC and the persistent
+batched round stream), per-item decoding and result messages (``decode_items``, ``result_proto``),
+``status_to_proto`` / ``state_to_proto``, ``new_worker``, ``WorkerService`` and
+``start_worker_service``.
 
 Must not know: which engine the worker runs (draft or target), scheduling, frameworks.
 Errors become status codes through ``core.wire`` (the one map).
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2
 
 from core import wire
-from core.observability import start_metrics_server
+from core.observability import redact, start_metrics_server
 from core.serving import build_server, refuse_insecure_bind
 from core.startup import StartupError
 from runtime.lifecycle import State
@@ -44,6 +47,29 @@ def bind_health(worker: Worker, health_servicer: health.HealthServicer, service_
 
     publish()
     worker.lifecycle.add_observer(publish)
+
+
+# --- proto items <-> records, per item -------------------------------------------------------
+
+
+def decode_items(items: Iterable[Any], decode: Callable[[int, Any], Any]) -> list[Any]:
+    """Each proto item -> its record via ``decode(i, item)``, or the ``ItemError`` saying why it
+    could not be decoded: a bad item never ends the call, the others still run."""
+    out: list[Any] = []
+    for i, item in enumerate(items):
+        try:
+            out.append(decode(i, item))
+        except Exception as exc:  # noqa: BLE001 - becomes the item's error
+            out.append(wire.item_error_for(exc))
+    return out
+
+
+def result_proto(cls: Callable[..., Any], request_id: str, res: Any, encode: Callable[[Any], dict[str, Any]]) -> Any:
+    """One per-item result message: ``cls(request_id, error=...)`` for an ``ItemError``, else
+    ``cls(request_id, **encode(res))``."""
+    if isinstance(res, wire.ItemError):
+        return cls(request_id=request_id, error=wire.item_error_to_proto(res))
+    return cls(request_id=request_id, **encode(res))
 
 
 # --- RPC handlers both workers share --------------------------------------------------
@@ -90,6 +116,20 @@ class WorkerServicerMixin:
                 self.log.exception(f"{step}_failed", round=round_)
             results = [err] * n_items
         return results, time.perf_counter() - t0
+
+    def _round_stream(self, request_iterator: Iterable[Any], step: str, decode: Callable[[int, Any], Any],
+                      run: Callable[[list[Any], int], list[Any]], encode: Callable[[str, Any], Any],
+                      response: Callable[..., Any], before: Callable[[Any], None] | None = None) -> Iterator[Any]:
+        """A persistent batched stream (Propose, Verify): per request message, decode its items
+        (``decode_items``), run ``before(msg)`` (e.g. releases), run the batch, and answer with one
+        ``response(round, compute_seconds, results)`` in order; the stream ends when the client ends it."""
+        for msg in request_iterator:
+            items = decode_items(msg.items, decode)
+            if before is not None:
+                before(msg)
+            results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
+            yield response(round=msg.round, compute_seconds=seconds, results=[
+                encode(it.request_id, res) for it, res in zip(msg.items, results)])
 
     def _status(self) -> pb.WorkerStatus:
         return status_to_proto(self.worker.status())
@@ -146,6 +186,15 @@ class WorkerService:
             fn()
         stopped.wait()
         self.worker.close()
+
+
+def new_worker(cfg: WorkerConfig, role: str, worker_cls: Callable[..., Worker]) -> tuple[Worker, Any]:
+    """(the role's worker, its logger) after checking ``cfg.role``; the worker loads nothing yet."""
+    if cfg.role != role:
+        raise ValueError(f"role={cfg.role!r}: the {role} service needs role {role!r}")
+    log = structlog.get_logger(service=role)
+    log.info("starting", config=redact(cfg))
+    return worker_cls(cfg, log=log), log
 
 
 def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
