@@ -1,13 +1,12 @@
-"""The draft service's gRPC servicer and ``create_server``.
+"""DraftService over gRPC: Prefill and the persistent Propose stream, and ``start``.
 
-Owns: proto <-> record conversion for DraftService (via ``core.wire``),
-the persistent Propose stream (one batched response per batched request,
-per-item errors, the stream survives bad items and failed batches), and
-assembling worker + servicer + health + metrics into a started server.
+Owns: the draft's messages only: decoding Prefill / Propose items into
+``runtime.types`` records (hidden rows stay bf16 bits when sent as bf16) and
+encoding a proposal (drafts, and q when the draft samples). The plumbing both
+workers share (per-item errors, the round stream, lifecycle / status / release
+RPCs, start-up) is ``worker.service``; the work is ``DraftWorker``'s.
 
-Must not know: tensors beyond decoding them into numpy records, models,
-frameworks. All work happens in ``DraftWorker``; lifecycle / status / release
-RPCs come from ``worker.service.WorkerServicerMixin``.
+Must not know: models, frameworks, the target, scheduling.
 """
 
 from __future__ import annotations

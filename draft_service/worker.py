@@ -22,20 +22,15 @@ from core.wire import ItemError
 from draft_service.metrics import DraftMetrics
 from runtime.config import ModelConfig
 from runtime.draft_engine import DraftEngine
-from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
+from runtime.types import Proposal, ProposeRequest
 from runtime.weights import CheckedCheckpoint, check_draft, check_target, resolve_draft_path
 from worker.base import Worker
-from worker.config import WorkerConfig
 
-PREFILL, PROPOSE = "prefill", "propose"
+PROPOSE = "propose"
 
 
 class DraftWorker(Worker):
-    role = "draft"
-
-    def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
-        self.metrics = DraftMetrics()
-        super().__init__(cfg, log=log)
+    role, metrics_cls = "draft", DraftMetrics
 
     # --- Worker hooks ----------------------------------------------------------
     def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
@@ -49,12 +44,7 @@ class DraftWorker(Worker):
         return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
                            ahead_drafting=self.cfg.spec.ahead_drafting)
 
-    # --- batched steps -----------------------------------------------------------
-    def prefill(self, items: list[DraftPrefillRequest | ItemError]) -> list[ItemError | None]:
-        """Allocate each request's draft cache and write its prompt pairs. None = success.
-        Raises LifecycleError (whole batch) when no weights are loaded."""
-        return self.run(PREFILL, items)
-
+    # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0) -> list[Proposal | ItemError]:
         """Catch-up over each request's new pairs, then k-1 substeps; one batch for all valid items.
         Raises LifecycleError (whole batch) when no weights are loaded."""

@@ -1,13 +1,12 @@
-"""The target service's gRPC servicer and ``create_server``.
+"""TargetService over gRPC: Decode (a request through the hosted round loop), ControlRounds,
+Prefill and the persistent Verify stream, and ``start``.
 
-Owns: proto <-> record conversion for TargetService (via ``core.wire``),
-the persistent Verify stream (one batched response per batched request,
-per-item errors, the stream survives bad items and failed batches), and
-assembling worker + servicer + health + metrics into a started server.
+Owns: the target's messages only: a DecodeRequest checked into a
+``GenerationRequest`` and its events back as DecodeEvents; ControlRounds actions;
+Prefill / Verify items into records and their results back. The plumbing both
+workers share is ``worker.service``; the round loop is ``target_service.rounds``.
 
-Must not know: tensors beyond decoding them into numpy records, models,
-frameworks. All work happens in ``TargetWorker``; lifecycle / status / release
-RPCs come from ``worker.service.WorkerServicerMixin``.
+Must not know: models, frameworks, the draft's internals.
 """
 
 from __future__ import annotations

@@ -20,21 +20,16 @@ from typing import Any
 from core.wire import ItemError
 from runtime.config import ModelConfig
 from runtime.target_engine import TargetEngine
-from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
+from runtime.types import VerifyRequest, VerifyResult
 from runtime.weights import CheckedCheckpoint, check_target
 from target_service.metrics import TargetMetrics
 from worker.base import Worker
-from worker.config import WorkerConfig
 
-PREFILL, VERIFY = "prefill", "verify"
+VERIFY = "verify"
 
 
 class TargetWorker(Worker):
-    role = "target"
-
-    def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
-        self.metrics = TargetMetrics()
-        super().__init__(cfg, log=log)
+    role, metrics_cls = "target", TargetMetrics
 
     # --- Worker hooks ----------------------------------------------------------
     def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
@@ -43,12 +38,7 @@ class TargetWorker(Worker):
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> TargetEngine:
         return TargetEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry)
 
-    # --- batched steps -----------------------------------------------------------
-    def prefill(self, items: list[PrefillRequest | ItemError]) -> list[PrefillResult | ItemError]:
-        """Run each prompt and pick its first token; one batch for all valid items.
-        Raises LifecycleError (whole batch) when no weights are loaded."""
-        return self.run(PREFILL, items)
-
+    # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def verify(self, items: list[VerifyRequest | ItemError], round_: int = 0) -> list[VerifyResult | ItemError]:
         """One forward over [t_n, d_1..d_k] per request, then acceptance; one batch for all valid items.
         Raises LifecycleError (whole batch) when no weights are loaded."""

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import structlog
@@ -85,12 +85,13 @@ class Worker:
     """
 
     role = "worker"
-    # Duck-typed metrics adapter: on_transition(...), step(...), graphs(...), slots(...),
-    # results(step, items, results) (the role's own counters).
-    metrics: Any = None
+    # The role's metrics adapter (duck-typed): on_transition(...), step(...), graphs(...),
+    # slots(...), results(step, items, results) (the role's own counters). None: no metrics.
+    metrics_cls: Callable[[], Any] | None = None
 
     def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
         self.cfg = cfg
+        self.metrics = self.metrics_cls() if self.metrics_cls is not None else None
         self.log = (log or structlog.get_logger()).bind(role=self.role)
         self.ops, self.graphs_mode = self._make_ops(cfg.runtime)
         if not cfg.graphs.enabled:
@@ -280,6 +281,12 @@ class Worker:
             return released
 
         return self.device.run(work)
+
+    def prefill(self, items: list[Any]) -> list[Any]:
+        """The engine's prefill of each valid item (target: prompt -> first token and hidden rows;
+        draft: prompt pairs into its cache, None = success), one batch; errors per item.
+        Raises LifecycleError (whole batch) when no weights are loaded."""
+        return self.run("prefill", items)
 
     def run(self, step: str, items: list[Any], round_: int | None = None) -> list[Any]:
         """Answer every item of a batched ``step`` ("prefill", "propose", "verify"), in order.
