@@ -43,13 +43,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import structlog
 
 from rounds.guards import GuardedDraft
-from rounds.scheduler import ItemFailures, RequestError, Scheduler
-from runtime.round_driver import Sequence, attach_draft
-from runtime.types import PrefillRequest
+from rounds.scheduler import Scheduler
+from rounds.scheduler_types import ItemFailures, RequestError
+from runtime.round_driver import Sequence, attach_draft, prefill_request, set_prompt_pairs
 from specsplit.v1 import common_pb2
 
 log = structlog.get_logger("rounds.draft_health")
@@ -78,9 +77,7 @@ def resync(target: Any, draft: Any, seqs: list[Sequence]) -> int:
     todo = [s for s in seqs if s.output and s.finish_reason is None]
     attached = 0
     while todo:
-        reqs = [PrefillRequest(s.request_id + SHADOW_SUFFIX,
-                               np.concatenate([s.prompt, np.asarray(s.output[:-1], dtype=np.int64)]),  # [n]
-                               s.params, resume_token=int(s.output[-1])) for s in todo]
+        reqs = [prefill_request(s, True, s.request_id + SHADOW_SUFFIX) for s in todo]
         errors: dict[str, RequestError] = {}
         try:
             results = target.prefill(reqs)
@@ -89,9 +86,7 @@ def resync(target: Any, draft: Any, seqs: list[Sequence]) -> int:
         ok = [(s, q, r) for s, q, r in zip(todo, reqs, results) if r is not None]
         try:
             for s, q, r in ok:
-                # Pairs (h_i, t_{i+1}) over the whole body, as ``round_driver.admit`` builds them.
-                s.pending_tokens = np.concatenate([q.prompt[1:], [r.first_token]]).astype(np.int64)
-                s.pending_hidden = r.hidden                                              # [n, d]
+                set_prompt_pairs(s, q, r)              # the pairs exactly as at admission
             draft_errors: dict[str, RequestError] = {}
             attach_draft(GuardedDraft(draft, draft_errors), [s for s, _, _ in ok])
             for s, _, _ in ok:

@@ -186,26 +186,16 @@ class Scheduler:
                                        live.seq.stats, self.weights_version), code="CANCELLED")
         if not lives:
             return 0
-        failed: dict[str, RequestError] = {}
         self._running.extend(lives)
+        failed: dict[str, RequestError] = {}
         try:
-            # NOTE: target first, then the draft (as in _admit): the draft's pairs are the
-            # target's hidden states, which must come from the weights now serving.
-            emitted = admit(GuardedTarget(self.target, failed), None, [x.seq for x in lives], resume=True)
-            if self.draft is not None:
-                drafting = [x.seq for x in lives if x.seq.k > 0 and x.seq.request_id not in failed]
-                try:
-                    attach_draft(GuardedDraft(self.draft, failed), drafting)
-                except Exception as exc:  # noqa: BLE001 - these requests end; the others go on
-                    failed.update({s.request_id: error_of(exc) for s in drafting})
+            # NOTE: the draft's pairs are the target's hidden states, which must come from the
+            # weights now serving (the target re-prefills first; see _prefill_both).
+            emitted = self._prefill_both(lives, failed, draft_loss_ends_them=True)
         except Exception as exc:  # noqa: BLE001 - the whole re-prefill failed: they all end
             failed.update({x.seq.request_id: error_of(exc) for x in lives})
             emitted = {}
-        for live in lives:
-            if live.seq.request_id in failed:
-                self._end_error(live, failed[live.seq.request_id])
-            else:
-                self._push_tokens(live, emitted.get(live.seq.request_id, []), 0, 0)
+        self._join(lives, emitted, failed, "resumed")
         return len(lives) - len(failed)
 
     # --- the scheduler thread ------------------------------------------------------
@@ -272,45 +262,58 @@ class Scheduler:
 
     def _admit(self, joining: list[RequestHandle]) -> None:
         lives = [_Live(h, self._new_sequence(h)) for h in joining]
-        seqs = [x.seq for x in lives]
         failed: dict[str, RequestError] = {}
-        target = GuardedTarget(self.target, failed)
         try:
             # NOTE: caches of requests a failed target call ended are freed before anyone
             # joins: a retry under the same request id must not find its old cache there.
             self._flush_unreleased()
-            # NOTE: target first, then the draft: the draft's prompt pairs are
-            # the target's prefill hidden states. Items the target failed never
-            # reach the draft. resume=True re-prefills resumed requests (prompt + output
-            # so far); new ones (no output yet) are prefilled as usual.
-            emitted = admit(target, None, seqs, resume=True)
+            emitted = self._prefill_both(lives, failed, draft_loss_ends_them=False)
         except Exception as exc:  # noqa: BLE001 - the whole prefill call failed: only the joiners end
             err = error_of(exc)
-            log.warning("prefill_failed", round=self.round, error=str(err), requests=len(seqs))
+            log.warning("prefill_failed", round=self.round, error=str(err), requests=len(lives))
             if isinstance(exc, WorkerUnavailable):   # the target may hold them after all (a stall)
-                self._unreleased.update(s.request_id for s in seqs)
+                self._unreleased.update(x.seq.request_id for x in lives)
             for x in lives:
                 self._running.append(x)
                 self._end_error(x, err)
             return
         self._running.extend(lives)
+        self._join(lives, emitted, failed, "admitted")
+
+    def _prefill_both(self, lives: list[_Live], failed: dict[str, RequestError], *,
+                      draft_loss_ends_them: bool) -> dict[str, list[int]]:
+        """The one admission path (new requests, and resumed ones after a reload): the target's
+        prefill, then the draft's for those that draft. Returns the tokens emitted per request;
+        per-item failures land in ``failed``. A failed whole draft call either ends the drafting
+        requests (``draft_loss_ends_them``) or, with a draft link, hands the loss to it (the
+        requests go on target-only). Raises when the whole target call fails."""
+        seqs = [x.seq for x in lives]
+        # NOTE: target first, then the draft: the draft's prompt pairs are the target's
+        # prefill hidden states. Items the target failed never reach the draft. resume=True
+        # re-prefills requests that hold output (prompt + output so far); new ones as usual.
+        emitted = admit(GuardedTarget(self.target, failed), None, seqs, resume=True)
         if self.draft is not None:
             drafting = [s for s in seqs if s.k > 0 and s.finish_reason is None and s.request_id not in failed]
             try:
                 attach_draft(GuardedDraft(self.draft, failed), drafting)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - those requests end, or go on target-only
                 err = error_of(exc)
-                if self.on_draft_lost is not None:
-                    self.draft_failed(err)              # the joiners go on target-only
+                if self.on_draft_lost is not None and not draft_loss_ends_them:
+                    self.draft_failed(err)
                 else:
                     for s in drafting:
                         failed.setdefault(s.request_id, err)
+        return emitted
+
+    def _join(self, lives: list[_Live], emitted: dict[str, list[int]], failed: dict[str, RequestError],
+              what: str) -> None:
+        """Each prefilled request either ends with its error or streams what its prefill emitted."""
         for x in lives:
             rid = x.seq.request_id
             if rid in failed:
                 self._end_error(x, failed[rid])
             else:
-                log.info("admitted", request_id=rid, round=self.round, prompt_tokens=len(x.seq.prompt), k=x.seq.k)
+                log.info(what, request_id=rid, round=self.round, prompt_tokens=len(x.seq.prompt), k=x.seq.k)
                 self._push_tokens(x, emitted.get(rid, []), 0, 0)
 
     def _run_round(self, live: list[_Live]) -> None:

@@ -136,6 +136,24 @@ def _append_pending(seq: Sequence, tokens: np.ndarray, hidden: np.ndarray) -> No
         seq.pending_hidden = np.concatenate([seq.pending_hidden, hidden])
 
 
+def prefill_request(s: Sequence, resume: bool, request_id: str | None = None) -> PrefillRequest:
+    """The target prefill of ``s`` (under ``request_id``, default its own). ``resume`` with output
+    so far: prompt + output[:-1] with ``resume_token`` = output[-1] (nothing is sampled), which
+    rebuilds the cache and the hidden states the request had; else the prompt."""
+    rid = s.request_id if request_id is None else request_id
+    if resume and s.output:
+        body = np.concatenate([s.prompt, np.asarray(s.output[:-1], dtype=np.int64)])        # [n]
+        return PrefillRequest(rid, body, s.params, resume_token=s.output[-1])
+    return PrefillRequest(rid, s.prompt, s.params)
+
+
+def set_prompt_pairs(s: Sequence, req: PrefillRequest, res: PrefillResult) -> None:
+    """The draft's pairs (h_i, t_{i+1}) over the whole prefilled body, from the target's prefill
+    result; the last pair waits for the first Propose (``attach_draft`` sends the others)."""
+    s.pending_tokens = np.concatenate([req.prompt[1:], [res.first_token]]).astype(np.int64)
+    s.pending_hidden = res.hidden                                                            # [n, d]
+
+
 def admit(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
           resume: bool = False) -> dict[str, list[int]]:
     """Prefill new sequences on both workers. Returns newly emitted tokens per request.
@@ -144,21 +162,13 @@ def admit(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     reload or a draft restart): the target re-runs prompt + output[:-1] and
     keeps output[-1] as its last token; nothing new is emitted.
     """
-    reqs = []
-    for s in seqs:
-        if resume and s.output:
-            body = np.concatenate([s.prompt, np.asarray(s.output[:-1], dtype=np.int64)])
-            reqs.append(PrefillRequest(s.request_id, body, s.params, resume_token=s.output[-1]))
-        else:
-            reqs.append(PrefillRequest(s.request_id, s.prompt, s.params))
+    reqs = [prefill_request(s, resume) for s in seqs]
     results = target.prefill(reqs)
     emitted: dict[str, list[int]] = {}
     for s, req, res in zip(seqs, reqs, results):
         if not (resume and s.output):
             emitted[s.request_id] = s.emit([res.first_token])
-        # Pairs (h_i, t_{i+1}) for the whole body; the last one waits for the first Propose.
-        tokens = np.concatenate([req.prompt[1:], [res.first_token]]).astype(np.int64)
-        s.pending_tokens, s.pending_hidden = tokens, res.hidden
+        set_prompt_pairs(s, req, res)
         s.draft_pairs, s.drafting, s.ready_drafts = 0, False, None
     if draft is not None:
         attach_draft(draft, [s for s in seqs if s.k > 0 and s.finish_reason is None])
