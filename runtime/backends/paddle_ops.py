@@ -101,6 +101,11 @@ class PaddleOps:
     def compile_step(self, fn):
         return fn  # no compiler here: the plain ops run as they are
 
+    def fuse_rows(self, xs):
+        # NOTE: not fused. An in-place weight update writes the per-name tensors;
+        # unless every slice were a view, a fused copy would go stale silently.
+        return None
+
     def data_ptr(self, x):
         return int(x.data_ptr())
 
