@@ -43,6 +43,10 @@ class Ops(Protocol):
         """In-place copy (dst keeps its address). Shapes must match."""
     def copy_from_numpy(self, dst: Tensor, arr: np.ndarray) -> None:
         """Host array straight into an existing device tensor (one copy, address kept)."""
+    def host_mirror(self, dst: Tensor) -> Any:
+        """A host twin of an int64 / float32 device buffer: ``.array()`` -> the numpy array to
+        fill, ``.upload()`` copies it into ``dst`` (asynchronously from pinned memory on CUDA;
+        a twin is never handed out while its previous upload may still be reading it)."""
     def data_ptr(self, x: Tensor) -> int: ...
     def compile_step(self, fn: Any) -> Any:
         """A step function, compiled when the runtime asked for it (Torch on CUDA), else as is."""
