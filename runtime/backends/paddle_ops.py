@@ -172,6 +172,9 @@ class PaddleOps:
         out = paddle.index_select(cache, idx, axis=0)
         return paddle.reshape(out, [b, span, *cache.shape[1:]])
 
+    def attention_mask(self, mask, groups):
+        return mask          # [B, T, L] as is: attention below expands it per K/V head group
+
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape
         kvh = k.shape[2]

@@ -241,15 +241,19 @@ class TorchOps:
         rows = cache.shape[0] // max_len
         return cache.view(rows, max_len, *cache.shape[1:])[:, :span].index_select(0, slots)
 
+    def attention_mask(self, mask, groups):
+        # [B, T, L] -> [B, 1, G*T, L]: the row of grouped query (g, t) is mask[:, t].
+        b, t, la = mask.shape
+        return mask[:, None, None, :, :].expand(b, 1, groups, t, la).reshape(b, 1, groups * t, la)
+
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape
-        kvh, la = k.shape[2], k.shape[1]
+        kvh = k.shape[2]
         g = h // kvh
         # Grouped queries as rows of one head: q [B, KVH, G*T, D] against k/v [B, KVH, L, D],
-        # so no K/V head is repeated; the mask row of query (g, t) is mask[:, t].
+        # so no K/V head is repeated; ``mask`` is [B, 1, G*T, L] (attention_mask).
         qg = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-        m = mask[:, None, None, :, :].expand(b, 1, g, t, la).reshape(b, 1, g * t, la)
-        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return out.reshape(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def less_equal(self, a, b):
