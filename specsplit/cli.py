@@ -420,12 +420,16 @@ def _client(args: argparse.Namespace):
                            tls_cert=args.tls_cert, tls_key=args.tls_key)
 
 
-def _stack_args(p: argparse.ArgumentParser) -> None:
+def _stack_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="target checkpoint dir (with mtp.safetensors)")
     p.add_argument("--backend", default="paddle", choices=("paddle", "torch"))
     p.add_argument("--draft-device", default="cpu", help="cpu | cuda:N")
     p.add_argument("--target-device", default="cpu", help="cpu | cuda:N")
-    p.add_argument("--port", type=int, default=0, help="orchestrator port (0 = pick)")
+    # NOTE: `up` listens where `generate` and `status` look by default (DEFAULT_ADDRESS), so a
+    # stack started without flags is found without copying its port; `demo` talks to its own stack.
+    p.add_argument("--port", type=int, default=port,
+                   help=f"orchestrator port (0 = pick; default {port}" +
+                        (", the port of generate's and status's default --address)" if port else ")"))
     p.add_argument("--host", default="127.0.0.1", help="orchestrator listen address (the workers always listen on "
                                                        "127.0.0.1); a non-loopback one needs --allow-insecure")
     p.add_argument("--allow-insecure", action="store_true",
@@ -464,9 +468,9 @@ def build_parser(train_args: bool = True) -> argparse.ArgumentParser:
     _allow_insecure_alias(p)
 
     p = sub.add_parser("up", help="all three services on loopback (Ctrl-C stops them)")
-    _stack_args(p)
+    _stack_args(p, port=int(DEFAULT_ADDRESS.rpartition(":")[2]))
     p = sub.add_parser("demo", help="bring the stack up, stream one generation with acceptance statistics")
-    _stack_args(p)
+    _stack_args(p, port=0)
     p.add_argument("--prompt", default=None, help="prompt text (default: a held-out prompt of the bundled model)")
     p.add_argument("--max-tokens", type=int, default=160)
 
