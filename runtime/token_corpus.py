@@ -70,7 +70,7 @@ def _encode(tok: Tokenizer, path: Path) -> np.ndarray | None:
     ids = list(tok.encode(text))
     if tok.eos_token_id is not None:
         ids.append(tok.eos_token_id)
-    return np.asarray(ids, dtype=np.int64)
+    return np.asarray(ids, dtype=np.int32)
 
 
 def load_token_corpus(paths: list[str | Path], tok: Tokenizer, heldout_frac: float = 0.05,
@@ -92,8 +92,8 @@ def load_token_corpus(paths: list[str | Path], tok: Tokenizer, heldout_frac: flo
             train_names.append(str(f))
     if not train_parts and not held_parts:
         raise ConfigError("--corpus: no readable UTF-8 text in " + " ".join(map(str, paths)))
-    train = np.concatenate(train_parts) if train_parts else np.zeros(0, np.int64)
-    held = np.concatenate(held_parts) if held_parts else np.zeros(0, np.int64)
+    train = np.concatenate(train_parts) if train_parts else np.zeros(0, np.int32)
+    held = np.concatenate(held_parts) if held_parts else np.zeros(0, np.int32)
     if held.size <= max(min_heldout_tokens, 0) or train.size == 0:
         # NOTE: split the joined stream (train first, then held-out files) so no token is in both.
         stream = np.concatenate([train, held])
