@@ -18,6 +18,7 @@ Must not know: argument parsing (``specsplit/cli_train.py``), gRPC, Paddle.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -96,9 +97,10 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 def _identity(cfg: ModelConfig, opts: DistillOptions) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: the target's shape and the loss's layout."""
-    return {"target_shapes": {n: list(s) for n, s in mtp_tensor_shapes(cfg).items()},
-            "vocab_size": cfg.vocab_size, "unroll": opts.unroll}
+    """What a checkpoint must match to be resumed: the target (its config.json) and the loss's layout."""
+    config = (Path(opts.target) / "config.json").read_bytes()
+    return {"target_config_sha256": hashlib.sha256(config).hexdigest(),
+            "head_shapes": {n: list(s) for n, s in mtp_tensor_shapes(cfg).items()}, "unroll": opts.unroll}
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, head: dict[str, torch.nn.Parameter], opt: torch.optim.Optimizer,
