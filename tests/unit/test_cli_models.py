@@ -54,3 +54,15 @@ def test_generate_token_ids_must_be_integers():
     args = cli.build_parser(train_args=False).parse_args(["generate", "--token-ids", "1,x"])
     with pytest.raises(cli.ConfigError, match="--token-ids"):
         cli_client._generate_prompt(args)
+
+
+def test_up_listens_where_the_client_commands_look_by_default(monkeypatch):
+    from specsplit.cli_client import DEFAULT_ADDRESS
+
+    monkeypatch.delenv("SPECSPLIT_ADDRESS", raising=False)      # the clients' default is read at parser build
+    parser = cli.build_parser(train_args=False)
+    up = parser.parse_args(["up"])
+    assert up.port == 50051 and f"{up.host}:{up.port}" == DEFAULT_ADDRESS
+    assert parser.parse_args(["generate", "hi"]).address == DEFAULT_ADDRESS
+    assert parser.parse_args(["status"]).address == DEFAULT_ADDRESS
+    assert parser.parse_args(["demo"]).port == 0                 # the demo talks to its own stack only
