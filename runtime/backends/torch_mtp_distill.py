@@ -147,7 +147,7 @@ def teacher_forced_agreement(cfg: ModelConfig, target: dict[str, torch.Tensor], 
     return [round(float(x), 4) for x in np.mean(agree, 0)]
 
 
-def heldout_prompts_ids(held: np.ndarray, n: int, length: int, seed: int = _HELDOUT_SEED) -> list[list[int]]:
+def heldout_prompts_ids(held: np.ndarray, n: int, length: int) -> list[list[int]]:
     """``n`` windows of ``length`` tokens of the held-out stream, evenly spread, deterministic."""
     if length < 1 or held.size < length + 1 or n <= 0:
         return []
@@ -165,6 +165,8 @@ def _check(opts: DistillOptions, cfg: ModelConfig) -> None:
     if opts.seq_len + 1 > cfg.max_position_embeddings:
         raise ConfigError(f"--seq-len={opts.seq_len} is invalid: must be below the target's "
                           f"max_position_embeddings={cfg.max_position_embeddings}")
+    if opts.eval_prompts > 0 and opts.eval_k < 1:
+        raise ConfigError(f"--eval-k={opts.eval_k} is invalid: must be >= 1 (or --eval-prompts 0)")
     if not 0.0 <= opts.distill <= 1.0:
         raise ConfigError(f"--distill={opts.distill} is invalid: must be in [0, 1]")
 
