@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
                 ok = list(spec.tokens) == list(plain.tokens) == hf
                 same &= ok
-                rows.append({"prompt_tokens": len(ids), "identical": ok, "acceptance_rate": round(spec.acceptance_rate, 4),
+                rows.append({"prompt_tokens": len(ids), "identical": ok,
+                             "acceptance_rate": round(spec.acceptance_rate, 4),
                              "tokens_per_round": round(spec.mean_accepted_length, 3)})
     finally:
         up.terminate()

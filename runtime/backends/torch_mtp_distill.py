@@ -143,7 +143,8 @@ def teacher_forced_agreement(cfg: ModelConfig, target: dict[str, torch.Tensor], 
     for b in range(batches):
         batch = torch.from_numpy(batch_at(held, min(opts.batch, 8), opts.seq_len, _HELDOUT_SEED, b)).to(device)
         hidden, logits = target_hidden(ops, target, cfg, rope, batch[:, :-1])
-        agree.append(mtp_unrolled_loss(ops, {**target, **head}, cfg, rope, batch, hidden, logits, n).agree.cpu().numpy())
+        res = mtp_unrolled_loss(ops, {**target, **head}, cfg, rope, batch, hidden, logits, n)
+        agree.append(res.agree.cpu().numpy())
     return [round(float(x), 4) for x in np.mean(agree, 0)]
 
 
@@ -257,8 +258,8 @@ def run_distill(opts: DistillOptions, progress: Callable[..., Any] | None = None
                                                                   device)}
     say(f"train-mtp: wrote {mtp_path}; held-out teacher-forced agreement per pass "
         f"{report['teacher_forced_agree_per_pass']}")
-    prompts = heldout_prompts_ids(corpus.heldout, opts.eval_prompts,
-                                  min(opts.eval_prompt_len, cfg.max_position_embeddings - opts.eval_tokens - opts.eval_k))
+    room = cfg.max_position_embeddings - opts.eval_tokens - opts.eval_k     # prompt positions the model has left
+    prompts = heldout_prompts_ids(corpus.heldout, opts.eval_prompts, min(opts.eval_prompt_len, room))
     if prompts:
         del target, head                                # the engine loads its own copy from the files
         acc = measure_acceptance_ids(target_dir, mtp_path, prompts, str(device), k=opts.eval_k,

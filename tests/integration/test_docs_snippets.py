@@ -9,8 +9,9 @@ Rules (stated here so a doc writer can follow them):
   or ``<!-- docs-test: docker -->``; those are skipped with their reason (CI has neither).
 - Addresses in snippets are those of ``specsplit up --http-port 8000`` (its default port 50051):
   ``127.0.0.1:50051`` / ``127.0.0.1:PORT`` become the live orchestrator, ``127.0.0.1:8000`` its
-  HTTP API, and a client command without ``--address`` reaches it through ``SPECSPLIT_ADDRESS``. ``.venv/bin/`` is this interpreter's directory. A ``specsplit up ... &`` line is the
-  live stack itself and is not started again.
+  HTTP API, and a client command without ``--address`` reaches it through ``SPECSPLIT_ADDRESS``.
+  ``.venv/bin/`` is this interpreter's directory. A ``specsplit up ... &`` line is the live stack
+  itself and is not started again.
 - Shell blocks run with ``bash -e -o pipefail`` from the repository root; Python blocks with this
   interpreter. Each has a deadline.
 """

@@ -178,8 +178,8 @@ def test_fresh_up_refuses_admin_without_token_and_cli_reload_uses_the_token_file
     env.pop("SPECSPLIT_SECURITY_ADMIN_TOKEN", None)
     env.pop("SPECSPLIT_TOKEN", None)
     up = subprocess.Popen([sys.executable, "-m", "specsplit", "--log-level", "WARNING", "up", "--model", str(model),
-                           "--backend", "paddle", "--metrics", "--port", "0"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                           "--backend", "paddle", "--metrics", "--port", "0"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = read_json_line(up.stdout, timeout=180)
         address = info["orchestrator"]

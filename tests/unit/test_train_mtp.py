@@ -88,8 +88,8 @@ def test_trained_head_serves_speculatively_equal_to_target_only_and_transformers
     prompts = [tok.encode("def parse(text):\n"), tok.encode("import os\nimport sys\n")]
     outs = {}
     for k in (0, 3):
-        eng = SpecEngine(EngineConfig(str(d), runtime=RuntimeConfig(backend="torch"), spec=SpecConfig(max_k=3, default_k=3),
-                                      cache=CacheConfig(max_slots=2, max_len=128)))
+        eng = SpecEngine(EngineConfig(str(d), runtime=RuntimeConfig(backend="torch"),
+                                      spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=2, max_len=128)))
         res = eng.generate([GenRequest(f"p{i}", tuple(p), SamplingParams(max_tokens=40, ignore_eos=True), k)
                             for i, p in enumerate(prompts)])
         outs[k] = [list(r.tokens) for r in res]
