@@ -134,11 +134,22 @@ class Rope:
 def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin, with
     rotate_half(x) = [-x2, x1]; ``sin`` is sign-folded (``Rope``), so this is
-    x*cos + [x2, x1]*sin (x1, x2 = the two halves of the head dim)."""
+    x*cos + [x2, x1]*sin (x1, x2 = the two halves of the head dim).
+
+    Computed in the dtype of ``cos``/``sin``: float32 tables for a float32
+    model; a bf16 model passes tables cast to bf16 once per forward
+    (``rope_tables``), as transformers' Llama does, two casts fewer per layer.
+    """
     half = ops.shape(x)[-1] // 2
-    xf = ops.cast(x, "float32")
-    swapped = ops.cat([xf[..., half:], xf[..., :half]], axis=-1)
-    return ops.cast(xf * cos + swapped * sin, ops.dtype_name(x))
+    swapped = ops.cat([x[..., half:], x[..., :half]], axis=-1)
+    return ops.cast(x * cos + swapped * sin, ops.dtype_name(x))
+
+
+def rope_tables(ops: Ops, meta: "AttnMeta", dtype: str) -> tuple[Tensor, Tensor]:
+    """meta's cos/sin in ``dtype``, cast once per forward and shared by its layers."""
+    if meta.rope_cast is None or meta.rope_cast[0] != dtype:
+        meta.rope_cast = (dtype, ops.cast(meta.cos, dtype), ops.cast(meta.sin, dtype))
+    return meta.rope_cast[1], meta.rope_cast[2]
 
 
 @dataclass
@@ -153,6 +164,7 @@ class AttnMeta:
     cos, sin    float32 [B, T, 1, D] (sin sign-folded, see ``Rope``)
     attn_mask   ``mask`` in the form the backend's attention takes, made once per
                 forward by the first layer (``Ops.attention_mask``)
+    rope_cast   (dtype, cos, sin) in the layers' dtype, made once per forward (``rope_tables``)
     """
 
     write_index: Tensor
@@ -163,6 +175,7 @@ class AttnMeta:
     attend_len: int
     max_len: int
     attn_mask: Tensor | None = None
+    rope_cast: tuple[str, Tensor, Tensor] | None = None
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -227,7 +240,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    cos, sin = (meta.cos, meta.sin) if meta is not None else cos_sin
+    dt = ops.dtype_name(x)
+    cos, sin = rope_tables(ops, meta, dt) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
