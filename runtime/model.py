@@ -108,16 +108,21 @@ def head_weight_name(cfg: ModelConfig) -> str:
 
 class Rope:
     """Precomputed cos/sin tables ([max_pos, head_dim], HF rotate-half layout;
-    every RoPE type computed as transformers does, see ``runtime/rope.py``)."""
+    every RoPE type computed as transformers does, see ``runtime/rope.py``).
+
+    The sin table is stored sign-folded, ``[-sin[:D/2], sin[D/2:]]``, so that
+    ``apply_rope`` swaps the halves without negating one (one kernel fewer).
+    """
 
     def __init__(self, ops: Ops, cfg: ModelConfig, max_pos: int) -> None:
         cos, sin = cos_sin_tables(cfg, max_pos)                                # [P, D] float32
+        half = sin.shape[1] // 2
         self.cos = ops.from_numpy(cos, "float32")
-        self.sin = ops.from_numpy(sin, "float32")
+        self.sin = ops.from_numpy(np.concatenate([-sin[:, :half], sin[:, half:]], axis=1), "float32")
         self.max_pos = max_pos
 
     def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions int64 [B, T] -> cos, sin [B, T, 1, D] (float32)."""
+        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32), for ``apply_rope``."""
         b, t = ops.shape(positions)
         flat = ops.reshape(positions, (b * t,))
         d = ops.shape(self.cos)[1]
@@ -127,11 +132,24 @@ class Rope:
 
 
 def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin."""
+    """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin, with
+    rotate_half(x) = [-x2, x1]; ``sin`` is sign-folded (``Rope``), so this is
+    x*cos + [x2, x1]*sin (x1, x2 = the two halves of the head dim).
+
+    Computed in the dtype of ``cos``/``sin``: float32 tables for a float32
+    model; a bf16 model passes tables cast to bf16 once per forward
+    (``rope_tables``), as transformers' Llama does, two casts fewer per layer.
+    """
     half = ops.shape(x)[-1] // 2
-    xf = ops.cast(x, "float32")
-    rotated = ops.cat([-xf[..., half:], xf[..., :half]], axis=-1)
-    return ops.cast(xf * cos + rotated * sin, ops.dtype_name(x))
+    swapped = ops.cat([x[..., half:], x[..., :half]], axis=-1)
+    return ops.cast(x * cos + swapped * sin, ops.dtype_name(x))
+
+
+def rope_tables(ops: Ops, meta: "AttnMeta", dtype: str) -> tuple[Tensor, Tensor]:
+    """meta's cos/sin in ``dtype``, cast once per forward and shared by its layers."""
+    if meta.rope_cast is None or meta.rope_cast[0] != dtype:
+        meta.rope_cast = (dtype, ops.cast(meta.cos, dtype), ops.cast(meta.sin, dtype))
+    return meta.rope_cast[1], meta.rope_cast[2]
 
 
 @dataclass
@@ -143,7 +161,10 @@ class AttnMeta:
                               first La rows only (La = attend length: the context
                               bucket, not max_len)
     mask        bool  [B, T, La]  key position j visible to query at position p iff j <= p
-    cos, sin    float32 [B, T, 1, D]
+    cos, sin    float32 [B, T, 1, D] (sin sign-folded, see ``Rope``)
+    attn_mask   ``mask`` in the form the backend's attention takes, made once per
+                forward by the first layer (``Ops.attention_mask``)
+    rope_cast   (dtype, cos, sin) in the layers' dtype, made once per forward (``rope_tables``)
     """
 
     write_index: Tensor
@@ -153,6 +174,8 @@ class AttnMeta:
     sin: Tensor
     attend_len: int
     max_len: int
+    attn_mask: Tensor | None = None
+    rope_cast: tuple[str, Tensor, Tensor] | None = None
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -217,7 +240,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    cos, sin = (meta.cos, meta.sin) if meta is not None else cos_sin
+    dt = ops.dtype_name(x)
+    cos, sin = rope_tables(ops, meta, dt) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
@@ -244,9 +268,11 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         # cost follows the context bucket, not the cache length.
         k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
         v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        attn = ops.attention(q, k_all, v_all, meta.mask)
+        if meta.attn_mask is None:                                             # once per forward, not per layer
+            meta.attn_mask = ops.attention_mask(meta.mask, h // kvh)
+        attn = ops.attention(q, k_all, v_all, meta.attn_mask)
     else:
-        attn = ops.attention(q, k, v, train_mask)
+        attn = ops.attention(q, k, v, ops.attention_mask(train_mask, h // kvh))
     x = x + _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
     hn = ops.rms_norm(x, p[prefix + "post_attention_layernorm.weight"], eps)
     if prefix + "mlp.gate_up_proj.weight" in p:
