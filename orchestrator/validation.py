@@ -83,7 +83,7 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
         if not 0 <= t < facts.vocab_size:
             raise _bad(f"stop_token_ids[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
     try:
-        base = wire.params_from_proto(req.sampling, "sampling")
+        base = wire.params_from_proto(req.sampling, "sampling", cfg.default_sampling_mode)
         # NOTE: a model with several EOS ids (config.json list): the scheduler stops on
         # the first; the others stop the request as stop tokens unless ignore_eos.
         extra_eos = () if req.ignore_eos else tuple(facts.eos_token_ids[1:])
