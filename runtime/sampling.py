@@ -99,8 +99,8 @@ def sample_token(probs: np.ndarray, u: float) -> int:
     p = np.asarray(probs, dtype=np.float64)  # [V]
     if p.ndim != 1 or p.shape[0] == 0:
         raise ValueError(f"probs must have shape [V] with V >= 1, got {p.shape}")
-    if not 0.0 <= u < 1.0:
-        raise ValueError(f"u must be in [0, 1), got {u}")
+    if not 0.0 <= u <= 1.0:  # u == 1 (a float rounded up) is the last token with mass, as below
+        raise ValueError(f"u must be in [0, 1], got {u}")
     cdf = np.cumsum(p)  # [V]
     total = cdf[-1]
     if not (np.isfinite(total) and total > 0.0) or (p < 0.0).any():
