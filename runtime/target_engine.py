@@ -230,7 +230,7 @@ class TargetEngine:
                                             req.params.top_p)
                 pos = starts[i] + np.arange(k + 1)                         # positions rows 0..k decide
                 if req.params.coupled:
-                    noise = np.stack([random_stream.gumbel(req.seed, int(x), p.shape[-1]) for x in pos])
+                    noise = random_stream.gumbel(req.seed, pos, p.shape[-1])   # [k+1, V]
                     acc = acceptance.accept_coupled(list(r.drafts), p, noise)
                 else:
                     acc = acceptance.accept_rejection(

@@ -98,9 +98,9 @@ def test_speculative_sampling_preserves_target_distribution(model_dir, mode, sha
         assert pval > 1e-3, f"token {j + 1}: chi2={stat:.1f} p={pval:.2e} counts={counts} expected={np.round(p * N)}"
     if base.coupled:
         # The same seeds decoded target-only give the same tokens, request for request.
-        alone = engine.generate([GenRequest(r.request_id + "t", PROMPT, r.params, k=0) for r in reqs[:2000]],
+        alone = engine.generate([GenRequest(r.request_id + "t", PROMPT, r.params, k=0) for r in reqs[:500]],
                                 max_batch=512)
-        assert [list(r.tokens) for r in alone] == toks[:2000].tolist()
+        assert [list(r.tokens) for r in alone] == toks[:500].tolist()
 
 
 @pytest.mark.slow
