@@ -90,7 +90,7 @@ def attention_table(device: str) -> list[dict]:
                     backend = {"sdpa cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION,
                                "sdpa math": SDPBackend.MATH}[kind]
                     with sdpa_kernel([backend]):
-                        return ops.attention(q, k, v, mask)
+                        return ops.attention(q, k, v, ops.attention_mask(mask, q.shape[2] // k.shape[2]))
                 return step
 
             gather_ms, _ = _replay_ms(lambda: (ops.gather_context(cache_k, slots, span, max_len),

@@ -109,7 +109,9 @@ def main(args) -> int:
     device = args.device
     on_gpu = device.startswith("cuda")
     cfg = BIG if on_gpu else SMALL
-    ops = make_ops(RuntimeConfig(backend="torch", device=device, dtype="bfloat16" if on_gpu else "float32"))
+    compile_steps = args.compile
+    ops = make_ops(RuntimeConfig(backend="torch", device=device, dtype="bfloat16" if on_gpu else "float32",
+                                   compile=compile_steps))
     k = args.k
     cache = CacheConfig(max_slots=max(BUCKETS), max_len=MAX_LEN)
     t_reg, d_reg = GraphRegistry(ops, BUCKETS), GraphRegistry(ops, BUCKETS)

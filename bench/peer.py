@@ -141,12 +141,14 @@ def run_peer(model_dir: Path, cfg: ModelConfig, dtype: str, device: str, prompts
     return outs, seconds
 
 
-def run_engine(model_dir: Path, dtype: str, device: str, prompts, max_new: int, batch: int, k: int):
+def run_engine(model_dir: Path, dtype: str, device: str, prompts, max_new: int, batch: int, k: int,
+               compile_steps: bool = False):
     """In-process engine with graphs; returns {k_value: (outputs, seconds, stats)} for 0 and k."""
     from runtime.engine import GenRequest, SpecEngine
     from runtime.round_driver import SeqStats
 
-    engine = SpecEngine(EngineConfig(str(model_dir), runtime=RuntimeConfig(backend="torch", device=device, dtype=dtype),
+    engine = SpecEngine(EngineConfig(str(model_dir), runtime=RuntimeConfig(backend="torch", device=device, dtype=dtype,
+                                                                        compile=compile_steps),
                                      spec=SpecConfig(max_k=k, default_k=k),
                                      cache=CacheConfig(max_slots=batch, max_len=PROMPT_LEN + max_new + k + 8),
                                      graphs=GraphConfig(batch_buckets=tuple(sorted({1, batch})))))
@@ -171,14 +173,15 @@ def run_engine(model_dir: Path, dtype: str, device: str, prompts, max_new: int, 
 
 
 def run_services(model_dir: Path, dtype: str, device: str, draft_device: str, prompts, max_new: int, batch: int,
-                 k: int):
+                 k: int, compile_steps: bool = False):
     """The three services on loopback through the public client: {k_value: (outputs, seconds, split)}."""
     from bench.services import _decode, _per_round_ms, round_split
     from specsplit.launcher import Stack, StackOptions
 
     opts = StackOptions(model=str(model_dir), backend="torch", draft_device=draft_device, target_device=device, k=k,
                         max_batch=batch, metrics=True, log_level="WARNING", max_slots=batch,
-                        max_len=PROMPT_LEN + max_new + k + 8, extra_env={"SPECSPLIT_RUNTIME_DTYPE": dtype})
+                        max_len=PROMPT_LEN + max_new + k + 8, extra_env={"SPECSPLIT_RUNTIME_DTYPE": dtype,
+                                               "SPECSPLIT_RUNTIME_COMPILE": "1" if compile_steps else "0"})
     res = {}
     with Stack(opts) as stack:
         address, mport = stack.orchestrator_address, stack.children["orchestrator"].metrics_port
@@ -192,7 +195,7 @@ def run_services(model_dir: Path, dtype: str, device: str, draft_device: str, pr
 
 
 def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_device: str, batches, n_prompts: int,
-                max_new: int, k: int, skip_peer: bool) -> list[dict]:
+                max_new: int, k: int, skip_peer: bool, compile_steps: bool = False) -> list[dict]:
     import torch
 
     cfg = check_target(model_dir).cfg
@@ -204,7 +207,7 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         n_tokens = len(prompts) * max_new
         row = {"model": name, "dtype": dtype, "batch": batch, "k": k, "prompts": len(prompts), "max_new": max_new,
                "floor_tok_s": round(batch * rate / weight_bytes, 1), "copy_rate_TBps": round(rate / 1e12, 3)}
-        eng = run_engine(model_dir, dtype, device, prompts, max_new, batch, k)
+        eng = run_engine(model_dir, dtype, device, prompts, max_new, batch, k, compile_steps)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         ref = eng[0][0]
@@ -212,7 +215,7 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         row["engine_spec_tok_s"] = round(n_tokens / eng[k][1], 1)
         row["engine_acceptance"] = round(eng[k][2].acceptance_rate, 4)
         row["engine_identical"] = eng[k][0] == ref
-        svc = run_services(model_dir, dtype, device, draft_device, prompts, max_new, batch, k)
+        svc = run_services(model_dir, dtype, device, draft_device, prompts, max_new, batch, k, compile_steps)
         row["services_target_tok_s"] = round(n_tokens / svc[0][1], 1)
         row["services_spec_tok_s"] = round(n_tokens / svc[k][1], 1)
         row["services_acceptance"] = round(svc[k][3], 4)
@@ -253,12 +256,13 @@ def main(args) -> int:
             if path is None:
                 path = write_random_1b(Path(tmp) / "1b")
             rows += bench_model(name, path, dtype, device, draft_device, batches, args.prompts, args.max_tokens,
-                                args.k, skip_peer=False)
+                                args.k, skip_peer=False, compile_steps=args.compile)
     if args.json:
         print(json.dumps({"device": device, "draft_device": draft_device, "rows": rows}))
         return 0
     print(f"\nbench peer: target {device}, draft {draft_device}, k={args.k}, {args.max_tokens} new tokens per prompt, "
-          f"prompts of {PROMPT_LEN} tokens; tokens/s (ratio to the transformers static-cache peer)")
+          f"prompts of {PROMPT_LEN} tokens; runtime.compile {'on' if args.compile else 'off'}; "
+          "tokens/s (ratio to the transformers static-cache peer)")
     print(f"{'model':5s} {'B':>2s} {'peer':>8s} {'eng k=0':>15s} {'eng k':>15s} {'svc k=0':>15s} {'svc k':>15s} "
           f"{'floor':>16s} {'accept':>6s} {'ident':>5s}  svc round ms draft/target/overhead")
     for r in rows:

@@ -35,10 +35,11 @@ CONTEXTS = (256, 2048)
 MAX_LEN = 4096
 
 
-def _build(device: str, k: int):
+def _build(device: str, k: int, compile_steps: bool = False):
     on_gpu = device.startswith("cuda")
     cfg = BIG if on_gpu else SMALL
-    ops = make_ops(RuntimeConfig(backend="torch", device=device, dtype="bfloat16" if on_gpu else "float32"))
+    ops = make_ops(RuntimeConfig(backend="torch", device=device, dtype="bfloat16" if on_gpu else "float32",
+                                   compile=compile_steps))
     cache = CacheConfig(max_slots=2, max_len=MAX_LEN)
     t_reg, d_reg = GraphRegistry(ops, (1,)), GraphRegistry(ops, (1,))
     target = TargetEngine(ops, cfg, _random_params(ops, cfg, target_tensor_shapes(cfg), 0), cache, k, t_reg)
@@ -112,7 +113,7 @@ def main(args) -> int:
 
     device = args.device
     k = args.k
-    ops, cfg, target, draft = _build(device, k)
+    ops, cfg, target, draft = _build(device, k, args.compile)
     reqs = {c: _Req(ops, cfg, target, draft, f"ctx{c}", c, k) for c in CONTEXTS}
     if device.startswith("cuda"):
         target.registry.capture_all()
@@ -142,7 +143,7 @@ def main(args) -> int:
         return 0
     print(f"bench profile: one round at batch 1, k={k}, torch {device}, "
           + ("~1B bf16 (d=2048, 16 layers)" if device.startswith("cuda") else "small fp32 config (CPU smoke)")
-          + f", max_len {MAX_LEN}; torch {torch.__version__}")
+          + f", max_len {MAX_LEN}; torch {torch.__version__}" + ("; runtime.compile on" if args.compile else ""))
     print(f"{'context':>7s} {'draft ms':>8s} {'verify ms':>9s} {'round ms':>8s} | profiled round: {'wall':>6s} "
           f"{'gpu busy':>8s} {'host gap':>8s} {'kernels':>7s} {'gaps>20us':>9s}")
     for r in out["rows"]:

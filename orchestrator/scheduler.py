@@ -60,10 +60,11 @@ class Scheduler:
 
     def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
                  eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None,
-                 adaptive_k: bool = False, ahead: bool = False) -> None:
+                 adaptive_k: bool = False, ahead: bool = False, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.target, self.draft = target, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)    # all of the model's EOS ids (the first is eos_token_id)
         self.weights_version = weights_version
         self.observer: Observer = observer or NullObserver()
         self.timing = TimingTotals()
@@ -265,7 +266,7 @@ class Scheduler:
         r = h.request
         k = r.k if self.draft is not None else 0
         seq = Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id,
-                       output=list(r.resume_output))
+                       output=list(r.resume_output), eos_token_ids=self.eos_token_ids)
         if self.costs is not None:
             seq.adaptive = AdaptiveK(r.k)
         return seq

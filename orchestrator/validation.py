@@ -84,8 +84,9 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
             raise _bad(f"stop_token_ids[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
     try:
         base = wire.params_from_proto(req.sampling, "sampling", cfg.default_sampling_mode)
-        # NOTE: a model with several EOS ids (config.json list): the scheduler stops on
-        # the first; the others stop the request as stop tokens unless ignore_eos.
+        # NOTE: a model with several EOS ids (config.json list): the target's round loop stops
+        # on each of them; they are also sent as stop tokens so a target that knows only the
+        # first (an older worker) stops on all of them too.
         extra_eos = () if req.ignore_eos else tuple(facts.eos_token_ids[1:])
         params = dataclasses.replace(base, max_tokens=req.max_tokens,
                                      stop_token_ids=tuple(req.stop_token_ids) + extra_eos, ignore_eos=req.ignore_eos)

@@ -31,8 +31,15 @@ The acceptance estimate counts trials, not drafts: a round that accepts a of
 k drafts tested a + 1 of them when it rejected one (a < k) and k when it
 accepted all (later drafts were never tested), so a = successes / trials
 over exponentially weighted sums, started at a prior. Rounds at k* = 0
-observe nothing, so every ``PROBE_EVERY`` of them one round drafts the full k
-to see whether drafting pays again.
+observe nothing, so every ``PROBE_EVERY`` of them a probe drafts the full k
+for two rounds to see whether drafting pays again.
+
+Which rounds feed the cost estimates: a drafting round right after rounds
+that did not draft (a probe's first round, the first round of the loop) is
+not steady state — its catch-up carries every pair the skipped rounds left
+(wider than any captured width: the draft runs it eagerly) and the first
+exchange on a fresh stream pays its opening. Its verify time counts, its
+draft and exchange times do not; the probe's second round measures them.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained MTP head's typical first-position rate)
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
-PROBE_EVERY = 16             # target-only rounds between two k = 1 probes
+PROBE_EVERY = 16             # target-only rounds between two probes (two full-k rounds each)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -88,6 +95,8 @@ class RoundCosts:
         self._draft: collections.deque[float] = collections.deque([t_draft], maxlen=self.WINDOW)
         self._exchange: collections.deque[float] = collections.deque([t_exchange], maxlen=self.WINDOW)
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
+        self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
+        self._drafted_last = False     # did the previous observed round draft?
 
     @property
     def t_verify(self) -> float:
@@ -106,7 +115,9 @@ class RoundCosts:
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One round: its largest k, draft compute, verify compute and everything else."""
         self._verify.append(verify_s)
-        if k_max > 0:
+        steady = self._drafted_last        # module doc: the first drafting round after none is not
+        self._drafted_last = k_max > 0
+        if k_max > 0 and steady:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps; charge it per
             # draft, and the round's overhead (which includes the exchange) to the exchange.
             self._draft.append(draft_s / k_max)
@@ -137,16 +148,22 @@ class AdaptiveK:
 
 
 def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
-    """k* for a round of these requests (module doc), with a k = 1 probe every PROBE_EVERY
-    rounds that would otherwise not draft."""
+    """k* for a round of these requests (module doc), with a two-round full-k probe every
+    PROBE_EVERY rounds that would otherwise not draft."""
     k = best_round_k([(p.acceptance, p.max_k) for p in policies], costs.t_verify, costs.t_draft, costs.t_exchange)
     top = max((p.max_k for p in policies), default=0)
     if k == 0 and top > 0:
+        if costs.probe_rounds_left > 0:
+            costs.probe_rounds_left -= 1
+            return top
         costs.target_only_rounds += 1
         if costs.target_only_rounds >= PROBE_EVERY:
             costs.target_only_rounds = 0
-            # NOTE: the probe drafts the full k: a k = 1 round's draft time is mostly the
-            # exchange's fixed part, which charged per draft made every k look too dear
-            # (seen on an H200: adaptive k settled at k = 0, x0.82 of fixed k).
+            # NOTE: the probe drafts the full k (a k = 1 round's draft time is mostly the
+            # exchange's fixed part, which charged per draft made every k look too dear), and
+            # for two rounds: the first one's wide eager catch-up is not observed (module doc).
+            costs.probe_rounds_left = 1
             return top
+    else:
+        costs.probe_rounds_left = 0
     return k

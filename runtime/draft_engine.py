@@ -41,7 +41,7 @@ from runtime.batch_layout import Row, attend_need, attend_span, context_spans, l
 from runtime.config import CacheConfig, ModelConfig, SamplingParams
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache
-from runtime.model import Params, Rope, build_attn_meta, lm_head, mtp_forward
+from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.target_engine import request_seed
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
@@ -63,6 +63,9 @@ class DraftEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry, ahead_drafting: bool = False) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
+        # As the target: checkpoint names as views, plus the fused buffers the forward uses.
+        fused = fuse_projections(ops, params, [MTP_LAYER_PREFIX])
+        self._weights = {**params, **fused}
         self.max_k = max_k
         self.cache = KVCache(ops, 1, cfg.num_key_value_heads, cfg.head_dim, cache_cfg.max_slots, cache_cfg.max_len)
         self.rope = Rope(ops, cfg, cache_cfg.max_len)
@@ -108,9 +111,9 @@ class DraftEngine:
         b, t = self.ops.shape(tokens)
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
                                self.cache.max_len, attend_len or self.cache.max_len)
-        g = mtp_forward(self.ops, self.params, self.cfg, prev_hidden, tokens, meta, self.cache.layers[0])
+        g = mtp_forward(self.ops, self._weights, self.cfg, prev_hidden, tokens, meta, self.cache.layers[0])
         g_last = self.ops.index_select(self.ops.reshape(g, (b * t, self.cfg.hidden_size)), last_index, 0)
-        return g_last, lm_head(self.ops, self.params, self.cfg, g_last)
+        return g_last, lm_head(self.ops, self._weights, self.cfg, g_last)
 
     def _run_rows(self, kind: str | None, rows: list[Row], hidden: np.ndarray, width: int):
         lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)

@@ -11,7 +11,6 @@ registry to capture when told to).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,16 +61,12 @@ class SpecEngine:
         if self.draft is not None:
             self.draft_registry.capture_all()
 
-    def _with_all_eos(self, params: SamplingParams) -> SamplingParams:
-        """A model with several EOS ids (config.json list): the ones after the first stop too."""
-        extra = () if params.ignore_eos else tuple(self.model_cfg.eos_token_ids[1:])
-        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra) if extra else params
-
     def generate(self, requests: list[GenRequest], max_batch: int | None = None) -> list[GenResult]:
         """Run every request to completion; up to ``max_batch`` run at once (default: cache slots)."""
         max_batch = max_batch or self.cfg.cache.max_slots
-        waiting = [Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), self._with_all_eos(r.params),
-                            self.cfg.spec.default_k if r.k is None else r.k, self.model_cfg.eos_token_id)
+        waiting = [Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params,
+                            self.cfg.spec.default_k if r.k is None else r.k, self.model_cfg.eos_token_id,
+                            eos_token_ids=self.model_cfg.eos_token_ids)
                    for r in requests]
         limit = self.model_cfg.max_position_embeddings
         for s in waiting:

@@ -112,6 +112,7 @@ class GraphRegistry:
         self._packed: dict[str, Tensor] = {}
         # kind -> (host template of the packed buffer, all pad values; name -> (offset, elements per row))
         self._pack_plan: dict[str, tuple[np.ndarray, dict[str, tuple[int, int]]]] = {}
+        self._mirrors: dict[str, Any] = {}          # kind -> host twin of its packed buffer (Ops.host_mirror)
         self._pool: Any = None
         self.stats = GraphStats()
         self._log = log or (lambda msg: None)
@@ -189,6 +190,7 @@ class GraphRegistry:
         template = self._pack(kind, {}, max_b, max_b)
         packed = self.ops.from_numpy(template, "int64")
         self._packed[kind.name] = packed
+        self._mirrors[kind.name] = self.ops.host_mirror(packed)
         plan, off = {}, 0
         for s in ints:
             n = int(np.prod(s.row_shape, dtype=np.int64))
@@ -281,6 +283,7 @@ class GraphRegistry:
             self._static.clear()
             self._packed.clear()
             self._pack_plan.clear()
+            self._mirrors.clear()
             self._pool = None
             gc.collect()
             self.ops.synchronize()
@@ -339,13 +342,16 @@ class GraphRegistry:
                         # steps; their outputs are sliced away below.
                         self.ops.copy_(cap.inputs[spec.name][:b], value)
                 if int_values or device_ints:
-                    # The packed host buffer: the pad template with this step's rows written in.
+                    # The packed buffer's host twin: the pad template with this step's rows
+                    # written in, uploaded in one asynchronous copy.
                     template, plan = self._pack_plan[kind_name]
-                    host = template.copy()
+                    mirror = self._mirrors[kind_name]
+                    host = mirror.array()
+                    np.copyto(host, template)
                     for name, value in int_values.items():
                         off, n = plan[name]
                         host[off: off + b * n] = value.reshape(-1)
-                    self.ops.copy_from_numpy(self._packed[kind_name], host)
+                    mirror.upload()
                 # NOTE: device ids go in after the packed upload, which rewrites
                 # the whole packed buffer (their rows included) with pad values.
                 for name, value in device_ints.items():

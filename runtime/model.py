@@ -108,16 +108,21 @@ def head_weight_name(cfg: ModelConfig) -> str:
 
 class Rope:
     """Precomputed cos/sin tables ([max_pos, head_dim], HF rotate-half layout;
-    every RoPE type computed as transformers does, see ``runtime/rope.py``)."""
+    every RoPE type computed as transformers does, see ``runtime/rope.py``).
+
+    The sin table is stored sign-folded, ``[-sin[:D/2], sin[D/2:]]``, so that
+    ``apply_rope`` swaps the halves without negating one (one kernel fewer).
+    """
 
     def __init__(self, ops: Ops, cfg: ModelConfig, max_pos: int) -> None:
         cos, sin = cos_sin_tables(cfg, max_pos)                                # [P, D] float32
+        half = sin.shape[1] // 2
         self.cos = ops.from_numpy(cos, "float32")
-        self.sin = ops.from_numpy(sin, "float32")
+        self.sin = ops.from_numpy(np.concatenate([-sin[:, :half], sin[:, half:]], axis=1), "float32")
         self.max_pos = max_pos
 
     def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions int64 [B, T] -> cos, sin [B, T, 1, D] (float32)."""
+        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32), for ``apply_rope``."""
         b, t = ops.shape(positions)
         flat = ops.reshape(positions, (b * t,))
         d = ops.shape(self.cos)[1]
@@ -127,11 +132,13 @@ class Rope:
 
 
 def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin."""
+    """x [B, T, H, D] rotated by position: x*cos + rotate_half(x)*sin, with
+    rotate_half(x) = [-x2, x1]; ``sin`` is sign-folded (``Rope``), so this is
+    x*cos + [x2, x1]*sin (x1, x2 = the two halves of the head dim)."""
     half = ops.shape(x)[-1] // 2
     xf = ops.cast(x, "float32")
-    rotated = ops.cat([-xf[..., half:], xf[..., :half]], axis=-1)
-    return ops.cast(xf * cos + rotated * sin, ops.dtype_name(x))
+    swapped = ops.cat([xf[..., half:], xf[..., :half]], axis=-1)
+    return ops.cast(xf * cos + swapped * sin, ops.dtype_name(x))
 
 
 @dataclass
@@ -143,7 +150,9 @@ class AttnMeta:
                               first La rows only (La = attend length: the context
                               bucket, not max_len)
     mask        bool  [B, T, La]  key position j visible to query at position p iff j <= p
-    cos, sin    float32 [B, T, 1, D]
+    cos, sin    float32 [B, T, 1, D] (sin sign-folded, see ``Rope``)
+    attn_mask   ``mask`` in the form the backend's attention takes, made once per
+                forward by the first layer (``Ops.attention_mask``)
     """
 
     write_index: Tensor
@@ -153,6 +162,7 @@ class AttnMeta:
     sin: Tensor
     attend_len: int
     max_len: int
+    attn_mask: Tensor | None = None
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -176,6 +186,34 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
 # ---------------------------------------------------------------------------
 
 
+# Fused projections (derived at load, never in a checkpoint): q/k/v as one
+# matrix and gate/up as one, so a layer runs two GEMMs where it ran five.
+_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def fuse_projections(ops: Ops, params: Params, prefixes: list[str]) -> Params:
+    """For each decoder layer ``prefix``: one buffer per fused group, returned by its
+    derived name; ``params`` keeps every checkpoint name, now as a view into that
+    buffer, so an in-place weight update by name writes the fused buffer too.
+
+    Returns {} when the backend cannot make views (``Ops.fuse_rows`` is None).
+    """
+    fused: Params = {}
+    for prefix in prefixes:
+        for name, parts in _FUSED:
+            for suffix in (".weight", ".bias"):
+                keys = [prefix + part + suffix for part in parts]
+                if not all(k in params for k in keys):
+                    continue
+                made = ops.fuse_rows([params[k] for k in keys])
+                if made is None:
+                    return {}
+                fused[prefix + name + suffix], views = made
+                params.update(zip(keys, views))
+    return fused
+
+
 def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
                   meta: AttnMeta | None, cache: tuple[Tensor, Tensor] | None,
                   train_mask: Tensor | None = None, cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -184,20 +222,29 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     With ``meta``/``cache``: K/V are written into the cache rows then read back
     for attention (decode/verify/prefill). Without (training): causal attention
     over the chunk itself using ``train_mask`` [B, T, T] and ``cos_sin``.
+    Uses the fused projections of ``fuse_projections`` when ``p`` has them.
     """
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
-    q = ops.reshape(_proj(ops, p, prefix + "self_attn.q_proj", hn), (b, t, h, hd))
-    k = ops.reshape(_proj(ops, p, prefix + "self_attn.k_proj", hn), (b, t, kvh, hd))
-    v = ops.reshape(_proj(ops, p, prefix + "self_attn.v_proj", hn), (b, t, kvh, hd))
-    if cfg.qk_norm:                                                            # Qwen3: RMSNorm per head, before RoPE
-        q = ops.rms_norm(q, p[prefix + "self_attn.q_norm.weight"], eps)
-        k = ops.rms_norm(k, p[prefix + "self_attn.k_norm.weight"], eps)
     cos, sin = (meta.cos, meta.sin) if meta is not None else cos_sin
-    q = apply_rope(ops, q, cos, sin)
-    k = apply_rope(ops, k, cos, sin)
+    hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
+    if prefix + "self_attn.qkv_proj.weight" in p:
+        qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
+        v = qkv[:, :, h + kvh:]
+        if cfg.qk_norm:
+            q, k = _qk_norm(ops, p, prefix, eps, qkv[:, :, :h], qkv[:, :, h:h + kvh])
+            q, k = apply_rope(ops, q, cos, sin), apply_rope(ops, k, cos, sin)
+        else:                                                                  # one RoPE pass over q and k heads
+            qk = apply_rope(ops, qkv[:, :, :h + kvh], cos, sin)
+            q, k = qk[:, :, :h], qk[:, :, h:]
+    else:
+        q = ops.reshape(_proj(ops, p, prefix + "self_attn.q_proj", hn), (b, t, h, hd))
+        k = ops.reshape(_proj(ops, p, prefix + "self_attn.k_proj", hn), (b, t, kvh, hd))
+        v = ops.reshape(_proj(ops, p, prefix + "self_attn.v_proj", hn), (b, t, kvh, hd))
+        if cfg.qk_norm:
+            q, k = _qk_norm(ops, p, prefix, eps, q, k)
+        q, k = apply_rope(ops, q, cos, sin), apply_rope(ops, k, cos, sin)
     if meta is not None:
         k_cache, v_cache = cache                                               # [(S+1)*L, KVH, D]
         # NOTE: write before read, so tokens of this forward see each other.
@@ -207,13 +254,26 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         # cost follows the context bucket, not the cache length.
         k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
         v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        attn = ops.attention(q, k_all, v_all, meta.mask)
+        if meta.attn_mask is None:                                             # once per forward, not per layer
+            meta.attn_mask = ops.attention_mask(meta.mask, h // kvh)
+        attn = ops.attention(q, k_all, v_all, meta.attn_mask)
     else:
-        attn = ops.attention(q, k, v, train_mask)
+        attn = ops.attention(q, k, v, ops.attention_mask(train_mask, h // kvh))
     x = x + _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
     hn = ops.rms_norm(x, p[prefix + "post_attention_layernorm.weight"], eps)
-    mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
+    if prefix + "mlp.gate_up_proj.weight" in p:
+        gate_up = _proj(ops, p, prefix + "mlp.gate_up_proj", hn)
+        ffn = cfg.intermediate_size
+        mlp = ops.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
+    else:
+        mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
     return x + _proj(ops, p, prefix + "mlp.down_proj", mlp)
+
+
+def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """Qwen3: RMSNorm per head over head_dim, before RoPE."""
+    return (ops.rms_norm(q, p[prefix + "self_attn.q_norm.weight"], eps),
+            ops.rms_norm(k, p[prefix + "self_attn.k_norm.weight"], eps))
 
 
 def _proj(ops: Ops, p: Params, name: str, x: Tensor) -> Tensor:

@@ -107,6 +107,7 @@ class Sequence:
     drafting: bool = False             # whether the draft holds this request
     adaptive: AdaptiveK | None = None  # adaptive speculation length (None: always k)
     ready_drafts: np.ndarray | None = None  # drafts for the next round from ahead drafting (int64 [k])
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model (config / generation_config list)
 
     @property
     def remaining(self) -> int:
@@ -115,8 +116,12 @@ class Sequence:
     @property
     def stop_ids(self) -> set[int]:
         ids = set(self.params.stop_token_ids)
-        if self.eos_token_id is not None and not self.params.ignore_eos:
-            ids.add(self.eos_token_id)
+        if not self.params.ignore_eos:
+            # NOTE: any of the model's EOS ids stops a request, not only the first: models list
+            # several (eos_token_id as a list, e.g. Llama-3 instruct's end-of-turn ids).
+            ids.update(self.eos_token_ids)
+            if self.eos_token_id is not None:
+                ids.add(self.eos_token_id)
         return ids
 
     def emit(self, tokens: tuple[int, ...] | list[int]) -> list[int]:

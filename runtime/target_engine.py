@@ -37,7 +37,7 @@ from runtime.batch_layout import Row, attend_need, attend_span, context_spans, l
 from runtime.config import CacheConfig, ModelConfig, SamplingParams
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache
-from runtime.model import Params, Rope, build_attn_meta, lm_head, target_forward
+from runtime.model import Params, Rope, build_attn_meta, fuse_projections, lm_head, target_forward
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 
 
@@ -58,6 +58,10 @@ class TargetEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
+        # Checkpoint names (views after fusing: in-place updates go through them)
+        # plus the fused q/k/v and gate/up buffers the forward uses.
+        fused = fuse_projections(ops, params, [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)])
+        self._weights = {**params, **fused}
         self.max_k = max_k
         self.cache = KVCache(ops, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                              cache_cfg.max_slots, cache_cfg.max_len)
@@ -85,8 +89,8 @@ class TargetEngine:
         -> hidden [B, T, d], argmax int64 [B, T], logits float32 [B, T, V] (stay on the device)."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
                                self.cache.max_len, attend_len or self.cache.max_len)
-        hidden = target_forward(self.ops, self.params, self.cfg, tokens, meta, self.cache.layers)
-        logits = lm_head(self.ops, self.params, self.cfg, hidden)
+        hidden = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers)
+        logits = lm_head(self.ops, self._weights, self.cfg, hidden)
         return hidden, self.ops.argmax(logits, -1), logits
 
     def _prefill_step(self, tokens, write_slots, positions, read_slots, last_index, attend_len):
@@ -94,10 +98,10 @@ class TargetEngine:
         -> hidden [B, T, d], argmax int64 [B], logits float32 [B, V]."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
                                self.cache.max_len, attend_len)
-        hidden = target_forward(self.ops, self.params, self.cfg, tokens, meta, self.cache.layers)
+        hidden = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers)
         b, t, d = self.ops.shape(hidden)
         last = self.ops.index_select(self.ops.reshape(hidden, (b * t, d)), last_index, 0)     # [B, d]
-        logits = lm_head(self.ops, self.params, self.cfg, last)
+        logits = lm_head(self.ops, self._weights, self.cfg, last)
         return hidden, self.ops.argmax(logits, -1), logits
 
     # --- requests --------------------------------------------------------------

@@ -122,6 +122,7 @@ class RoundHost:
         mc = self.worker.model_cfg
         sched = self.scheduler
         sched.eos_token_id = mc.eos_token_id if mc is not None else None
+        sched.eos_token_ids = mc.eos_token_ids if mc is not None else ()
         if not self.paused:
             # NOTE: while a reload holds admission, the version is the reload's to set
             # (RESUME_PARKED); otherwise rounds report what the worker serves.

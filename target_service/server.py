@@ -89,6 +89,9 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
     if mc is not None:
         check_token_range(prompt, vocab, "prompt")
         check_token_range(np.asarray(req.stop_token_ids, dtype=np.int64), vocab, "stop_token_ids")
+        if mc.max_position_embeddings and prompt.size > mc.max_position_embeddings:
+            raise ValueError(f"prompt: a prompt of {prompt.size} tokens exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
     if req.max_tokens < 1:
         raise ValueError(f"max_tokens: {req.max_tokens} must be >= 1")
     max_k = worker.cfg.spec.max_k

@@ -43,9 +43,17 @@ class Ops(Protocol):
         """In-place copy (dst keeps its address). Shapes must match."""
     def copy_from_numpy(self, dst: Tensor, arr: np.ndarray) -> None:
         """Host array straight into an existing device tensor (one copy, address kept)."""
+    def host_mirror(self, dst: Tensor) -> Any:
+        """A host twin of an int64 / float32 device buffer: ``.array()`` -> the numpy array to
+        fill, ``.upload()`` copies it into ``dst`` (asynchronously from pinned memory on CUDA;
+        a twin is never handed out while its previous upload may still be reading it)."""
     def data_ptr(self, x: Tensor) -> int: ...
     def compile_step(self, fn: Any) -> Any:
         """A step function, compiled when the runtime asked for it (Torch on CUDA), else as is."""
+    def fuse_rows(self, xs: list[Tensor]) -> tuple[Tensor, list[Tensor]] | None:
+        """One new buffer holding ``xs`` stacked along axis 0, and views of it in their
+        place (a write into a view lands in the buffer), or None when this backend's
+        slices are copies rather than views (the model then keeps separate tensors)."""
     def cast(self, x: Tensor, dtype: str) -> Tensor: ...
     def dtype_name(self, x: Tensor) -> str: ...
     def shape(self, x: Tensor) -> tuple[int, ...]: ...
@@ -67,9 +75,12 @@ class Ops(Protocol):
     def gather_context(self, cache: Tensor, slots: Tensor, span: int, max_len: int) -> Tensor:
         """cache [(S+1)*max_len, KVH, D] (slot s owns rows s*max_len ...), slots int64 [B]
         -> [B, span, KVH, D]: the first ``span`` rows of each slot (its real context)."""
+    def attention_mask(self, mask: Tensor, groups: int) -> Tensor:
+        """mask bool [B, T, L] (True = may attend) -> the form ``attention`` takes for
+        queries grouped ``groups`` per K/V head (made once per forward, shared by its layers)."""
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """q [B, T, H, D], k/v [B, L, KVH, D] (H % KVH == 0), mask bool [B, T, L]
-        (True = may attend) -> [B, T, H, D]. Softmax in float32."""
+        """q [B, T, H, D], k/v [B, L, KVH, D] (H % KVH == 0), mask from ``attention_mask``
+        -> [B, T, H, D]. Softmax in float32."""
     def less_equal(self, a: Tensor, b: Tensor) -> Tensor: ...
     def argmax(self, x: Tensor, axis: int) -> Tensor: ...
     def clip(self, x: Tensor, lo: int, hi: int) -> Tensor: ...

@@ -41,6 +41,20 @@ def _dtype_name(dt) -> str:
     raise ValueError(f"unsupported paddle dtype {dt}")
 
 
+class _HostMirror:
+    """Host twin of a device buffer; ``upload`` is one copy (see ``Ops.host_mirror``)."""
+
+    def __init__(self, ops, dst) -> None:
+        self.ops, self.dst = ops, dst
+        self.host = np.empty(tuple(dst.shape), dtype=np.int64 if dst.dtype == paddle.int64 else np.float32)
+
+    def array(self) -> np.ndarray:
+        return self.host
+
+    def upload(self) -> None:
+        self.ops.copy_from_numpy(self.dst, self.host)
+
+
 class PaddleOps:
     name = "paddle"
 
@@ -101,6 +115,14 @@ class PaddleOps:
     def compile_step(self, fn):
         return fn  # no compiler here: the plain ops run as they are
 
+    def host_mirror(self, dst):
+        return _HostMirror(self, dst)
+
+    def fuse_rows(self, xs):
+        # NOTE: not fused. An in-place weight update writes the per-name tensors;
+        # unless every slice were a view, a fused copy would go stale silently.
+        return None
+
     def data_ptr(self, x):
         return int(x.data_ptr())
 
@@ -149,6 +171,9 @@ class PaddleOps:
         idx = paddle.reshape(paddle.reshape(slots, [b, 1]) * max_len + paddle.reshape(paddle.arange(span, dtype="int64"), [1, span]), [b * span])
         out = paddle.index_select(cache, idx, axis=0)
         return paddle.reshape(out, [b, span, *cache.shape[1:]])
+
+    def attention_mask(self, mask, groups):
+        return mask          # [B, T, L] as is: attention below expands it per K/V head group
 
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape

@@ -48,6 +48,51 @@ class _StageRing:
         self.used[i] = True
 
 
+class _PinnedMirror:
+    """A pinned host twin of one device buffer, filled in place and uploaded asynchronously.
+
+    The caller writes the array ``array()`` returns, then ``upload()`` starts
+    its copy to the device buffer: no staging copy, two torch calls per upload.
+    NOTE: two host twins alternate, and one is handed out again only after the
+    event behind its last upload has completed (the host runs ahead of the GPU;
+    writing a twin whose copy has not run yet would change a queued step's inputs).
+    """
+
+    def __init__(self, dst: torch.Tensor) -> None:
+        self.dst = dst
+        self.hosts = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(2)]
+        self.arrays = [h.numpy() for h in self.hosts]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        self.used = [False, False]
+        self.i = 0
+
+    def array(self) -> np.ndarray:
+        if self.used[self.i]:
+            self.events[self.i].synchronize()
+        return self.arrays[self.i]
+
+    def upload(self) -> None:
+        i = self.i
+        self.dst.copy_(self.hosts[i], non_blocking=True)
+        self.events[i].record()
+        self.used[i] = True
+        self.i = 1 - i
+
+
+class _PlainMirror:
+    """Host twin without pinned memory (CPU): ``upload`` is one synchronous copy."""
+
+    def __init__(self, ops, dst) -> None:
+        self.ops, self.dst = ops, dst
+        self.host = np.empty(tuple(dst.shape), dtype=np.int64 if dst.dtype == torch.int64 else np.float32)
+
+    def array(self) -> np.ndarray:
+        return self.host
+
+    def upload(self) -> None:
+        self.ops.copy_from_numpy(self.dst, self.host)
+
+
 class TorchOps:
     name = "torch"
 
@@ -104,6 +149,11 @@ class TorchOps:
             return
         dst.copy_(src.to(dst.dtype), non_blocking=False)
 
+    def host_mirror(self, dst):
+        if self._dev.type == "cuda" and dst.dtype in (torch.int64, torch.float32):
+            return _PinnedMirror(dst)
+        return _PlainMirror(self, dst)
+
     def to_numpy_many(self, xs, bf16_bits=False):
         """Several tensors to the host with one stream sync (pinned, non-blocking copies).
 
@@ -139,6 +189,10 @@ class TorchOps:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         return torch.compile(fn, dynamic=True)
 
+    def fuse_rows(self, xs):
+        fused = torch.cat([x.detach() for x in xs], 0)
+        return fused, list(fused.split([x.shape[0] for x in xs], 0))
+
     def data_ptr(self, x):
         return int(x.data_ptr())
 
@@ -156,9 +210,9 @@ class TorchOps:
         return F.linear(x, w)
 
     def rms_norm(self, x, w, eps):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf * w.float()).to(x.dtype)
+        # One fused kernel on CUDA (float32 accumulation, result in x's dtype)
+        # instead of the eight of the spelled-out upcast / mean / rsqrt / scale.
+        return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
     def silu(self, x):
         return F.silu(x)
@@ -187,15 +241,19 @@ class TorchOps:
         rows = cache.shape[0] // max_len
         return cache.view(rows, max_len, *cache.shape[1:])[:, :span].index_select(0, slots)
 
+    def attention_mask(self, mask, groups):
+        # [B, T, L] -> [B, 1, G*T, L]: the row of grouped query (g, t) is mask[:, t].
+        b, t, la = mask.shape
+        return mask[:, None, None, :, :].expand(b, 1, groups, t, la).reshape(b, 1, groups * t, la)
+
     def attention(self, q, k, v, mask):
         b, t, h, d = q.shape
-        kvh, la = k.shape[2], k.shape[1]
+        kvh = k.shape[2]
         g = h // kvh
         # Grouped queries as rows of one head: q [B, KVH, G*T, D] against k/v [B, KVH, L, D],
-        # so no K/V head is repeated; the mask row of query (g, t) is mask[:, t].
+        # so no K/V head is repeated; ``mask`` is [B, 1, G*T, L] (attention_mask).
         qg = q.reshape(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-        m = mask[:, None, None, :, :].expand(b, 1, g, t, la).reshape(b, 1, g * t, la)
-        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m)
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         return out.reshape(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def less_equal(self, a, b):

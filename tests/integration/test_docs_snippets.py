@@ -7,10 +7,11 @@ Rules (stated here so a doc writer can follow them):
   starting with ``$ ``) blocks are run; other languages (``text``, ``json``, ``toml``) are data.
 - A run block may be preceded by ``<!-- docs-test: not run: <why> -->``, ``<!-- docs-test: gpu -->``
   or ``<!-- docs-test: docker -->``; those are skipped with their reason (CI has neither).
-- Addresses in snippets are those of ``specsplit up --port 50051 --http-port 8000``:
+- Addresses in snippets are those of ``specsplit up --http-port 8000`` (its default port 50051):
   ``127.0.0.1:50051`` / ``127.0.0.1:PORT`` become the live orchestrator, ``127.0.0.1:8000`` its
-  HTTP API. ``.venv/bin/`` is this interpreter's directory. A ``specsplit up ... &`` line is the
-  live stack itself and is not started again.
+  HTTP API, and a client command without ``--address`` reaches it through ``SPECSPLIT_ADDRESS``.
+  ``.venv/bin/`` is this interpreter's directory. A ``specsplit up ... &`` line is the live stack
+  itself and is not started again.
 - Shell blocks run with ``bash -e -o pipefail`` from the repository root; Python blocks with this
   interpreter. Each has a deadline.
 """
@@ -102,7 +103,10 @@ def _shell(s: Snippet) -> str:
 def test_snippet_runs(snippet: Snippet, live_stack, tmp_path):
     if snippet.skip:
         pytest.skip(snippet.skip)
+    # NOTE: snippets that leave --address out use the CLI's default (where `specsplit up` listens
+    # by default); here that is the live stack's orchestrator, through SPECSPLIT_ADDRESS.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "SPECSPLIT_ADDRESS": live_stack.orchestrator_address,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     if snippet.lang == "python":
         script = tmp_path / "snippet.py"

@@ -140,3 +140,40 @@ def test_up_no_draft_serves_a_transformers_directory(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_up_serves_a_train_mtp_head_speculatively(model_dir, tmp_path):
+    """`specsplit train-mtp` on the transformers directory (its corpus tokenized by the model's own
+    tokenizer.json), then `specsplit up --model DIR` with the head it wrote: speculative output equals
+    target-only and transformers' greedy tokens, and drafts are proposed."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.integration.hardening_utils import REPO, child_env, read_json_line
+
+    d, model, hf_tok = model_dir
+    trained = tmp_path / "model"
+    shutil.copytree(d, trained, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 4))
+    run = subprocess.run([sys.executable, "-m", "specsplit", "train-mtp", "--target", str(trained), "--corpus",
+                          str(corpus), "--steps", "3", "--batch", "2", "--seq-len", "32", "--unroll", "2",
+                          "--eval-prompts", "2", "--eval-prompt-len", "8", "--eval-tokens", "8", "--cpu-threads", "1"],
+                         capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (trained / "mtp.safetensors").is_file() and "per position" in run.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit", "--log-level", "WARNING", "up", "--model",
+                             str(trained), "--backend", "torch", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=child_env(), cwd=REPO)
+    try:
+        addresses = read_json_line(proc.stdout, 180)
+        ids = hf_tok("the quick brown fox").input_ids
+        with SpecsplitClient(addresses["orchestrator"], timeout=TIMEOUT) as c:
+            spec = c.generate_text(ids, MAX_NEW, k=3, ignore_eos=True)
+            plain = c.generate_text(ids, MAX_NEW, k=0, ignore_eos=True)
+        assert list(spec.tokens) == list(plain.tokens) == [int(t) for t in _hf_greedy(model, ids)]
+        assert spec.drafted > 0 and plain.drafted == 0          # the head drafted; target-only did not
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -102,7 +102,10 @@ def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
            (dict(request_id="a", prompt=[1], max_tokens=0), "max_tokens"),
            (dict(request_id="a", prompt=[1], max_tokens=4, k=9), "k"),
            (dict(request_id="a", prompt=[99999], max_tokens=4), "prompt"),
-           (dict(request_id="a", prompt=[1], max_tokens=4, resume_output=[1, 2, 3, 4]), "resume_output")]
+           (dict(request_id="a", prompt=[1], max_tokens=4, resume_output=[1, 2, 3, 4]), "resume_output"),
+           # Called directly, the target refuses a prompt past the model's positions (both numbers named).
+           (dict(request_id="a", prompt=[65] * 2049, max_tokens=4), "2049 tokens exceeds the model's "
+                                                                     "max_position_embeddings=2048")]
     for fields, name in bad:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Decode(tpb.DecodeRequest(**fields), timeout=TIMEOUT))

@@ -178,8 +178,8 @@ def test_fresh_up_refuses_admin_without_token_and_cli_reload_uses_the_token_file
     env.pop("SPECSPLIT_SECURITY_ADMIN_TOKEN", None)
     env.pop("SPECSPLIT_TOKEN", None)
     up = subprocess.Popen([sys.executable, "-m", "specsplit", "--log-level", "WARNING", "up", "--model", str(model),
-                           "--backend", "paddle", "--metrics"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                           "--backend", "paddle", "--metrics", "--port", "0"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         info = read_json_line(up.stdout, timeout=180)
         address = info["orchestrator"]
@@ -219,7 +219,7 @@ def test_up_accepts_one_admin_token(model, tmp_path):
     env = child_env(SPECSPLIT_RUNTIME_DIR=str(tmp_path / "runtime"))
     token = "up-token-5be1c0a7"
     up = subprocess.Popen([sys.executable, "-m", "specsplit", "--log-level", "WARNING", "up", "--model", str(model),
-                           "--backend", "paddle", "--admin-token", token], cwd=REPO, env=env,
+                           "--backend", "paddle", "--admin-token", token, "--port", "0"], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         info = read_json_line(up.stdout, timeout=180)
@@ -288,9 +288,9 @@ def _startup_failures(model: Path, tmp_path: Path) -> dict[str, tuple[list[str],
         "orchestrator CA missing": (["orchestrator", "--target-address", "127.0.0.1:9", "--tls-ca",
                                      str(tmp_path / "nope.pem")], "specsplit: file: ", {}),
         # `up` reports its child's one line, naming the child (and the child's own line is not repeated).
-        "up with a missing model": (["up", "--model", str(tmp_path / "no-model")],
+        "up with a missing model": (["up", "--model", str(tmp_path / "no-model"), "--port", "0"],
                                     "specsplit: up: target: start-up weights: ", {}),
-        "up on a public host in plaintext": (["up", "--model", str(model), "--host", "0.0.0.0"],
+        "up on a public host in plaintext": (["up", "--model", str(model), "--host", "0.0.0.0", "--port", "0"],
                                              "specsplit: up: orchestrator: insecure bind: ", {}),
     }
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from specsplit import cli
+from specsplit import cli, cli_client
 
 
 def test_up_without_mtp_file_is_one_line_suggesting_no_draft(tmp_path, capsys):
@@ -36,7 +36,7 @@ def test_status_exits_non_zero_when_the_orchestrator_is_unreachable(capsys):
       "draft_error": "target-only: draft unreachable"}, 1),
 ])
 def test_status_problems(status, problems):
-    assert len(cli._status_problems(status)) == problems
+    assert len(cli_client._status_problems(status)) == problems
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -47,10 +47,22 @@ def test_status_problems(status, problems):
 ])
 def test_generate_prompt_forms(argv, want):
     args = cli.build_parser(train_args=False).parse_args(["generate", *argv])
-    assert cli._generate_prompt(args) == want
+    assert cli_client._generate_prompt(args) == want
 
 
 def test_generate_token_ids_must_be_integers():
     args = cli.build_parser(train_args=False).parse_args(["generate", "--token-ids", "1,x"])
     with pytest.raises(cli.ConfigError, match="--token-ids"):
-        cli._generate_prompt(args)
+        cli_client._generate_prompt(args)
+
+
+def test_up_listens_where_the_client_commands_look_by_default(monkeypatch):
+    from specsplit.cli_client import DEFAULT_ADDRESS
+
+    monkeypatch.delenv("SPECSPLIT_ADDRESS", raising=False)      # the clients' default is read at parser build
+    parser = cli.build_parser(train_args=False)
+    up = parser.parse_args(["up"])
+    assert up.port == 50051 and f"{up.host}:{up.port}" == DEFAULT_ADDRESS
+    assert parser.parse_args(["generate", "hi"]).address == DEFAULT_ADDRESS
+    assert parser.parse_args(["status"]).address == DEFAULT_ADDRESS
+    assert parser.parse_args(["demo"]).port == 0                 # the demo talks to its own stack only

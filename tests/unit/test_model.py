@@ -7,7 +7,7 @@ from runtime.backends import make_ops
 from runtime.batch_layout import Row, layout_rows
 from runtime.config import ModelConfig, RuntimeConfig
 from runtime.kv_cache import KVCache
-from runtime.model import (Rope, build_attn_meta, init_params, lm_head, mtp_forward, mtp_tensor_shapes,
+from runtime.model import (Rope, build_attn_meta, fuse_projections, init_params, lm_head, mtp_forward, mtp_tensor_shapes,
                            target_forward, target_tensor_shapes)
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -70,10 +70,12 @@ def _params():
     return p
 
 
-def _run_cached(backend, p, chunks):
+def _run_cached(backend, p, chunks, fused=False):
     """Feed the token chunks of one request through the KV cache; returns hidden/logits of all positions."""
     ops = make_ops(RuntimeConfig(backend=backend))
     dp = {k: ops.from_numpy(v) for k, v in p.items()}
+    if fused:
+        dp.update(fuse_projections(ops, dp, [f"model.layers.{i}." for i in range(CFG.num_hidden_layers)]))
     cache = KVCache(ops, CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, 3, 64)
     rope = Rope(ops, CFG, 64)
     slot = cache.allocate("r").slot
@@ -131,3 +133,30 @@ def test_paddle_and_torch_agree():
     # Stated tolerance: fp32 logits within 1e-5 relative; identical argmax.
     assert np.abs(lp - lt).max() / np.abs(lp).max() < 1e-5
     assert np.array_equal(lp.argmax(-1), lt.argmax(-1))
+
+
+def test_fused_projections_match_reference_and_follow_in_place_updates():
+    """Torch fuses q/k/v and gate/up into one buffer each; the checkpoint names become views,
+    so the fused forward equals the reference, and writing a new weight by name changes it."""
+    p = _params()
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, 13)
+    chunks = [tokens[:5], tokens[5:9], tokens[9:10], tokens[10:]]
+    ref_h, ref_l = reference({k: v.astype(np.float64) for k, v in p.items()}, tokens, CFG)
+    h, lg = _run_cached("torch", p, chunks, fused=True)
+    assert np.abs(lg - ref_l).max() / np.abs(ref_l).max() < 1e-5
+    assert np.array_equal(lg.argmax(-1), ref_l.argmax(-1))
+
+    ops = make_ops(RuntimeConfig(backend="torch"))
+    dp = {k: ops.from_numpy(v) for k, v in p.items()}
+    fused = fuse_projections(ops, dp, ["model.layers.0."])
+    assert set(fused) == {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}
+    new_k = np.full_like(p["model.layers.0.self_attn.k_proj.weight"], 0.25)
+    ops.copy_from_numpy(dp["model.layers.0.self_attn.k_proj.weight"], new_k)     # as copy_in_place does
+    qd = CFG.num_attention_heads * CFG.head_dim
+    kd = CFG.num_key_value_heads * CFG.head_dim
+    rows = ops.to_numpy(fused["model.layers.0.self_attn.qkv_proj.weight"])
+    assert np.array_equal(rows[qd:qd + kd], new_k)
+    assert np.array_equal(rows[:qd], p["model.layers.0.self_attn.q_proj.weight"])
+    # Paddle slices are not views: nothing is fused there, the forward keeps separate tensors.
+    pops = make_ops(RuntimeConfig(backend="paddle"))
+    assert fuse_projections(pops, {k: pops.from_numpy(v) for k, v in p.items()}, ["model.layers.0."]) == {}

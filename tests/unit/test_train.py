@@ -18,9 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
-from runtime.backends.torch_train import (add_train_args, make_params, main_train, mtp_unrolled_logits,  # noqa: E402
-                                          mtp_unrolled_loss, target_hidden, target_loss, tiny_config,
-                                          unroll_layout)
+from runtime.backends.torch_train import (add_train_args, make_params, main_train, target_loss,  # noqa: E402
+                                          tiny_config)
+from runtime.backends.torch_unroll import (mtp_unrolled_logits, mtp_unrolled_loss, target_hidden,  # noqa: E402
+                                           unroll_layout)
 from runtime.corpus import BatchSampler, heldout_prompts, is_heldout, list_sources, load_corpus  # noqa: E402
 from runtime.model import Rope, build_attn_meta, lm_head, mtp_forward, mtp_tensor_shapes, target_tensor_shapes  # noqa: E402
 from runtime.weights import check_draft, check_target, read_arrays  # noqa: E402
