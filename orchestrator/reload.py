@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from orchestrator.round_client import RemoteRounds
 from orchestrator.scheduler_types import RequestError
+from runtime import host_memory
 from runtime.config import OrchestratorConfig
 from specsplit.v1 import common_pb2
 
@@ -299,6 +300,7 @@ class _Run:
             self._resume(None)
             raise
         self._resume(spec.version)
+        host_memory.trim()          # the reload's transient host memory back to the OS (runtime/host_memory.py)
         self._event("done", ORCH, t0, f"serving {spec.version!r} ({spec.mode}, {spec.inflight})", spec.version,
                     done=True)
         return spec.version

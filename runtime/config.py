@@ -195,6 +195,9 @@ class SpecConfig:
                f"an integer in [0, max_k={self.max_k}]", self.default_k)
 
 
+SAMPLING_MODES = ("rejection", "coupled")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters. temperature 0 means greedy."""
@@ -207,6 +210,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     draft_sampling: bool = False  # True: the draft samples from q and sends q (probabilistic draft)
+    # How a sampled (temperature > 0) request speculates: "rejection" (Leviathan: best acceptance,
+    # a seed's tokens depend on the drafts) or "coupled" (Gumbel-max with shared counter-based noise:
+    # a seed's tokens equal target-only decoding's). Greedy requests ignore it.
+    sampling_mode: str = "rejection"
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -214,10 +221,17 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)", self.top_k)
         _check(math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1] (1 = off)", self.top_p)
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "None or in [0, 2^63)", self.seed)
+        _check(self.sampling_mode in SAMPLING_MODES, "sampling_mode", f"one of {', '.join(SAMPLING_MODES)}",
+               self.sampling_mode)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with the coupled (exact-match) rule; False for greedy requests."""
+        return self.sampling_mode == "coupled" and not self.greedy
 
 
 @dataclass(frozen=True)
@@ -368,6 +382,8 @@ class OrchestratorConfig:
     target_address: str = "127.0.0.1:50052"
     default_k: int = 3
     max_k: int = 3
+    default_sampling_mode: str = "rejection"  # sampled requests that leave sampling_mode unset: "rejection"
+                                              # (Leviathan) or "coupled" (same tokens as target-only)
     max_batch: int = 16                  # sequences per round
     max_queue: int = 64                  # waiting requests before RESOURCE_EXHAUSTED
     max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
@@ -412,6 +428,8 @@ class OrchestratorConfig:
                "the one a rollback returns to)", self.push_keep_versions)
         _check(0 <= self.max_k <= 16, "max_k", "in [0, 16]", self.max_k)
         _check(0 <= self.default_k <= self.max_k, "default_k", f"in [0, max_k={self.max_k}]", self.default_k)
+        _check(self.default_sampling_mode in SAMPLING_MODES, "default_sampling_mode",
+               f"one of {', '.join(SAMPLING_MODES)}", self.default_sampling_mode)
         _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
         _check(0 <= self.max_queue <= 100000, "max_queue", "in [0, 100000]", self.max_queue)
         _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)

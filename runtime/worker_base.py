@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
+from runtime import host_memory
 from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig, WorkerConfig
@@ -211,6 +212,10 @@ class WorkerBase:
                 self._sources.popitem(last=False)
 
         self.device.run(apply)
+        # NOTE: after the new weights are live and the host arrays are gone (to_device /
+        # copy_in_place consumed them): give the freed host pages back (runtime/host_memory.py).
+        del arrays
+        host_memory.trim()
 
     def _known_source(self, version: str) -> tuple[str, str, str]:
         """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
@@ -268,6 +273,7 @@ class WorkerBase:
         gc.collect()
         self.ops.synchronize()
         self.ops.empty_cache()
+        host_memory.trim()
         if dropped:
             self.log.warning("requests_dropped_with_weights", count=dropped)
 
