@@ -21,12 +21,19 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 demo: venv
 	$(BIN)/specsplit demo
 
-# The whole test suite (what CI runs).
+# The whole test suite (what CI runs), on TEST_WORKERS pytest-xdist processes. Nearly every test
+# is single-threaded CPU work (runtime.cpu_threads defaults to 1), so two workers use CI's two
+# cores. --dist loadfile keeps each test file on one worker: its module/session fixtures (the
+# transformers references, the bundled-model engines, the live stack) are built once, not once per
+# worker. TEST_WORKERS=0 runs in this process (no workers).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST)
 
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(XDIST) -m "not slow"
 
 protos: venv
 	$(BIN)/python -m protos.generate

@@ -19,6 +19,7 @@ BENCHES = {
     "attention": "bench.attention",  # decode attention variants, torch.compile of the verify step (issue 10)
     "round-parts": "bench.round_parts",  # one round's parts: engine vs worker vs service (issue 10)
     "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
+    "sampling-modes": "bench.sampling_modes",  # rejection vs coupled speculative sampling: acceptance (issue 17)
 }
 
 
@@ -38,6 +39,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run")
     p.add_argument("--draft-device", default=None, help="services bench: the draft's device (default: --device)")
     p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
+    p.add_argument("--temperatures", type=float, nargs="*", default=[1.0, 0.7],
+                   help="sampling-modes bench: the sampling temperatures")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive")
 

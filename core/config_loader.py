@@ -84,6 +84,8 @@ HELP: dict[str, str] = {
     "target_address": "target service host:port",
     "default_k": "drafts per round when a request does not say",
     "max_k": "largest k a request may ask for",
+    "default_sampling_mode": "speculative rule of sampled requests that leave sampling_mode unset: rejection "
+                             "(Leviathan, best acceptance) | coupled (a seed's tokens equal target-only decoding's)",
     "max_batch": "sequences per speculative round",
     "max_queue": "requests waiting for a batch slot before RESOURCE_EXHAUSTED",
     "max_tokens_limit": "largest max_tokens a request may ask for",

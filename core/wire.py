@@ -135,19 +135,30 @@ def as_float32(arr: np.ndarray) -> np.ndarray:
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     """Only the fields the workers use travel (max_tokens and stop ids stay at the orchestrator)."""
     out = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
-                            top_p=0.0 if p.top_p >= 1.0 else p.top_p, draft_sampling=p.draft_sampling)
+                            top_p=0.0 if p.top_p >= 1.0 else p.top_p, draft_sampling=p.draft_sampling,
+                            sampling_mode=MODE_TO_PROTO[p.sampling_mode])
     if p.seed is not None:
         out.seed = p.seed
     return out
 
 
-def params_from_proto(p: pb.SamplingParams, field: str = "params") -> SamplingParams:
-    """Proto -> SamplingParams; top_p 0 (unset) means 1.0 (off). Raises ValueError naming the field."""
+MODE_TO_PROTO = {"rejection": pb.SAMPLING_MODE_REJECTION, "coupled": pb.SAMPLING_MODE_COUPLED}
+MODE_FROM_PROTO = {v: k for k, v in MODE_TO_PROTO.items()}
+
+
+def params_from_proto(p: pb.SamplingParams, field: str = "params", default_mode: str = "rejection") -> SamplingParams:
+    """Proto -> SamplingParams; top_p 0 (unset) means 1.0 (off); sampling_mode unset means
+    ``default_mode``. Raises ValueError naming the field (an unknown sampling_mode too)."""
     top_p = float(p.top_p)
+    mode = int(p.sampling_mode)
+    if mode != pb.SAMPLING_MODE_UNSPECIFIED and mode not in MODE_FROM_PROTO:
+        raise ValueError(f"{field}.sampling_mode: {mode} is not a known SamplingMode "
+                         "(SAMPLING_MODE_REJECTION = 1, SAMPLING_MODE_COUPLED = 2)")
     try:
         return SamplingParams(
             temperature=float(p.temperature), top_k=int(p.top_k), top_p=1.0 if top_p == 0.0 else top_p,
-            seed=int(p.seed) if p.HasField("seed") else None, draft_sampling=bool(p.draft_sampling))
+            seed=int(p.seed) if p.HasField("seed") else None, draft_sampling=bool(p.draft_sampling),
+            sampling_mode=MODE_FROM_PROTO.get(mode, default_mode))
     except ValueError as exc:  # ConfigError names the sub-field ("temperature=... is invalid")
         raise ValueError(f"{field}.{exc}") from None
 

@@ -175,11 +175,18 @@ class SpecsplitClient:
     def build_request(prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                       top_p: float = 1.0, seed: int | None = None, k: int | None = None,
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, draft_sampling: bool = False,
-                      request_id: str = "", stop: Sequence[str] = ()) -> opb.GenerateRequest:
+                      request_id: str = "", stop: Sequence[str] = (),
+                      sampling_mode: str | None = None) -> opb.GenerateRequest:
         """``prompt``: text, token ids, or chat messages ``[{"role": ..., "content": ...}]``
-        (rendered with the model's chat template by the server)."""
+        (rendered with the model's chat template by the server). ``sampling_mode``: "rejection",
+        "coupled", or None for the server's default."""
+        modes = {None: common_pb2.SAMPLING_MODE_UNSPECIFIED, "rejection": common_pb2.SAMPLING_MODE_REJECTION,
+                 "coupled": common_pb2.SAMPLING_MODE_COUPLED}
+        if sampling_mode not in modes:
+            raise ValueError(f"sampling_mode: {sampling_mode!r} is not one of rejection, coupled")
         sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k,
-                                             top_p=0.0 if top_p == 1.0 else top_p, draft_sampling=draft_sampling)
+                                             top_p=0.0 if top_p == 1.0 else top_p, draft_sampling=draft_sampling,
+                                             sampling_mode=modes[sampling_mode])
         if seed is not None:
             sampling.seed = seed
         req = opb.GenerateRequest(request_id=request_id, max_tokens=max_tokens, sampling=sampling,
@@ -199,7 +206,7 @@ class SpecsplitClient:
         """Stream a generation: chunk events, then one final event. Leaving the loop early
         (or closing the iterator) cancels the call, which frees its slots on the workers.
         Keywords: temperature, top_k, top_p, seed, k, stop_token_ids, stop (strings), ignore_eos,
-        draft_sampling, request_id."""
+        draft_sampling, sampling_mode, request_id."""
         return self.stream(self.build_request(prompt, max_tokens, **kw), timeout=timeout)
 
     def stream(self, request: opb.GenerateRequest, timeout: float | None = None) -> Iterator[GenerateEvent]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from core.config import SecurityConfig, ServerConfig
 from core.config import check as _check
+from core.params import SAMPLING_MODES
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class OrchestratorConfig:
     target_address: str = "127.0.0.1:50052"
     default_k: int = 3
     max_k: int = 3
+    default_sampling_mode: str = "rejection"  # sampled requests that leave sampling_mode unset: "rejection"
+                                              # (Leviathan) or "coupled" (same tokens as target-only)
     max_batch: int = 16                  # sequences per round
     max_queue: int = 64                  # waiting requests before RESOURCE_EXHAUSTED
     max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
@@ -65,6 +68,8 @@ class OrchestratorConfig:
                "the one a rollback returns to)", self.push_keep_versions)
         _check(0 <= self.max_k <= 16, "max_k", "in [0, 16]", self.max_k)
         _check(0 <= self.default_k <= self.max_k, "default_k", f"in [0, max_k={self.max_k}]", self.default_k)
+        _check(self.default_sampling_mode in SAMPLING_MODES, "default_sampling_mode",
+               f"one of {', '.join(SAMPLING_MODES)}", self.default_sampling_mode)
         _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
         _check(0 <= self.max_queue <= 100000, "max_queue", "in [0, 100000]", self.max_queue)
         _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)

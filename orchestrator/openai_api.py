@@ -4,7 +4,8 @@ Owns: validating ``/v1/completions`` and ``/v1/chat/completions`` bodies
 (fields we map: ``model``, ``prompt`` / ``messages``, ``max_tokens``
 (``max_completion_tokens`` for chat), ``temperature``, ``top_p``, ``seed``,
 ``stop``, ``n`` (= 1), ``stream``, ``stream_options.include_usage``,
-``user``; extensions ``top_k``, ``k``, ``ignore_eos``; fields that only
+``user``; extensions ``top_k``, ``k``, ``ignore_eos``, ``sampling_mode``
+("rejection" | "coupled"; absent = the server's default); fields that only
 default to "off" are accepted at that value; anything else is a 400 naming
 the field), text stop sequences (``StopMatcher``: text held back while it may
 still become a stop sequence), speculation statistics (``SpecStats``: the
@@ -25,7 +26,7 @@ DEFAULT_CHAT_MAX_TOKENS = 256           # OpenAI has no fixed default for chat; 
 MAX_STOP_SEQUENCES = 4
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
-                     "user", "top_k", "k", "ignore_eos"})
+                     "user", "top_k", "k", "ignore_eos", "sampling_mode"})
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 # Fields accepted only at their "off" value (what SDKs and tools often send explicitly).
@@ -85,11 +86,12 @@ class CompletionParams:
     top_k: int = 0
     k: int | None = None
     ignore_eos: bool = False
+    sampling_mode: str | None = None
 
     def generate_kwargs(self) -> dict[str, Any]:
         """Keywords of ``SpecsplitClient.generate`` / ``AsyncSpecsplitClient.generate``."""
         return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                    top_k=self.top_k, k=self.k, ignore_eos=self.ignore_eos)
+                    top_k=self.top_k, k=self.k, ignore_eos=self.ignore_eos, sampling_mode=self.sampling_mode)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -149,11 +151,15 @@ def _common(body: dict, model_name: str, default_max_tokens: int, max_tokens_key
         raise bad(f"ignore_eos={ignore_eos!r} is invalid: must be true or false", "ignore_eos")
     if not isinstance(body.get("user", ""), str):
         raise bad("user must be a string", "user")
+    mode = body.get("sampling_mode")
+    if mode is not None and mode not in ("rejection", "coupled"):
+        raise bad(f"sampling_mode={mode!r} is invalid: must be \"rejection\" or \"coupled\"", "sampling_mode")
     return dict(max_tokens=_int(body, max_tokens_key, default_max_tokens, 1),
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed=_int(body, "seed", None, 0, 2**63 - 1),
                 stop=stops, stream=bool(stream), include_usage=bool((options or {}).get("include_usage")),
-                top_k=_int(body, "top_k", 0, 0), k=_int(body, "k", None, 0), ignore_eos=ignore_eos)
+                top_k=_int(body, "top_k", 0, 0), k=_int(body, "k", None, 0), ignore_eos=ignore_eos,
+                sampling_mode=mode)
 
 
 def parse_completion(body: Any, model_name: str) -> CompletionParams:

@@ -31,8 +31,9 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from orchestrator.round_client import RemoteRounds
-from rounds.scheduler_types import RequestError
 from orchestrator.config import OrchestratorConfig
+from rounds.scheduler_types import RequestError
+from runtime import host_memory
 from specsplit.v1 import common_pb2
 
 log = structlog.get_logger("orchestrator.reload")
@@ -299,6 +300,7 @@ class _Run:
             self._resume(None)
             raise
         self._resume(spec.version)
+        host_memory.trim()          # the reload's transient host memory back to the OS (runtime/host_memory.py)
         self._event("done", ORCH, t0, f"serving {spec.version!r} ({spec.mode}, {spec.inflight})", spec.version,
                     done=True)
         return spec.version

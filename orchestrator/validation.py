@@ -83,7 +83,7 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
         if not 0 <= t < facts.vocab_size:
             raise _bad(f"stop_token_ids[{i}]: token id {t} is out of range [0, {facts.vocab_size})")
     try:
-        base = wire.params_from_proto(req.sampling, "sampling")
+        base = wire.params_from_proto(req.sampling, "sampling", cfg.default_sampling_mode)
         # NOTE: a model with several EOS ids (config.json list): the target's round loop stops
         # on each of them; they are also sent as stop tokens so a target that knows only the
         # first (an older worker) stops on all of them too.

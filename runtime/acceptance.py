@@ -14,12 +14,21 @@ Which rule a request uses:
     from Transformers via Speculative Decoding") on distributions processed by
     `runtime.sampling.process_logits` with the request's temperature / top-k /
     top-p, applied identically to target (p) and draft (q). Every emitted token
-    is then distributed exactly as if sampled from p alone.
+    is then distributed exactly as if sampled from p alone. This is the
+    "rejection" sampling mode: the best acceptance, but a seed's tokens depend
+    on what the draft proposed.
+  * temperature > 0, "coupled" sampling mode: `accept_coupled`. The target's
+    token at each position is the Gumbel-max choice argmax(log p + g) with the
+    position's noise g (runtime.random_stream); the draft proposed with the
+    same noise; a draft is accepted iff it equals the target's choice (greedy
+    verification on perturbed log-probs). The emitted tokens are exactly the
+    target-only tokens of the same seed, whatever the draft did.
 
 It knows nothing about models, KV caches, batching, gRPC or tensor frameworks:
-inputs are numpy arrays and token ids, randomness comes only from the caller's
-per-request `np.random.Generator`, and the number of draws per decision is
-fixed so a seeded request replays identically.
+inputs are numpy arrays and token ids, and randomness comes only from the
+uniforms / noise the caller passes: counter-based draws keyed by the request's
+seed and the token's absolute position, so a seeded request replays
+identically (runtime.random_stream).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.sampling import sample_token
+from runtime.sampling import coupled_token, sample_token
 
 
 @dataclass(frozen=True)
@@ -83,13 +92,18 @@ def accept_rejection(
     draft_tokens: Sequence[int],
     draft_probs: np.ndarray | None,
     target_probs: np.ndarray,
-    rng: np.random.Generator,
+    u_accept: np.ndarray,
+    u_token: np.ndarray,
 ) -> Acceptance:
     """Leviathan et al. speculative sampling.
 
     target_probs [k+1, V]: the target's processed distributions p_1..p_{k+1} (process_logits applied).
     draft_probs [k, V]: the processed distributions q_1..q_k the drafts were sampled from, or None for
     a greedy draft, meaning q_j = one_hot(d_j).
+    u_accept [k], u_token [k+1]: uniforms in [0, 1). Row j's accept/reject decision uses u_accept[j];
+    the token the target draws at row j (the correction after a rejection there, or the bonus at
+    row k) uses u_token[j]. The engines pass the counter-based draws of the row's absolute position
+    (PURPOSE_ACCEPT and PURPOSE_SAMPLE), so each emitted position consumes its own numbers.
 
     For j = 1..k: accept d_j with prob min(1, p_j(d_j) / q_j(d_j)); on rejection emit a sample from
     norm(max(0, p_j - q_j)) (p_j itself if that residual is all zero) and stop; if all k are accepted,
@@ -100,11 +114,10 @@ def accept_rejection(
       = min(q(x), p(x)) + max(0, p(x) - q(x))       since Z = sum_y max(0, p(y) - q(y))
                                                        = 1 - sum_y min(p(y), q(y))
       = p(x).
-    By induction over positions the whole emitted run has the target's joint distribution.
-
-    Randomness: one rng.random() per accept/reject decision, plus one for the correction or bonus
-    draw (sample_token uses exactly one). A round that accepts a of k drafts therefore consumes a+2
-    draws on rejection and k+1 when all are accepted; the same seed replays the same round.
+    By induction over positions the whole emitted run has the target's joint distribution. The
+    induction needs, at every position, fresh uniforms independent of the draft token and of all
+    earlier positions' draws: a counter-based draw of (seed, position, purpose) is one, since an
+    emitted position is decided once and earlier tokens depend only on earlier positions' draws.
     """
     p = np.asarray(target_probs, dtype=np.float64)  # [k+1, V]
     k = _check_rows(draft_tokens, p, "target_probs")
@@ -112,6 +125,10 @@ def accept_rejection(
         q = np.asarray(draft_probs, dtype=np.float64)  # [k, V]
         if q.shape != (k, p.shape[1]):
             raise ValueError(f"draft_probs must have shape [k, V] = [{k}, {p.shape[1]}], got {q.shape}")
+    ua = np.asarray(u_accept, dtype=np.float64).reshape(-1)  # [k]
+    ut = np.asarray(u_token, dtype=np.float64).reshape(-1)   # [k+1]
+    if ua.shape != (k,) or ut.shape != (k + 1,):
+        raise ValueError(f"u_accept / u_token must have shapes [{k}] / [{k + 1}], got {ua.shape} / {ut.shape}")
 
     for j in range(k):
         d = int(draft_tokens[j])
@@ -120,8 +137,7 @@ def accept_rejection(
         # Accept iff u < p/q, written u * q < p to avoid dividing: identical for q > 0, and for a
         # q that underflowed to 0 it is the q -> 0 limit (accept iff p > 0). p/q >= 1 always accepts
         # because u < 1; p(d) == 0 never accepts.
-        u = rng.random()
-        if u * q_d < p_d:
+        if ua[j] * q_d < p_d:
             continue
         # Rejected: sample from the residual max(0, p - q). For a greedy draft q = one_hot(d), so the
         # residual is p with d zeroed out.
@@ -134,12 +150,28 @@ def accept_rejection(
             # p <= q everywhere only when p == q up to rounding, where rejection has prob ~0;
             # sampling from p is the limit of the rule.
             residual = p[j]
-        tokens = tuple(int(t) for t in draft_tokens[:j]) + (sample_token(residual, rng),)
+        tokens = tuple(int(t) for t in draft_tokens[:j]) + (sample_token(residual, float(ut[j])),)
         return Acceptance(num_accepted=j, tokens=tokens)
 
     # All k accepted: the bonus token comes from the target's next distribution.
-    tokens = tuple(int(t) for t in draft_tokens) + (sample_token(p[k], rng),)
+    tokens = tuple(int(t) for t in draft_tokens) + (sample_token(p[k], float(ut[k])),)
     return Acceptance(num_accepted=k, tokens=tokens)
+
+
+def accept_coupled(draft_tokens: Sequence[int], target_probs: np.ndarray, noise: np.ndarray) -> Acceptance:
+    """Coupled (exact-match) verification.
+
+    target_probs [k+1, V]: the target's processed distributions at the k+1 verified positions;
+    noise [k+1, V]: each position's Gumbel noise (runtime.random_stream.gumbel at that position).
+    The target's token at row j is c_j = argmax(log p_j + g_j) (runtime.sampling.coupled_token),
+    distributed exactly as p_j. Accept d_j while d_j == c_{j-1}; emit c at the first mismatch, or
+    the bonus c_k after k accepts. The emitted run is c_0..c_a: every token is the target's own
+    choice at its position, so the output equals target-only coupled sampling with the same seed
+    token for token, whatever the draft proposed (it only decides how many are settled per round).
+    """
+    p = np.asarray(target_probs, dtype=np.float64)  # [k+1, V]
+    _check_rows(draft_tokens, p, "target_probs")
+    return accept_greedy_ids(draft_tokens, coupled_token(p, noise))
 
 
 def truncate_at_stop(

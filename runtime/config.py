@@ -190,6 +190,8 @@ class SpecConfig:
                f"an integer in [0, max_k={self.max_k}]", self.default_k)
 
 
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Static KV-cache capacity: ``max_slots`` requests of up to ``max_len`` positions."""

@@ -2,7 +2,7 @@
 
 Owns: the MTP weights plus the draft's own copy of the target's embedding,
 final norm and output head; the draft KV cache; per-request draft state
-(pairs written, sampling params, seeded RNG); the two step kinds the graph
+(pairs written, sampling params, seed); the two step kinds the graph
 registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1);
 what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
 run by the worker before a batch; one bad item never fails the others).
@@ -14,8 +14,16 @@ Hidden rows come in as float32 or as uint16 bf16 bit patterns (see
 
 Greedy drafts stay on the device: each substep's argmax is fed to the next
 substep as a device tensor, and one host synchronisation per ``propose``
-brings all k drafts back. Sampled drafts (``draft_sampling``) need q on the
-host, so that path reads the logits back after every substep.
+brings all k drafts back. Sampled drafts (``draft_sampling``) and coupled
+drafts (``sampling_mode`` "coupled") need q on the host, so that path reads
+the logits back after every substep.
+
+Randomness (runtime/random_stream.py): the draft at absolute token position
+p uses the draws of (seed, p, purpose): PURPOSE_DRAFT for a sampled draft,
+and for a coupled draft the same Gumbel noise the target uses at p, so that
+d = argmax(log q + g) equals the target's argmax(log p + g) whenever q's and
+p's perturbed maxima agree. The draft's pair count P after a catch-up covers
+t_1..t_P, so draft d_s of a proposal sits at position P + s.
 
 Positions: the pair (h_i, t_{i+1}) lives at draft position i. A request has
 ``pairs`` correctly written positions 0..pairs-1 (true target hidden states).
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import sampling
+from runtime import random_stream, sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from core.params import SamplingParams
@@ -39,7 +47,7 @@ from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.request_checks import check_batch, check_hidden, check_token_range
-from runtime.target_engine import request_rng
+from runtime.target_engine import request_seed
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
 SUBSTEP = "substep"
@@ -48,7 +56,12 @@ SUBSTEP = "substep"
 @dataclass
 class _DraftRequest:
     params: SamplingParams
-    rng: np.random.Generator
+    seed: int
+
+    @property
+    def on_host(self) -> bool:
+        """Drafts made on the host from q: sampled (draft_sampling) or coupled (Gumbel-max)."""
+        return self.params.coupled or (self.params.draft_sampling and not self.params.greedy)
 
 
 class DraftEngine:
@@ -180,7 +193,7 @@ class DraftEngine:
             raise CapacityError(f"draft KV cache full: {len(reqs)} requests need slots, {self.cache.free_slots} free")
         states = {r.request_id: self.cache.allocate(r.request_id) for r in reqs}
         for r in reqs:
-            self.requests[r.request_id] = _DraftRequest(r.params, request_rng(r.params.seed, 1))
+            self.requests[r.request_id] = _DraftRequest(r.params, request_seed(r.params))
         body = [r for r in reqs if len(r.tokens) > 0]
         if body:
             try:
@@ -232,8 +245,7 @@ class DraftEngine:
         g, logits = self._catch_up(reqs, [self.cache.get(r.request_id).length for r in reqs], slots)
         for r in reqs:
             self.cache.get(r.request_id).length += len(r.tokens)
-        if not any(self.requests[r.request_id].params.draft_sampling and not self.requests[r.request_id].params.greedy
-                   for r in reqs):
+        if not any(self.requests[r.request_id].on_host for r in reqs):
             return self._propose_greedy(reqs, slots, g, logits)
         return self._propose_sampled(reqs, slots, g, logits)
 
@@ -277,7 +289,7 @@ class DraftEngine:
             raise ValueError(f"{field}.ahead: request {request_id!r} has no kept proposal end to continue "
                              "(keep_tail on its last proposal, greedy drafts only)")
         req = self.requests[request_id]
-        if req.params.draft_sampling and not req.params.greedy:
+        if req.on_host:
             raise ValueError(f"{field}.ahead: request {request_id!r} samples its drafts; ahead drafting is greedy only")
         self.cache.check_fits(request_id, self._tail_pos[request_id] + k)
 
@@ -327,7 +339,8 @@ class DraftEngine:
         return g, self.ops.argmax(logits, -1)
 
     def _propose_sampled(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
-        """Some row samples its draft from q: q comes to the host after every substep."""
+        """Some row samples (or couples) its draft from q: q comes to the host after every substep.
+        Draft s of request i sits at token position pairs_i + s (see the module docstring)."""
         drafts = [[] for _ in reqs]
         probs: list[list[np.ndarray]] = [[] for _ in reqs]
         active = list(range(len(reqs)))                                  # rows of g/logits -> request index
@@ -335,13 +348,15 @@ class DraftEngine:
             # Greedy drafts need only the argmax ([A] to the host); the full
             # logits ([A, V]) come over only when some row samples its draft.
             states = [self.requests[reqs[i].request_id] for i in active]
-            sampled = [st.params.draft_sampling and not st.params.greedy for st in states]
+            sampled = [st.on_host for st in states]
             greedy = self.ops.to_numpy(self.ops.argmax(logits, -1))       # [A]
             logits_np = self.ops.to_numpy(logits) if any(sampled) else None  # [A, V]
             for row, i in enumerate(active):
                 if sampled[row]:
-                    tok, q = self._sample_draft(logits_np[row], states[row])
-                    probs[i].append(q)
+                    tok, q = self._sample_draft(logits_np[row], states[row],
+                                                self.cache.get(reqs[i].request_id).length + s)
+                    if q is not None:
+                        probs[i].append(q)
                 else:
                     tok = int(greedy[row])
                 drafts[i].append(tok)
@@ -363,12 +378,16 @@ class DraftEngine:
                          np.stack(probs[i]).astype(np.float32) if probs[i] else None)
                 for i, r in enumerate(reqs)]
 
-    def _sample_draft(self, logits: np.ndarray, req: _DraftRequest) -> tuple[int, np.ndarray]:
-        """A draft sampled from q (q is sent along for rejection sampling). Greedy drafts
-        (q one-hot, nothing sent) are the device-side argmax in ``propose``."""
+    def _sample_draft(self, logits: np.ndarray, req: _DraftRequest, position: int) -> tuple[int, np.ndarray | None]:
+        """The draft at ``position`` from q. Coupled: argmax(log q + g) with the target's noise at
+        that position (nothing sent: the target does not use q). Sampled: the inverse-CDF draw
+        of the position's PURPOSE_DRAFT uniform (q is sent along for rejection sampling). Greedy
+        drafts (q one-hot, nothing sent) are the device-side argmax in ``propose``."""
         p = req.params
         q = sampling.process_logits(logits, p.temperature, p.top_k, p.top_p)
-        return sampling.sample_token(q, req.rng), q
+        if p.coupled:
+            return sampling.coupled_token(q, random_stream.gumbel(req.seed, position, q.shape[-1])), None
+        return sampling.sample_token(q, random_stream.uniform(req.seed, position, random_stream.PURPOSE_DRAFT)), q
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)

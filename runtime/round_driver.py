@@ -11,11 +11,13 @@ Must not know: frameworks, gRPC, tensors beyond numpy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
 from runtime.adaptive_k import AdaptiveK, RoundCosts, choose_round_k
 from core.params import SamplingParams
@@ -167,6 +169,12 @@ def admit(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     reload or a draft restart): the target re-runs prompt + output[:-1] and
     keeps output[-1] as its last token; nothing new is emitted.
     """
+    for s in seqs:
+        if s.params.seed is None:
+            # NOTE: before the first prefill: an unseeded request gets its seed once, here, so
+            # the draft and the target key the same draws (coupled mode) and a resume after a
+            # reload or a draft restart continues the same stream.
+            s.params = dataclasses.replace(s.params, seed=random_stream.fresh_seed())
     reqs = [prefill_request(s, resume) for s in seqs]
     results = target.prefill(reqs)
     emitted: dict[str, list[int]] = {}
@@ -230,8 +238,8 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
                 proposals[s.request_id] = Proposal(s.request_id, s.ready_drafts[:k], None)
                 s.stats.ahead_used += 1
             s.ready_drafts = None
-    greedy_drafts = ({s.request_id: not (s.params.draft_sampling and not s.params.greedy) for s in seqs}
-                     if ahead else {})
+    greedy_drafts = ({s.request_id: not (s.params.coupled or (s.params.draft_sampling and not s.params.greedy))
+                      for s in seqs} if ahead else {})
     to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
     if to_propose:
         reqs = [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],

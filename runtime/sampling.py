@@ -7,9 +7,10 @@ acceptance (runtime/acceptance.py) are processed the same way.
 
 It knows nothing about models, KV caches, gRPC or tensor frameworks: inputs
 are numpy arrays (a worker converts its framework tensor with `.numpy()`),
-all math is float64 numpy, and randomness comes only from the
-`np.random.Generator` the caller passes in (one per request, seeded from the
-request's seed), never from global state.
+all math is float64 numpy, and randomness comes only from the uniforms /
+noise the caller passes in (``runtime.random_stream``: a pure function of the
+request's seed, the token's position and the draw's purpose), never from
+global state.
 
 Shapes: V = vocabulary size; `[..., V]` means any number of leading dims.
 """
@@ -86,27 +87,53 @@ def process_logits(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     return probs
 
 
-def sample_token(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """probs [V] -> one token id drawn from probs with exactly one rng.random() draw.
+def sample_token(probs: np.ndarray, u: float) -> int:
+    """probs [V] -> the token id that the uniform u in [0, 1) selects (inverse CDF).
 
-    Inverse CDF: draw u ~ U[0, 1), return the first i with cdf[i] > u * cdf[-1]. Scaling u by the
-    total makes rows that sum to 1 only up to rounding exact, and tokens with prob 0 can never be
-    returned (their cdf equals their predecessor's, which would have matched first). One draw per
-    token, whatever V or the probs are, keeps a request's seeded stream reproducible.
+    Return the first i with cdf[i] > u * cdf[-1]. Scaling u by the total makes rows that sum to 1
+    only up to rounding exact, and tokens with prob 0 can never be returned (their cdf equals their
+    predecessor's, which would have matched first). For u ~ U[0, 1) the result has distribution
+    probs. The caller's u is one counter-based draw (``runtime.random_stream``), so the token is a
+    pure function of (probs, seed, position, purpose).
     """
     p = np.asarray(probs, dtype=np.float64)  # [V]
     if p.ndim != 1 or p.shape[0] == 0:
         raise ValueError(f"probs must have shape [V] with V >= 1, got {p.shape}")
+    if not 0.0 <= u <= 1.0:  # u == 1 (a float rounded up) is the last token with mass, as below
+        raise ValueError(f"u must be in [0, 1], got {u}")
     cdf = np.cumsum(p)  # [V]
     total = cdf[-1]
     if not (np.isfinite(total) and total > 0.0) or (p < 0.0).any():
         raise ValueError("probs must be finite, non-negative and not all zero")
-    u = rng.random()
     i = int(np.searchsorted(cdf, u * total, side="right"))
     if i >= p.shape[0]:
         # u * total rounded up to total (u within an ulp of 1): take the last token with mass.
         i = int(np.flatnonzero(p)[-1])
     return i
+
+
+def coupled_token(probs: np.ndarray, noise: np.ndarray) -> int:
+    """probs [..., V], noise [..., V] (i.i.d. standard Gumbel) -> argmax(log probs + noise) ids [...].
+
+    The Gumbel-max trick: for g(v) i.i.d. Gumbel(0, 1), P(argmax_v (log p(v) + g(v)) = x) = p(x)
+    exactly. (Write g = -log E with E ~ Exp(1): the argmax is the argmin of E(v) / p(v), and
+    E(v) / p(v) ~ Exp(p(v)) independently, so the smallest is x with prob p(x) / sum p = p(x).)
+    Tokens with p = 0 (top-k / top-p cut, masked) have log p = -inf and are never chosen.
+    Temperature / top-k / top-p are already in probs (``process_logits``), so the noise perturbs
+    the request's own distribution. Coupled speculation feeds the same noise at a position to the
+    draft (log q) and to the target (log p): the target's choice depends only on p and the noise,
+    never on the draft, which is what makes speculative output equal target-only output.
+    Ties (probability 0 for continuous noise) go to the lowest index, as np.argmax.
+    Returns an int for 1-D input, an int64 array otherwise.
+    """
+    p = np.asarray(probs, dtype=np.float64)
+    g = np.asarray(noise, dtype=np.float64)
+    if p.shape != g.shape or p.ndim < 1 or p.shape[-1] == 0:
+        raise ValueError(f"probs and noise must have one shape [..., V], got {p.shape} and {g.shape}")
+    with np.errstate(divide="ignore"):
+        score = np.log(p) + g  # [..., V]; -inf where p == 0
+    best = score.argmax(axis=-1)
+    return int(best) if p.ndim == 1 else best.astype(np.int64)
 
 
 def greedy_token(logits: np.ndarray) -> int:

@@ -1,7 +1,7 @@
 """Target-side work: prefill, batched verification and acceptance.
 
 Owns: the target's weights on the device, its KV cache, per-request decoding
-state (committed length, last token, sampling params, seeded RNG) and the
+state (committed length, last token, sampling params, seed) and the
 step kinds the graph registry captures (``verify`` at k+1 positions); what
 each of its requests must satisfy (``check_prefill`` / ``check_verify``, run
 by the worker before a batch; one bad item never fails the others).
@@ -18,6 +18,13 @@ each prompt's last position only. One host synchronisation per verify.
 
 State per request (DESIGN § The speculative round): committed tokens
 t_0..t_n, KV valid for positions 0..n-1, ``last_token`` = t_n.
+
+Randomness (runtime/random_stream.py): the token at absolute position p is
+drawn with the counter-based numbers of (seed, p, purpose), never from a
+generator's state. Prefill decides position n = len(prompt); verify row j
+decides position n+1+j. A RECOMPUTE resume re-prefills prompt + output[:-1]
+with the known last token, so the next verify decides the same positions
+with the same numbers as without the reload.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import acceptance, sampling
+from runtime import acceptance, random_stream, sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from core.params import SamplingParams
@@ -41,13 +48,14 @@ from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyRe
 @dataclass
 class _TargetRequest:
     params: SamplingParams
-    rng: np.random.Generator
+    seed: int                          # params.seed, or a fresh one chosen at prefill
     last_token: int
 
 
-def request_rng(seed: int | None, stream: int) -> np.random.Generator:
-    """Per-request RNG; the target and the draft use different streams of one seed."""
-    return np.random.default_rng(None if seed is None else [seed, stream])
+def request_seed(params: SamplingParams) -> int:
+    """The seed a request's draws are keyed by: its own, or a fresh random one (the round driver
+    fills in a seed before prefill, so this fallback serves direct engine callers only)."""
+    return random_stream.fresh_seed() if params.seed is None else params.seed
 
 
 class TargetEngine:
@@ -166,21 +174,29 @@ class TargetEngine:
                 hidden, best, logits = self._prefill_step(
                     t(lay.tokens), t(lay.write_slots), t(lay.positions), t(lay.read_slots), t(lay.last_index),
                     attend_len=attend_span(lay.positions, self.cache.max_len))
-            rngs = [request_rng(r.params.seed, 0) for r in reqs]
+            seeds = [request_seed(r.params) for r in reqs]
             sampled = [i for i, r in enumerate(reqs) if r.resume_token is None and not r.params.greedy]
             extra, logits_np = [], None
             if sampled and self.ops.sampler is not None:
                 rows = self.ops.from_numpy(np.asarray(sampled, dtype=np.int64), "int64")
                 ps = [reqs[i].params for i in sampled]
-                extra = [self.ops.sampler.sample(
-                    self.ops.index_select(logits, rows, 0), [p.temperature for p in ps], [p.top_k for p in ps],
-                    [p.top_p for p in ps], [rngs[i].random() for i in sampled])]
+                sel = self.ops.index_select(logits, rows, 0)
+                params = ([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps])
+                # Both modes decide position n = len(prompt) on the device: the inverse-CDF draw
+                # (rejection) or the Gumbel-max choice (coupled); the mode is per row.
+                extra = [self.ops.sampler.sample(sel, *params, [random_stream.uniform(
+                    seeds[i], len(reqs[i].prompt), random_stream.PURPOSE_SAMPLE) for i in sampled])]
+                if any(p.coupled for p in ps):
+                    extra.append(self.ops.sampler.coupled(sel, *params, [seeds[i] for i in sampled],
+                                                          [len(reqs[i].prompt) for i in sampled]))
             elif sampled:
                 extra = [logits]
             # One synchronisation: hidden (bf16 as bits), argmax, and the sampled tokens or logits.
             hidden_np, best_np, *rest = self.ops.to_numpy_many([hidden, best, *extra], bf16_bits=True)
             if sampled and self.ops.sampler is not None:
-                drawn = dict(zip(sampled, (int(x) for x in rest[0])))
+                coupled_np = rest[1] if len(rest) > 1 else None
+                drawn = {i: int(coupled_np[row] if reqs[i].params.coupled else rest[0][row])
+                         for row, i in enumerate(sampled)}
             elif sampled:
                 logits_np = rest[0]                                      # [B, V]
         except Exception:
@@ -191,24 +207,26 @@ class TargetEngine:
         for i, (r, s) in enumerate(zip(reqs, states)):
             n = len(r.prompt)
             s.length = n
-            rng = rngs[i]
             if r.resume_token is not None:
                 first = int(r.resume_token)
             elif r.params.greedy:
                 first = int(best_np[i])
             elif logits_np is not None:
-                first = self._sample(logits_np[i], r.params, rng)
+                first = self._sample(logits_np[i], r.params, seeds[i], n)
             else:
                 first = drawn[i]
-            self.requests[r.request_id] = _TargetRequest(r.params, rng, first)
+            self.requests[r.request_id] = _TargetRequest(r.params, seeds[i], first)
             out.append(PrefillResult(r.request_id, first, hidden_np[i, :n].copy()))
         return out
 
-    def _sample(self, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    def _sample(self, logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
+        """The numpy path's token at ``position`` (logits [V])."""
         if params.greedy:
             return sampling.greedy_token(logits)
         probs = sampling.process_logits(logits, params.temperature, params.top_k, params.top_p)
-        return sampling.sample_token(probs, rng)
+        if params.coupled:
+            return sampling.coupled_token(probs, random_stream.gumbel(seed, position, probs.shape[-1]))
+        return sampling.sample_token(probs, random_stream.uniform(seed, position, random_stream.PURPOSE_SAMPLE))
 
     def verify(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
         """One forward over [t_n, d_1..d_k] per request, then accept (DESIGN step 3-5)."""
@@ -226,32 +244,51 @@ class TargetEngine:
             "tokens": lay.tokens, "write_slots": lay.write_slots,
             "positions": lay.positions, "read_slots": lay.read_slots})
         states = [self.requests[r.request_id] for r in reqs]
-        sampled = [i for i, st in enumerate(states) if not st.params.greedy]
-        extra, device_acc, logits_np = [], None, None
-        if sampled and self.ops.sampler is not None:
-            extra = list(self._verify_on_device(reqs, states, sampled, logits))
-        elif sampled:
+        starts = [self.cache.get(r.request_id).length + 1 for r in reqs]   # position decided by row 0
+        sampled = [i for i, st in enumerate(states) if not st.params.greedy and not st.params.coupled]
+        coupled = [i for i, st in enumerate(states) if st.params.coupled]
+        extra, device_acc, device_coupled, logits_np = [], None, None, None
+        on_device = self.ops.sampler is not None
+        if sampled and on_device:
+            extra += list(self._verify_on_device(reqs, states, starts, sampled, logits))
+        if coupled and on_device:
+            extra.append(self._coupled_on_device(reqs, states, starts, coupled, logits))
+        if (sampled or coupled) and not on_device:
             extra = [logits]
         # NOTE: one synchronisation per verify, after everything is enqueued:
         # hidden [B, k+1, d] (bf16 as bits), argmax [B, k+1], and the sampled
-        # rows' (a, token) from the device sampler or their logits for numpy.
+        # rows' (a, token) and the coupled rows' choices [C, k+1] from the
+        # device sampler, or the logits for numpy.
         hidden_np, best_np, *rest = self.ops.to_numpy_many([hidden, best, *extra], bf16_bits=True)
-        if sampled and self.ops.sampler is not None:
-            device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
-        elif sampled:
+        if on_device:
+            if sampled:
+                device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
+            if coupled:
+                device_coupled = dict(zip(coupled, rest[-1]))
+        elif sampled or coupled:
             logits_np = rest[0]                                            # [B, k+1, V]
         out = []
         for i, (r, req) in enumerate(zip(reqs, states)):
             k = len(r.drafts)
             if req.params.greedy:
                 acc = acceptance.accept_greedy_ids(list(r.drafts), best_np[i, : k + 1])
-            elif device_acc is not None:
+            elif device_coupled is not None and i in device_coupled:
+                acc = acceptance.accept_greedy_ids(list(r.drafts), device_coupled[i][: k + 1])
+            elif device_acc is not None and i in device_acc:
                 a, tok = device_acc[i]
                 acc = acceptance.Acceptance(a, tuple(int(d) for d in r.drafts[:a]) + (tok,))
             else:
                 p = sampling.process_logits(logits_np[i, : k + 1], req.params.temperature, req.params.top_k,
                                             req.params.top_p)
-                acc = acceptance.accept_rejection(list(r.drafts), r.draft_probs, p, req.rng)
+                pos = starts[i] + np.arange(k + 1)                         # positions rows 0..k decide
+                if req.params.coupled:
+                    noise = random_stream.gumbel(req.seed, pos, p.shape[-1])   # [k+1, V]
+                    acc = acceptance.accept_coupled(list(r.drafts), p, noise)
+                else:
+                    acc = acceptance.accept_rejection(
+                        list(r.drafts), r.draft_probs, p,
+                        random_stream.uniforms(req.seed, pos[:k], random_stream.PURPOSE_ACCEPT),
+                        random_stream.uniforms(req.seed, pos, random_stream.PURPOSE_SAMPLE))
             a = acc.num_accepted
             state = self.cache.get(r.request_id)
             # NOTE: commit = length update. Rows n..n+a now hold t_n, d_1..d_a
@@ -261,23 +298,43 @@ class TargetEngine:
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens), hidden_np[i, : a + 1].copy()))
         return out
 
-    def _verify_on_device(self, reqs, states, sampled: list[int], logits):
+    def _verify_on_device(self, reqs, states, starts: list[int], sampled: list[int], logits):
         """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.
-        Each row draws k_max+1 uniforms from its request's RNG (see torch_sampling)."""
+        Row j of a request decides position starts[i] + j: its counter-based uniforms come along
+        (u_acc [S, kmax] and u_tok [S, kmax+1]; padding past a row's k is never read)."""
         width = self.max_k + 1
         kmax = max(len(reqs[i].drafts) for i in sampled)
         drafts = np.zeros((len(sampled), kmax), dtype=np.int64)
         for row, i in enumerate(sampled):
             drafts[row, : len(reqs[i].drafts)] = reqs[i].drafts
         ps = [states[i].params for i in sampled]
-        u = np.stack([states[i].rng.random(kmax + 1) for i in sampled])               # [S, kmax+1]
+        pos = np.asarray([starts[i] for i in sampled], dtype=np.int64)[:, None] + np.arange(kmax + 1)  # [S, kmax+1]
+        u_acc = np.stack([random_stream.uniforms(states[i].seed, pos[row, :kmax], random_stream.PURPOSE_ACCEPT)
+                          for row, i in enumerate(sampled)])                                      # [S, kmax]
+        u_tok = np.stack([random_stream.uniforms(states[i].seed, pos[row], random_stream.PURPOSE_SAMPLE)
+                          for row, i in enumerate(sampled)])                                      # [S, kmax+1]
         rows = self.ops.from_numpy(np.asarray(sampled, dtype=np.int64), "int64")
         sel = self.ops.index_select(logits, rows, 0)                                     # [S, k+1, V]
         if kmax + 1 < width:
             sel = sel[:, : kmax + 1]
         return self.ops.sampler.verify(sel, drafts, np.asarray([len(reqs[i].drafts) for i in sampled]),
                                        [reqs[i].draft_probs for i in sampled], [p.temperature for p in ps],
-                                       [p.top_k for p in ps], [p.top_p for p in ps], u)
+                                       [p.top_k for p in ps], [p.top_p for p in ps], u_acc, u_tok)
+
+    def _coupled_on_device(self, reqs, states, starts: list[int], coupled: list[int], logits):
+        """The coupled rows' Gumbel-max choices at every verified position -> int64 [C, width]
+        (row j of request i decides position starts[i] + j; columns past its k are unused)."""
+        width = self.max_k + 1
+        ps = [states[i].params for i in coupled]
+        rows = self.ops.from_numpy(np.asarray(coupled, dtype=np.int64), "int64")
+        sel = self.ops.index_select(logits, rows, 0)                                     # [C, width, V]
+        c, v = len(coupled), self.ops.shape(sel)[-1]
+        rep = lambda xs: np.repeat(np.asarray(xs), width)  # noqa: E731  per request -> per row
+        choices = self.ops.sampler.coupled(
+            self.ops.reshape(sel, (c * width, v)), rep([p.temperature for p in ps]), rep([p.top_k for p in ps]),
+            rep([p.top_p for p in ps]), rep([states[i].seed for i in coupled]),
+            (np.asarray([starts[i] for i in coupled], dtype=np.int64)[:, None] + np.arange(width)).reshape(-1))
+        return self.ops.reshape(choices, (c, width))
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)

@@ -306,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = str(args.log_level).upper()    # `--log-level debug` works as DEBUG
     from orchestrator.client import SpecsplitError
 
+    if args.command in ("draft", "target", "orchestrator", "up", "demo"):
+        # NOTE: before the services allocate anything: host memory stays flat over reloads.
+        from runtime import host_memory
+
+        host_memory.pin_mmap_threshold()
     try:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)

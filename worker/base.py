@@ -31,6 +31,7 @@ import structlog
 
 from core.serving import check_checkpoint_path
 from core.wire import ItemError, item_error_for
+from runtime import host_memory
 from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig
@@ -178,6 +179,10 @@ class Worker:
                 self._sources.popitem(last=False)
 
         self.device.run(apply)
+        # NOTE: after the new weights are live and the host arrays are gone (to_device /
+        # copy_in_place consumed them): give the freed host pages back (runtime/host_memory.py).
+        del arrays
+        host_memory.trim()
 
     def _known_source(self, version: str) -> tuple[str, str, str]:
         """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
@@ -235,6 +240,7 @@ class Worker:
         gc.collect()
         self.ops.synchronize()
         self.ops.empty_cache()
+        host_memory.trim()
         if dropped:
             self.log.warning("requests_dropped_with_weights", count=dropped)
 

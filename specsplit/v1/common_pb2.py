@@ -24,47 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"w\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\x08\x42\x07\n\x05_seed\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x99\x04\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.specsplit.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x12\n\ngraph_keys\x18\x04 \x03(\t\x12\x18\n\x10graph_pool_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bgraphs_mode\x18\x06 \x01(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nfree_slots\x18\n \x01(\x05\x12\x12\n\nused_slots\x18\x0b \x01(\x05\x12\x15\n\rgraph_replays\x18\x0c \x01(\x03\x12\x12\n\neager_runs\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x0f \x03(\t\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x11 \x01(\x05\x12\x0f\n\x07max_len\x18\x12 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x13 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10lifecycle_events\x18\x14 \x03(\t\x12\x1f\n\x17max_position_embeddings\x18\x15 \x01(\x05\x12\x15\n\reos_token_ids\x18\x16 \x03(\x03\x42\x0f\n\r_eos_token_id\"w\n\x12LoadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x10\n\x08in_place\x18\x04 \x01(\x08\x12\x15\n\rvalidate_only\x18\x05 \x01(\x08\"A\n\x13LoadWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x17\n\x15ReleaseWeightsRequest\"D\n\x16ReleaseWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x16\n\x14\x43\x61ptureGraphsRequest\"C\n\x15\x43\x61ptureGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x14\n\x12\x43learGraphsRequest\"A\n\x13\x43learGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x12\n\x10GetStatusRequest\"?\n\x11GetStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x03(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04*\x83\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LIFECYCLE_STATE_EMPTY\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_LOADED\x10\x02\x12\x19\n\x15LIFECYCLE_STATE_READY\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xaa\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\x08\x12\x31\n\rsampling_mode\x18\x06 \x01(\x0e\x32\x1a.specsplit.v1.SamplingModeB\x07\n\x05_seed\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x99\x04\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.specsplit.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x12\n\ngraph_keys\x18\x04 \x03(\t\x12\x18\n\x10graph_pool_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bgraphs_mode\x18\x06 \x01(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nfree_slots\x18\n \x01(\x05\x12\x12\n\nused_slots\x18\x0b \x01(\x05\x12\x15\n\rgraph_replays\x18\x0c \x01(\x03\x12\x12\n\neager_runs\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x0f \x03(\t\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x11 \x01(\x05\x12\x0f\n\x07max_len\x18\x12 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x13 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10lifecycle_events\x18\x14 \x03(\t\x12\x1f\n\x17max_position_embeddings\x18\x15 \x01(\x05\x12\x15\n\reos_token_ids\x18\x16 \x03(\x03\x42\x0f\n\r_eos_token_id\"w\n\x12LoadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x10\n\x08in_place\x18\x04 \x01(\x08\x12\x15\n\rvalidate_only\x18\x05 \x01(\x08\"A\n\x13LoadWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x17\n\x15ReleaseWeightsRequest\"D\n\x16ReleaseWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x16\n\x14\x43\x61ptureGraphsRequest\"C\n\x15\x43\x61ptureGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x14\n\x12\x43learGraphsRequest\"A\n\x13\x43learGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x12\n\x10GetStatusRequest\"?\n\x11GetStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x03(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04*e\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLING_MODE_REJECTION\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x83\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LIFECYCLE_STATE_EMPTY\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_LOADED\x10\x02\x12\x19\n\x15LIFECYCLE_STATE_READY\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1449
-  _globals['_DTYPE']._serialized_end=1554
-  _globals['_LIFECYCLESTATE']._serialized_start=1557
-  _globals['_LIFECYCLESTATE']._serialized_end=1688
+  _globals['_DTYPE']._serialized_start=1501
+  _globals['_DTYPE']._serialized_end=1606
+  _globals['_SAMPLINGMODE']._serialized_start=1608
+  _globals['_SAMPLINGMODE']._serialized_end=1709
+  _globals['_LIFECYCLESTATE']._serialized_start=1712
+  _globals['_LIFECYCLESTATE']._serialized_end=1843
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
-  _globals['_SAMPLINGPARAMS']._serialized_start=118
-  _globals['_SAMPLINGPARAMS']._serialized_end=237
-  _globals['_ITEMERROR']._serialized_start=239
-  _globals['_ITEMERROR']._serialized_end=281
-  _globals['_WORKERSTATUS']._serialized_start=284
-  _globals['_WORKERSTATUS']._serialized_end=821
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=823
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=942
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=944
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1009
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=1011
-  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=1034
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=1036
-  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=1104
-  _globals['_CAPTUREGRAPHSREQUEST']._serialized_start=1106
-  _globals['_CAPTUREGRAPHSREQUEST']._serialized_end=1128
-  _globals['_CAPTUREGRAPHSRESPONSE']._serialized_start=1130
-  _globals['_CAPTUREGRAPHSRESPONSE']._serialized_end=1197
-  _globals['_CLEARGRAPHSREQUEST']._serialized_start=1199
-  _globals['_CLEARGRAPHSREQUEST']._serialized_end=1219
-  _globals['_CLEARGRAPHSRESPONSE']._serialized_start=1221
-  _globals['_CLEARGRAPHSRESPONSE']._serialized_end=1286
-  _globals['_GETSTATUSREQUEST']._serialized_start=1288
-  _globals['_GETSTATUSREQUEST']._serialized_end=1306
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1308
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1371
-  _globals['_RELEASEREQUEST']._serialized_start=1373
-  _globals['_RELEASEREQUEST']._serialized_end=1410
-  _globals['_RELEASERESPONSE']._serialized_start=1412
-  _globals['_RELEASERESPONSE']._serialized_end=1447
+  _globals['_SAMPLINGPARAMS']._serialized_start=119
+  _globals['_SAMPLINGPARAMS']._serialized_end=289
+  _globals['_ITEMERROR']._serialized_start=291
+  _globals['_ITEMERROR']._serialized_end=333
+  _globals['_WORKERSTATUS']._serialized_start=336
+  _globals['_WORKERSTATUS']._serialized_end=873
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=875
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=994
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=996
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1061
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_start=1063
+  _globals['_RELEASEWEIGHTSREQUEST']._serialized_end=1086
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_start=1088
+  _globals['_RELEASEWEIGHTSRESPONSE']._serialized_end=1156
+  _globals['_CAPTUREGRAPHSREQUEST']._serialized_start=1158
+  _globals['_CAPTUREGRAPHSREQUEST']._serialized_end=1180
+  _globals['_CAPTUREGRAPHSRESPONSE']._serialized_start=1182
+  _globals['_CAPTUREGRAPHSRESPONSE']._serialized_end=1249
+  _globals['_CLEARGRAPHSREQUEST']._serialized_start=1251
+  _globals['_CLEARGRAPHSREQUEST']._serialized_end=1271
+  _globals['_CLEARGRAPHSRESPONSE']._serialized_start=1273
+  _globals['_CLEARGRAPHSRESPONSE']._serialized_end=1338
+  _globals['_GETSTATUSREQUEST']._serialized_start=1340
+  _globals['_GETSTATUSREQUEST']._serialized_end=1358
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1360
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1423
+  _globals['_RELEASEREQUEST']._serialized_start=1425
+  _globals['_RELEASEREQUEST']._serialized_end=1462
+  _globals['_RELEASERESPONSE']._serialized_start=1464
+  _globals['_RELEASERESPONSE']._serialized_end=1499
 # @@protoc_insertion_point(module_scope)

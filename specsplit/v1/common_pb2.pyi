@@ -46,6 +46,45 @@ DTYPE_BFLOAT16: DType.ValueType  # 3
 DTYPE_INT64: DType.ValueType  # 4
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
+class _SamplingMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SamplingModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SamplingMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SAMPLING_MODE_UNSPECIFIED: _SamplingMode.ValueType  # 0
+    SAMPLING_MODE_REJECTION: _SamplingMode.ValueType  # 1
+    """Leviathan rejection sampling: the highest acceptance; the output has the
+    target's distribution, but a seed's tokens depend on what was drafted
+    (they differ with and without speculation, or after a draft failure).
+    """
+    SAMPLING_MODE_COUPLED: _SamplingMode.ValueType  # 2
+    """Coupled (exact-match): the target's token is argmax(log p + Gumbel noise
+    of the position); the draft proposes with the same noise and a draft is
+    accepted iff it equals the target's choice. A seed's tokens are then the
+    same with or without speculation, for any k and through draft failures.
+    """
+
+class SamplingMode(_SamplingMode, metaclass=_SamplingModeEnumTypeWrapper):
+    """Speculative sampling rule of a sampled request. Every random draw is a
+    function of (seed, token position, purpose), so a seed gives the same
+    tokens whatever the batch and across a RECOMPUTE reload in both modes.
+    """
+
+SAMPLING_MODE_UNSPECIFIED: SamplingMode.ValueType  # 0
+SAMPLING_MODE_REJECTION: SamplingMode.ValueType  # 1
+"""Leviathan rejection sampling: the highest acceptance; the output has the
+target's distribution, but a seed's tokens depend on what was drafted
+(they differ with and without speculation, or after a draft failure).
+"""
+SAMPLING_MODE_COUPLED: SamplingMode.ValueType  # 2
+"""Coupled (exact-match): the target's token is argmax(log p + Gumbel noise
+of the position); the draft proposes with the same noise and a draft is
+accepted iff it equals the target's choice. A seed's tokens are then the
+same with or without speculation, for any k and through draft failures.
+"""
+Global___SamplingMode: _TypeAlias = SamplingMode  # noqa: Y015
+
 class _LifecycleState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -114,6 +153,7 @@ class SamplingParams(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     DRAFT_SAMPLING_FIELD_NUMBER: _builtins.int
+    SAMPLING_MODE_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 means greedy decoding (argmax); otherwise softmax temperature in (0, 100]."""
     top_k: _builtins.int
@@ -125,6 +165,12 @@ class SamplingParams(_message.Message):
     draft_sampling: _builtins.bool
     """true: the draft samples its proposals from its own distribution q and
     sends q (full rejection sampling); false: greedy drafts (q = one-hot).
+    Used by the rejection mode only.
+    """
+    sampling_mode: Global___SamplingMode.ValueType
+    """How a sampled request (temperature > 0) speculates; unset means the
+    server's default (orchestrator key default_sampling_mode; a worker
+    receiving it unset uses rejection). Greedy requests ignore it.
     """
     def __init__(
         self,
@@ -134,10 +180,11 @@ class SamplingParams(_message.Message):
         top_p: _builtins.float = ...,
         seed: _builtins.int | None = ...,
         draft_sampling: _builtins.bool = ...,
+        sampling_mode: Global___SamplingMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "draft_sampling", b"draft_sampling", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "draft_sampling", b"draft_sampling", "sampling_mode", b"sampling_mode", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

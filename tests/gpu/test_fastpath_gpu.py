@@ -113,26 +113,26 @@ def test_device_sampler_on_gpu_equals_numpy_oracle():
     b, kmax, v = 512, 3, 300
     p = np.stack([sampling.process_logits(rng.standard_normal((kmax + 1, v)) * 3, 0.9, 0, 1.0) for _ in range(b)])
     ks = rng.integers(0, kmax + 1, b)
-    drafts = np.stack([[sampling.sample_token(p[i, j], rng) if rng.random() < 0.7 else int(rng.integers(v))
+    drafts = np.stack([[sampling.sample_token(p[i, j], rng.random()) if rng.random() < 0.7 else int(rng.integers(v))
                         for j in range(kmax)] for i in range(b)])
     q = np.zeros((b, kmax, v))
     q[np.arange(b)[:, None], np.arange(kmax)[None], drafts] = 1.0
-    u = rng.random((b, kmax + 1))
+    u_acc, u_tok = rng.random((b, kmax)), rng.random((b, kmax + 1))
     dev = lambda a: torch.as_tensor(a, device="cuda:0")  # noqa: E731
-    a, tok = accept_rows(dev(p), dev(drafts), dev(ks), dev(q), dev(u))
+    a, tok = accept_rows(dev(p), dev(drafts), dev(ks), dev(q), dev(u_acc), dev(u_tok))
     a, tok = a.cpu().numpy(), tok.cpu().numpy()
-
-    class _Replay:
-        def __init__(self, draws):
-            self.draws = iter(draws)
-
-        def random(self):
-            return float(next(self.draws))
-
     for i in range(b):
         k = int(ks[i])
-        want = acceptance.accept_rejection(list(drafts[i, :k]), None, p[i, : k + 1], _Replay(u[i]))
+        want = acceptance.accept_rejection(list(drafts[i, :k]), None, p[i, : k + 1], u_acc[i, :k], u_tok[i, : k + 1])
         assert (int(a[i]), tuple(int(d) for d in drafts[i, : a[i]]) + (int(tok[i]),)) == (want.num_accepted, want.tokens)
+    # The coupled mode's noise: the same uniforms, bit for bit, on the GPU.
+    from runtime import random_stream
+    from runtime.backends.torch_sampling import gumbel_uniform_rows
+
+    seeds, pos = rng.integers(0, 2**63 - 1, 64), rng.integers(0, 1 << 30, 64)
+    got = gumbel_uniform_rows(dev(seeds), dev(pos), v).cpu().numpy()
+    want = random_stream.gumbel_uniforms(seeds[:, None], pos[:, None], v)[:, 0]
+    assert got.view(np.uint64).tolist() == want.view(np.uint64).tolist()
 
 
 def test_bf16_hidden_rows_travel_as_bits(model_dir):

@@ -7,6 +7,11 @@ different draft q; whole rounds are simulated (draft k tokens autoregressively f
 p, emit, continue from the new context) until two tokens exist, and the first / second emitted
 tokens are compared with p's marginals by a chi-square test with fixed seeds (deterministic). Buggy
 acceptance rules run through the same harness must fail the same test, showing it has power.
+
+The harness draws its randomness the way the engines do (runtime.random_stream): generation i has
+seed i, and every draw is keyed by the absolute position of the token it decides, so a position a
+round re-drafts after a rejection reuses its draft draw. Both speculative sampling modes run
+through it: rejection (Leviathan) and coupled (Gumbel-max with the draft's noise shared).
 """
 
 from __future__ import annotations
@@ -19,30 +24,15 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest, chisquare
 
-from runtime.acceptance import Acceptance, accept_greedy, accept_rejection, truncate_at_stop
-from runtime.sampling import process_logits, sample_token
+from runtime import random_stream as rs
+from runtime.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection, truncate_at_stop
+from runtime.sampling import coupled_token, process_logits, sample_token
 
 
-class CountingRng:
-    """Wraps a Generator and counts random() draws."""
-
-    def __init__(self, seed: int):
-        self.gen = np.random.default_rng(seed)
-        self.draws = 0
-
-    def random(self) -> float:
-        self.draws += 1
-        return self.gen.random()
-
-
-class FixedRng:
-    """Returns the given u values in order."""
-
-    def __init__(self, *us: float):
-        self.us = list(us)
-
-    def random(self) -> float:
-        return self.us.pop(0)
+def draws(seed: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(u_accept [k], u_token [k+1]) of a round whose row 0 decides position 1."""
+    pos = 1 + np.arange(k + 1)
+    return rs.uniforms(seed, pos[:k], rs.PURPOSE_ACCEPT), rs.uniforms(seed, pos, rs.PURPOSE_SAMPLE)
 
 
 def one_hot(i: int, V: int) -> np.ndarray:
@@ -137,16 +127,15 @@ def test_rejection_identical_distributions_accept_everything():
     rng = np.random.default_rng(3)
     p = process_logits(rng.normal(size=(k + 1, V)), 1.0, 0, 1.0)  # [k+1, V]
     for seed in range(50):
-        r = np.random.default_rng(seed)
-        drafts = [sample_token(row, r) for row in p[:k]]
-        res = accept_rejection(drafts, p[:k], p, r)
+        drafts = [sample_token(row, rs.uniform(seed, 1 + j, rs.PURPOSE_DRAFT)) for j, row in enumerate(p[:k])]
+        res = accept_rejection(drafts, p[:k], p, *draws(seed, k))
         assert res.num_accepted == k and res.tokens[:k] == tuple(drafts)
 
 
 def test_rejection_greedy_draft_one_hot_target_accepts_and_bonus_from_last_row():
     V = 6
     p = np.stack([one_hot(2, V), one_hot(5, V), one_hot(1, V)])  # [3, V]
-    res = accept_rejection([2, 5], None, p, np.random.default_rng(0))
+    res = accept_rejection([2, 5], None, p, *draws(0, 2))
     assert res == Acceptance(num_accepted=2, tokens=(2, 5, 1))
 
 
@@ -156,7 +145,7 @@ def test_rejection_of_zero_target_prob_draft(greedy_draft):
     p = np.array([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]])  # [2, V]; p_1(0) = 0
     q = None if greedy_draft else np.array([[0.7, 0.1, 0.1, 0.1]])
     for seed in range(50):
-        res = accept_rejection([0], q, p, np.random.default_rng(seed))
+        res = accept_rejection([0], q, p, *draws(seed, 1))
         assert res.num_accepted == 0 and res.tokens[0] in (1, 2)
 
 
@@ -164,16 +153,17 @@ def test_rejection_middle_reject_keeps_accepted_prefix():
     V = 3
     p = np.stack([one_hot(1, V), one_hot(2, V), np.array([0.0, 0.0, 1.0]), one_hot(0, V)])
     # d_1 = 1 accepted (p = 1), d_2 = 0 rejected (p = 0), correction from residual = one_hot(2).
-    res = accept_rejection([1, 0, 2], None, p, np.random.default_rng(0))
+    res = accept_rejection([1, 0, 2], None, p, *draws(0, 3))
     assert res == Acceptance(num_accepted=1, tokens=(1, 2))
     assert all(type(t) is int for t in res.tokens)
 
 
 def test_rejection_k0_samples_from_first_row():
     p = np.array([[0.0, 0.0, 1.0]])
-    rng = CountingRng(0)
-    assert accept_rejection([], None, p, rng) == Acceptance(num_accepted=0, tokens=(2,))
-    assert rng.draws == 1
+    assert accept_rejection([], None, p, [], [0.3]) == Acceptance(num_accepted=0, tokens=(2,))
+    p = np.array([[0.5, 0.0, 0.5]])
+    assert accept_rejection([], None, p, [], [0.3]).tokens == (0,)
+    assert accept_rejection([], None, p, [], [0.7]).tokens == (2,)
 
 
 def test_rejection_residual_all_zero_falls_back_to_p():
@@ -181,12 +171,12 @@ def test_rejection_residual_all_zero_falls_back_to_p():
     # just below 1 the draft is rejected (u * q > p) and the correction must come from p.
     p = np.array([[0.5, 0.5], [0.5, 0.5]])
     q = np.array([[0.5 + 1e-12, 0.5 + 1e-12]])
-    res = accept_rejection([1], q, p, FixedRng(1.0 - 1e-15, 0.3))
+    res = accept_rejection([1], q, p, [1.0 - 1e-15], [0.3, 0.9])
     assert res == Acceptance(num_accepted=0, tokens=(0,))
 
 
 @pytest.mark.parametrize("greedy_draft", [True, False])
-def test_rejection_fixed_draw_count_and_reproducible(greedy_draft):
+def test_rejection_uses_its_rows_draws_only_and_is_reproducible(greedy_draft):
     V, k = 6, 3
     tables = np.random.default_rng(5)
     outcomes = set()
@@ -195,14 +185,19 @@ def test_rejection_fixed_draw_count_and_reproducible(greedy_draft):
         q = process_logits(tables.normal(size=(k, V)), 1.0, 0, 1.0)  # [k, V]
         drafts = [int(x) for x in tables.integers(V, size=k)]
         qq = None if greedy_draft else q
-        rng = CountingRng(seed)
-        res = accept_rejection(drafts, qq, p, rng)
-        # a accept decisions + (1 reject decision + 1 residual draw) or (1 bonus draw).
-        assert rng.draws == (k + 1 if res.num_accepted == k else res.num_accepted + 2)
-        assert len(res.tokens) == res.num_accepted + 1
-        assert res.tokens[: res.num_accepted] == tuple(drafts[: res.num_accepted])
-        assert accept_rejection(drafts, qq, p, np.random.default_rng(seed)) == res
-        outcomes.add(res.num_accepted)
+        ua, ut = draws(seed, k)
+        res = accept_rejection(drafts, qq, p, ua, ut)
+        a = res.num_accepted
+        assert len(res.tokens) == a + 1
+        assert res.tokens[:a] == tuple(drafts[:a])
+        assert accept_rejection(drafts, qq, p, ua.copy(), ut.copy()) == res
+        # Draws of rows past the deciding one (decisions after a rejection, tokens of other rows)
+        # cannot matter: replace them and the result stays.
+        ua2, ut2 = ua.copy(), np.full_like(ut, 0.999)
+        ua2[a + 1:] = 0.0
+        ut2[a] = ut[a]
+        assert accept_rejection(drafts, qq, p, ua2, ut2) == res
+        outcomes.add(a)
     assert outcomes == set(range(k + 1))
 
 
@@ -217,7 +212,38 @@ def test_rejection_fixed_draw_count_and_reproducible(greedy_draft):
 )
 def test_rejection_invalid(drafts, draft_probs, target_probs):
     with pytest.raises(ValueError):
-        accept_rejection(drafts, draft_probs, target_probs, np.random.default_rng(0))
+        accept_rejection(drafts, draft_probs, target_probs, *draws(0, len(drafts)))
+    with pytest.raises(ValueError):  # uniforms of the wrong shape
+        accept_rejection([0], None, np.full((2, 3), 1 / 3), [0.5, 0.5], [0.5, 0.5])
+
+
+# ---------------------------------------------------------------- accept_coupled cases
+
+
+def test_coupled_emits_the_targets_choices_whatever_the_draft():
+    V, k = 7, 4
+    rng = np.random.default_rng(8)
+    for seed in range(100):
+        p = process_logits(rng.normal(size=(k + 1, V)), 1.0, 0, 1.0)  # [k+1, V]
+        noise = np.stack([rs.gumbel(seed, 1 + j, V) for j in range(k + 1)])
+        choice = [int(np.argmax(np.log(p[j]) + noise[j])) for j in range(k + 1)]
+        drafts = [c if rng.random() < 0.7 else int(rng.integers(V)) for c in choice[:k]]
+        res = accept_coupled(drafts, p, noise)
+        a = res.num_accepted
+        assert res.tokens == tuple(choice[: a + 1])                 # always the target's own choices
+        assert a == k or drafts[a] != choice[a]
+        assert drafts[:a] == choice[:a]
+        # Target-only (k = 0) at each position gives the same token.
+        assert all(accept_coupled([], p[j: j + 1], noise[j: j + 1]).tokens == (choice[j],) for j in range(a + 1))
+
+
+def test_coupled_never_picks_a_cut_token():
+    p = np.array([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
+    for seed in range(50):
+        noise = np.stack([rs.gumbel(seed, 1 + j, 3) for j in range(2)])
+        res = accept_coupled([0], p, noise)
+        assert res.num_accepted == 0 and res.tokens == (1,)
+        assert accept_coupled([1], p, noise).tokens[1] in (0, 2)
 
 
 # ---------------------------------------------------------------- distribution preservation
@@ -244,26 +270,36 @@ def tables(processing: str) -> tuple[np.ndarray, np.ndarray]:
     return process_logits(target_logits, T, top_k, top_p), process_logits(draft_logits, T, top_k, top_p)
 
 
-def always_accept(drafts, draft_probs, target_probs, rng) -> Acceptance:
+def always_accept(drafts, draft_probs, target_probs, u_accept, u_token) -> Acceptance:
     """Negative control: trusts the draft blindly (output ~ q, not p)."""
     k = len(drafts)
-    return Acceptance(k, tuple(int(d) for d in drafts) + (sample_token(target_probs[k], rng),))
+    return Acceptance(k, tuple(int(d) for d in drafts) + (sample_token(target_probs[k], u_token[k]),))
 
 
-def resample_from_target(drafts, draft_probs, target_probs, rng) -> Acceptance:
+def resample_from_target(drafts, draft_probs, target_probs, u_accept, u_token) -> Acceptance:
     """Negative control: correct accept test, but a rejection resamples from p instead of the residual."""
     for j, d in enumerate(drafts):
         q_d = 1.0 if draft_probs is None else draft_probs[j, d]
-        if rng.random() * q_d >= target_probs[j, d]:
-            return Acceptance(j, tuple(int(t) for t in drafts[:j]) + (sample_token(target_probs[j], rng),))
-    return Acceptance(len(drafts), tuple(int(t) for t in drafts) + (sample_token(target_probs[-1], rng),))
+        if u_accept[j] * q_d >= target_probs[j, d]:
+            return Acceptance(j, tuple(int(t) for t in drafts[:j]) + (sample_token(target_probs[j], u_token[j]),))
+    return Acceptance(len(drafts), tuple(int(t) for t in drafts) + (sample_token(target_probs[-1], u_token[-1]),))
+
+
+def coupled_draft_decides(drafts, draft_probs, target_probs, u_accept, u_token, noise=None) -> Acceptance:
+    """Negative control (coupled): accepts the draft's noisy choice without comparing it with the
+    target's (output ~ q, not p); the bonus is the target's choice."""
+    k = len(drafts)
+    return Acceptance(k, tuple(int(d) for d in drafts) + (coupled_token(target_probs[k], noise[k]),))
 
 
 RULES: dict[str, AcceptFn] = {
     "leviathan": accept_rejection,
     "always_accept": always_accept,
     "resample_from_target": resample_from_target,
+    "coupled": lambda drafts, q, p, ua, ut, noise=None: accept_coupled(drafts, p, noise),
+    "coupled_draft_decides": coupled_draft_decides,
 }
+COUPLED_RULES = ("coupled", "coupled_draft_decides")
 
 
 @functools.cache
@@ -274,20 +310,40 @@ def simulate(rule: str, processing: str, k: int, greedy_draft: bool) -> tuple[np
     """
     P, Q = tables(processing)
     accept = RULES[rule]
-    rng = np.random.default_rng(zlib.crc32(f"{rule}/{processing}/{k}/{greedy_draft}".encode()))  # fixed per config
+    coupled = rule in COUPLED_RULES
+    base = zlib.crc32(f"{rule}/{processing}/{k}/{greedy_draft}".encode()) << 20  # fixed per config
+    # Every draw a generation can use, computed up front (generation i has seed base + i; a round
+    # starting with m tokens out decides positions m+1..m+1+k, m <= 1): [N, k+3] (noise [N, k+3, V]).
+    seeds, all_pos = base + np.arange(N)[:, None], np.arange(k + 3)[None, :]
+    UA, UT, UD = (rs.uniforms(seeds, all_pos, purpose) for purpose in (rs.PURPOSE_ACCEPT, rs.PURPOSE_SAMPLE,
+                                                                      rs.PURPOSE_DRAFT))
+    G = rs.gumbel(seeds, all_pos, V) if coupled else None
     tokens = np.empty((N, 2), dtype=np.int64)
     first_a = np.empty(N, dtype=np.int64)
     for i in range(N):
         out: list[int] = []
-        last = START
+        last = START                                      # at position 0; out[m] is at position m + 1
         while len(out) < 2:
-            # Draft k tokens autoregressively from q, each conditioned on the previous one.
+            pos = slice(len(out) + 1, len(out) + 2 + k)   # positions the round's rows decide
+            noise = G[i, pos] if coupled else None
+            # Draft k tokens autoregressively from q, each conditioned on the previous one, with the
+            # draws of its own position (coupled: the target's noise there).
             drafts: list[int] = []
-            for _ in range(k):
+            for j in range(k):
                 ctx = drafts[-1] if drafts else last
-                drafts.append(int(Q[ctx].argmax()) if greedy_draft else sample_token(Q[ctx], rng))
+                if coupled:
+                    drafts.append(coupled_token(Q[ctx], noise[j]))
+                elif greedy_draft:
+                    drafts.append(int(Q[ctx].argmax()))
+                else:
+                    drafts.append(sample_token(Q[ctx], UD[i, len(out) + 1 + j]))
             contexts = [last, *drafts]  # target row j scores the token after contexts[j]
-            res = accept(drafts, None if greedy_draft else Q[contexts[:k]], P[contexts], rng)
+            ua, ut = UA[i, pos][:k], UT[i, pos]
+            q_rows = None if (greedy_draft or coupled) else Q[contexts[:k]]
+            if coupled:
+                res = accept(drafts, q_rows, P[contexts], ua, ut, noise=noise)
+            else:
+                res = accept(drafts, q_rows, P[contexts], ua, ut)
             if not out:
                 first_a[i] = res.num_accepted
             out.extend(res.tokens)
@@ -364,6 +420,60 @@ def test_second_token_has_target_distribution(processing, k, greedy_draft):
     assert chi2_pvalue(tokens[:, 0] * V + tokens[:, 1], joint) > 1e-3
 
 
+COUPLED_CONFIGS = [pytest.param(processing, k, id=f"{processing}-k{k}") for processing in PROCESSING for k in (1, 3)]
+
+
+@pytest.mark.parametrize(("processing", "k"), COUPLED_CONFIGS)
+def test_coupled_tokens_have_target_distribution(processing, k):
+    tokens, first_a = simulate("coupled", processing, k, False)
+    P, _ = tables(processing)
+    assert chi2_pvalue(tokens[:, 0], first_marginal(processing)) > 1e-3
+    assert chi2_pvalue(tokens[:, 1], second_marginal(processing)) > 1e-3
+    assert chi2_pvalue(tokens[:, 0] * V + tokens[:, 1], (P[START][:, None] * P).ravel()) > 1e-3
+    assert set(first_a.tolist()) == set(range(k + 1))  # the draft is exercised: every a = 0..k occurs
+
+
+@pytest.mark.parametrize("processing", list(PROCESSING))
+def test_coupled_tokens_equal_target_only_tokens(processing):
+    # Same seeds: k = 0 (target-only: every round decides one position), k = 1 and k = 3 give
+    # the very same tokens, though the draft (which differs from the target) is often rejected.
+    alone, k1, k3 = _same_seed_runs(processing, (0, 1, 3))
+    assert np.array_equal(alone, k1) and np.array_equal(alone, k3)
+    assert len({tuple(r) for r in alone}) >= 6                     # and they are random, not fixed
+
+
+def _same_seed_runs(processing: str, ks: tuple[int, ...]) -> list[np.ndarray]:
+    """Two-token coupled generations with seeds 0..999 for each k in ks -> [1000, 2] each."""
+    P, Q = tables(processing)
+    noise_all = rs.gumbel(np.arange(1000)[:, None], np.arange(max(ks) + 3)[None, :], V)   # [1000, pos, V]
+    runs = []
+    for k in ks:
+        out_k = np.empty((1000, 2), dtype=np.int64)
+        for seed in range(1000):
+            out: list[int] = []
+            while len(out) < 2:
+                noise = noise_all[seed, len(out) + 1: len(out) + 2 + k]
+                last = out[-1] if out else START
+                drafts: list[int] = []
+                for j in range(k):
+                    drafts.append(coupled_token(Q[drafts[-1] if drafts else last], noise[j]))
+                out.extend(accept_coupled(drafts, P[[last, *drafts]], noise).tokens)
+            out_k[seed] = out[:2]
+        runs.append(out_k)
+    return runs
+
+
+def test_coupled_acceptance_rate_matches_the_gumbel_coupling():
+    # P(accept d_1) = P(argmax(log q + g) == argmax(log p + g)): at least sum_x min(p, q)'s
+    # maximal-coupling bound is not promised, but it must be well inside (0, 1) and far above the
+    # independent-draw rate sum_x p(x) q(x).
+    P, Q = tables("temp0.7")
+    _, first_a = simulate("coupled", "temp0.7", 1, False)
+    rate = (first_a >= 1).mean()
+    assert 0.1 < rate < 0.95
+    assert rate > float(P[START] @ Q[START]) + 0.05
+
+
 @pytest.mark.parametrize(("processing", "k", "greedy_draft"), CONFIGS)
 def test_first_draft_acceptance_rate(processing, k, greedy_draft):
     # P(accept d_1) = sum_x min(p(x), q(x)) for a sampled draft, p(argmax q) for a greedy one.
@@ -384,6 +494,8 @@ def test_first_draft_acceptance_rate(processing, k, greedy_draft):
         ("always_accept", "topk3_topp0.8", 1, True),
         ("resample_from_target", "temp0.7", 1, False),
         ("resample_from_target", "topk3_topp0.8", 3, False),
+        ("coupled_draft_decides", "temp0.7", 1, False),
+        ("coupled_draft_decides", "topk3_topp0.8", 3, False),
     ],
 )
 def test_negative_control_wrong_rules_are_rejected(rule, processing, k, greedy_draft):

@@ -3,8 +3,8 @@
 ``runtime/backends/torch_sampling.py`` must reproduce ``runtime.sampling`` and
 ``runtime.acceptance`` exactly given the same uniforms: the same processed
 distributions (to float64 rounding), the same sampled tokens, the same
-acceptance counts and correction/bonus tokens. The oracle draws from an RNG
-that replays the uniforms handed to the device version, in its own order.
+acceptance counts and correction/bonus tokens; the Gumbel noise of the
+coupled mode from bit-identical uniforms and the same coupled choices.
 """
 
 from __future__ import annotations
@@ -14,21 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from runtime import acceptance, sampling  # noqa: E402
-from runtime.backends.torch_sampling import accept_rows, process_probs, sample_rows  # noqa: E402
+from runtime import acceptance, random_stream, sampling  # noqa: E402
+from runtime.backends.torch_sampling import (accept_rows, coupled_rows, gumbel_rows,  # noqa: E402
+                                             gumbel_uniform_rows, process_probs, sample_rows)
 
 V = 12
-
-
-class _Replay:
-    """Stands in for np.random.Generator: .random() returns the given draws in order."""
-
-    def __init__(self, draws) -> None:
-        self.draws, self.i = list(draws), 0
-
-    def random(self) -> float:
-        self.i += 1
-        return float(self.draws[self.i - 1])
 
 
 def _params(rng, n):
@@ -74,7 +64,7 @@ def test_sample_rows_matches_sample_token():
     u = rng.random(n)
     u[:5] = [0.0, 1 - 1e-17, 0.5, 0.999999999999, 1e-300]
     got = sample_rows(_t(p), _t(u)).numpy()
-    want = [sampling.sample_token(p[i], _Replay([u[i]])) for i in range(n)]
+    want = [sampling.sample_token(p[i], u[i]) for i in range(n)]
     assert got.tolist() == want
 
 
@@ -93,8 +83,10 @@ def test_accept_rows_matches_accept_rejection(kmax):
     for i in range(b):
         if rng.random() < 0.5:                                          # a sampled draft: q from its own logits
             qi = np.stack([sampling.process_logits(row, 1.0, 0, 1.0) for row in _logits(rng, max(ks[i], 1))])[: ks[i]]
+            if rng.random() < 0.3:                                      # q = p: every draft is accepted
+                qi = p[i, : ks[i]]
             for j in range(ks[i]):
-                drafts[i, j] = sampling.sample_token(qi[j], rng)
+                drafts[i, j] = sampling.sample_token(qi[j], rng.random())
             draft_probs.append(qi)
         else:                                                           # a greedy draft: q = one_hot(d)
             drafts[i, : ks[i]] = rng.integers(0, V, ks[i])
@@ -103,12 +95,13 @@ def test_accept_rows_matches_accept_rejection(kmax):
         q[i, np.arange(kmax), drafts[i]] = 1.0
         if qi is not None:
             q[i, : ks[i]] = qi
-    u = rng.random((b, kmax + 1))
-    a, tok = accept_rows(_t(p), _t(drafts), _t(ks), _t(q) if kmax else None, _t(u))
+    u_acc, u_tok = rng.random((b, kmax)), rng.random((b, kmax + 1))
+    a, tok = accept_rows(_t(p), _t(drafts), _t(ks), _t(q) if kmax else None, _t(u_acc), _t(u_tok))
     outcomes = set()
     for i in range(b):
         k = int(ks[i])
-        want = acceptance.accept_rejection(list(drafts[i, :k]), draft_probs[i], p[i, : k + 1], _Replay(u[i]))
+        want = acceptance.accept_rejection(list(drafts[i, :k]), draft_probs[i], p[i, : k + 1], u_acc[i, :k],
+                                           u_tok[i, : k + 1])
         assert int(a[i]) == want.num_accepted, f"row {i}"
         assert tuple(int(d) for d in drafts[i, : int(a[i])]) + (int(tok[i]),) == want.tokens, f"row {i}"
         outcomes.add((k, want.num_accepted == k))
@@ -116,8 +109,33 @@ def test_accept_rows_matches_accept_rejection(kmax):
         assert (kmax, True) in outcomes and (kmax, False) in outcomes, "both outcomes must be exercised"
 
 
+def test_gumbel_uniforms_bit_identical_to_numpy():
+    seeds = np.array([0, 1, 2**63 - 1, 123456789, 2**62 + 17], dtype=np.int64)
+    pos = np.array([0, 5, (1 << 40) - 1, 77, 1 << 20], dtype=np.int64)
+    got = gumbel_uniform_rows(_t(seeds), _t(pos), 5000).numpy()
+    want = random_stream.gumbel_uniforms(seeds[:, None], pos[:, None], 5000)[:, 0]
+    assert got.view(np.uint64).tolist() == want.view(np.uint64).tolist()       # every bit
+    assert 0.0 < got.min() and got.max() < 1.0
+    np.testing.assert_allclose(gumbel_rows(_t(seeds), _t(pos), 5000).numpy(),
+                               random_stream.gumbel(seeds[:, None], pos[:, None], 5000)[:, 0], rtol=0, atol=1e-14)
+
+
+def test_coupled_rows_match_coupled_token():
+    rng = np.random.default_rng(9)
+    n = 3000
+    temperature, top_k, top_p = _params(rng, n)
+    temperature = np.where(temperature == 0.0, 1.0, temperature)
+    x = _logits(rng, n)
+    seeds, pos = rng.integers(0, 2**63 - 1, n), rng.integers(0, 4096, n)
+    p = process_probs(_t(x), _t(temperature, np.float64), _t(top_k, np.int64), _t(top_p, np.float64), True)
+    got = coupled_rows(p, gumbel_rows(_t(seeds), _t(pos), V)).numpy()
+    want = [sampling.coupled_token(sampling.process_logits(x[i], temperature[i], int(top_k[i]), top_p[i]),
+                                   random_stream.gumbel(int(seeds[i]), int(pos[i]), V)) for i in range(n)]
+    assert got.tolist() == want
+
+
 def test_engine_device_path_equals_oracle_path(tiny_model_dir):
-    """One prefill + one verify round of mixed greedy / sampled / sampled-draft requests:
+    """One prefill + one verify round of mixed greedy / sampled / sampled-draft / coupled requests:
     the Torch engine with its device sampler gives what the numpy oracle path gives."""
     from runtime.backends import make_ops
     from core.params import SamplingParams
@@ -140,7 +158,8 @@ def test_engine_device_path_equals_oracle_path(tiny_model_dir):
         reqs, verifies = [], []
         for i in range(48):
             params = SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 5][i % 2],
-                                    top_p=[1.0, 0.8][(i // 2) % 2], seed=i)
+                                    top_p=[1.0, 0.8][(i // 2) % 2], seed=i,
+                                    sampling_mode=["rejection", "coupled"][(i // 6) % 2])
             reqs.append(PrefillRequest(f"r{i}", rng.integers(0, vocab, 1 + i % 7), params))
         first = [r.first_token for r in eng.prefill(reqs)]
         for i, r in enumerate(reqs):

@@ -38,10 +38,11 @@ def test_stop_matcher_equals_cutting_the_whole_text(text, stops, cuts):
 def test_completion_fields_map_and_defaults():
     p = parse_completion({"model": M, "prompt": ["hi"], "stop": "x", "seed": 3, "top_p": 0.5, "user": "u",
                           "logprobs": None, "echo": False, "stream": True, "stream_options": {"include_usage": True},
-                          "k": 2, "top_k": 5}, M)
+                          "k": 2, "top_k": 5, "sampling_mode": "coupled"}, M)
     assert (p.prompt, p.max_tokens, p.temperature, p.stop, p.include_usage) == ("hi", 16, 1.0, ("x",), True)
     assert p.generate_kwargs() == dict(max_tokens=16, temperature=1.0, top_p=0.5, seed=3, top_k=5, k=2,
-                                       ignore_eos=False)
+                                       ignore_eos=False, sampling_mode="coupled")
+    assert parse_completion({"model": M, "prompt": "x"}, M).sampling_mode is None    # the server's default
     assert parse_completion({"model": M, "prompt": [[1, 2]]}, M).prompt == (1, 2)
 
 
@@ -53,6 +54,7 @@ def test_completion_fields_map_and_defaults():
     ({"model": M, "prompt": "x", "max_tokens": 0}, 400, "max_tokens=0"),
     ({"model": M, "prompt": "x", "max_tokens": True}, 400, "max_tokens=True"),
     ({"model": M, "prompt": "x", "top_p": 0}, 400, "top_p=0"),
+    ({"model": M, "prompt": "x", "sampling_mode": "gumbel"}, 400, "sampling_mode='gumbel'"),
     ({"model": M, "prompt": "x", "stop": [""]}, 400, "stop="),
     ({"model": M, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
     ({"model": M, "prompt": "x", "best_of": 2, "suffix": "s"}, 400, "best_of=2, suffix='s'"),

@@ -15,18 +15,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-class FixedRng:
-    """Stands in for np.random.Generator: returns the given u values and counts draws."""
-
-    def __init__(self, *us: float):
-        self.us = list(us)
-        self.draws = 0
-
-    def random(self) -> float:
-        self.draws += 1
-        return self.us.pop(0)
-
-
 # ---------------------------------------------------------------- process_logits
 
 
@@ -211,38 +199,62 @@ def test_sample_token_matches_distribution():
     probs = np.array([0.1, 0.0, 0.4, 0.2, 0.0, 0.3])
     rng = np.random.default_rng(123)
     n = 20_000
-    samples = np.array([sample_token(probs, rng) for _ in range(n)])
+    samples = np.array([sample_token(probs, u) for u in rng.random(n)])
     counts = np.bincount(samples, minlength=6)
     assert counts[[1, 4]].sum() == 0  # zero-prob tokens never drawn
     keep = probs > 0
     assert chisquare(counts[keep], n * probs[keep]).pvalue > 1e-3
 
 
-def test_sample_token_uses_exactly_one_draw_per_token():
-    probs = np.array([0.2, 0.5, 0.3])
-    rng, ref = np.random.default_rng(7), np.random.default_rng(7)
-    for _ in range(10):
-        sample_token(probs, rng)
-    ref.random(10)
-    assert rng.random() == ref.random()
+def test_sample_token_with_counter_draws_matches_distribution():
+    # The engines' draws: one request, one counter-based uniform per position.
+    from runtime import random_stream as rs
+
+    probs = np.array([0.1, 0.0, 0.4, 0.2, 0.0, 0.3])
+    n = 20_000
+    samples = np.array([sample_token(probs, u) for u in rs.uniforms(99, np.arange(n), rs.PURPOSE_SAMPLE)])
+    counts = np.bincount(samples, minlength=6)
+    assert counts[[1, 4]].sum() == 0
+    keep = probs > 0
+    assert chisquare(counts[keep], n * probs[keep]).pvalue > 1e-3
+
+
+def test_coupled_token_matches_distribution_and_respects_support():
+    from runtime import random_stream as rs
+    from runtime.sampling import coupled_token
+
+    probs = np.array([0.1, 0.0, 0.4, 0.2, 0.0, 0.3])
+    n = 20_000
+    noise = rs.gumbel(5, np.arange(n), 6)                                 # [n, V]
+    samples = coupled_token(np.broadcast_to(probs, (n, 6)), noise)
+    counts = np.bincount(samples, minlength=6)
+    assert counts[[1, 4]].sum() == 0
+    keep = probs > 0
+    assert chisquare(counts[keep], n * probs[keep]).pvalue > 1e-3
+    # Negative control: the noise of one position reused for every draw is no sample at all.
+    assert len(set(coupled_token(np.broadcast_to(probs, (n, 6)), np.broadcast_to(noise[0], (n, 6))).tolist())) == 1
+    with pytest.raises(ValueError):
+        coupled_token(probs, noise[0, :5])
 
 
 def test_sample_token_inverse_cdf_edges():
     probs = np.array([0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
-    assert sample_token(probs, FixedRng(0.0)) == 1
-    assert sample_token(probs, FixedRng(0.2499)) == 1
-    assert sample_token(probs, FixedRng(0.25)) == 3
+    assert sample_token(probs, 0.0) == 1
+    assert sample_token(probs, 0.2499) == 1
+    assert sample_token(probs, 0.25) == 3
     # u within an ulp of 1 never lands on the zero-prob tail.
-    assert sample_token(probs, FixedRng(np.nextafter(1.0, 0.0))) == 3
+    assert sample_token(probs, np.nextafter(1.0, 0.0)) == 3
     # Unnormalised rows are fine: u is scaled by the total.
-    assert sample_token(np.array([2.0, 6.0]), FixedRng(0.26)) == 1
-    assert sample_token(np.array([1.0]), FixedRng(0.9)) == 0
+    assert sample_token(np.array([2.0, 6.0]), 0.26) == 1
+    assert sample_token(np.array([1.0]), 0.9) == 0
 
 
 @pytest.mark.parametrize("probs", [np.zeros(3), np.array([0.5, -0.1, 0.6]), np.array([0.5, np.nan]), np.zeros((2, 2)), np.zeros(0)])
 def test_sample_token_invalid(probs):
     with pytest.raises(ValueError):
-        sample_token(probs, np.random.default_rng(0))
+        sample_token(probs, 0.5)
+    with pytest.raises(ValueError):
+        sample_token(np.array([0.5, 0.5]), 1.5)
 
 
 def test_greedy_token():

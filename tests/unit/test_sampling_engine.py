@@ -6,6 +6,9 @@ round (draft + rejection sampling); their marginals must match the target's
 own distribution, computed exactly from target-only forward passes:
 P(t2) = sum_t1 p(t1) p(t2|t1), P(t3) = sum_{t1,t2} p(t1) p(t2|t1) p(t3|t1,t2).
 A chi-square test (fixed seeds, so deterministic) must not reject at 1e-3.
+Both speculative sampling modes run: rejection (greedy or sampled drafts)
+and coupled, whose tokens must moreover equal target-only decoding's (k=0)
+seed for seed.
 """
 
 import itertools
@@ -72,11 +75,12 @@ def _expected(model_dir, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_sampling", [False, True], ids=["greedy-draft", "sampled-draft"])
+@pytest.mark.parametrize("mode", [dict(draft_sampling=False), dict(draft_sampling=True),
+                                  dict(sampling_mode="coupled")], ids=["greedy-draft", "sampled-draft", "coupled"])
 @pytest.mark.parametrize("shape", [dict(temperature=0.8), dict(temperature=1.0, top_k=5, top_p=0.9)],
                          ids=["temperature", "topk-topp"])
-def test_speculative_sampling_preserves_target_distribution(model_dir, draft_sampling, shape):
-    base = SamplingParams(max_tokens=3, ignore_eos=True, draft_sampling=draft_sampling, **shape)
+def test_speculative_sampling_preserves_target_distribution(model_dir, mode, shape):
+    base = SamplingParams(max_tokens=3, ignore_eos=True, **mode, **shape)
     engine = SpecEngine(EngineConfig(str(model_dir), runtime=RuntimeConfig(backend="paddle"),
                                      spec=SpecConfig(max_k=2, default_k=2), cache=CacheConfig(max_slots=512, max_len=16)))
     reqs = [GenRequest(f"s{i}", PROMPT, SamplingParams(**{**base.__dict__, "seed": i}), k=2) for i in range(N)]
@@ -93,6 +97,11 @@ def test_speculative_sampling_preserves_target_distribution(model_dir, draft_sam
         exp = p[support] * N
         stat, pval = chisquare(counts[support], exp / exp.sum() * counts[support].sum())
         assert pval > 1e-3, f"token {j + 1}: chi2={stat:.1f} p={pval:.2e} counts={counts} expected={np.round(p * N)}"
+    if base.coupled:
+        # The same seeds decoded target-only give the same tokens, request for request.
+        alone = engine.generate([GenRequest(r.request_id + "t", PROMPT, r.params, k=0) for r in reqs[:500]],
+                                max_batch=512)
+        assert [list(r.tokens) for r in alone] == toks[:500].tolist()
 
 
 @pytest.mark.slow
@@ -100,7 +109,7 @@ def test_chi_square_catches_a_lossy_acceptance_rule(model_dir, monkeypatch):
     """Negative control: accepting every draft (q one-hot, no rejection) must be detected."""
     from runtime import acceptance, target_engine
 
-    def always_accept(drafts, draft_probs, target_probs, rng):
+    def always_accept(drafts, draft_probs, target_probs, u_accept, u_token):
         return acceptance.Acceptance(len(drafts), tuple(int(d) for d in drafts) +
                                      (int(np.argmax(target_probs[len(drafts)])),))
 

@@ -118,16 +118,25 @@ def test_optional_tensor():
     SamplingParams(),
     SamplingParams(temperature=0.5, top_k=7, top_p=0.875, seed=2**62, draft_sampling=True),
     SamplingParams(temperature=2.0, top_p=1.0, seed=0),
+    SamplingParams(temperature=0.75, seed=5, sampling_mode="coupled"),
 ])
 def test_params_round_trip(params: SamplingParams):
-    back = wire.params_from_proto(pb.SamplingParams.FromString(wire.params_to_proto(params).SerializeToString()))
-    assert (back.temperature, back.top_k, back.top_p, back.seed, back.draft_sampling) == \
-           (params.temperature, params.top_k, params.top_p, params.seed, params.draft_sampling)
+    back = wire.params_from_proto(pb.SamplingParams.FromString(wire.params_to_proto(params).SerializeToString()),
+                                  default_mode="coupled" if params.sampling_mode == "rejection" else "rejection")
+    assert (back.temperature, back.top_k, back.top_p, back.seed, back.draft_sampling, back.sampling_mode) == \
+           (params.temperature, params.top_k, params.top_p, params.seed, params.draft_sampling, params.sampling_mode)
 
 
 def test_params_defaults_top_p_zero_means_off_and_seed_unset():
     p = wire.params_from_proto(pb.SamplingParams())
-    assert p.greedy and p.top_p == 1.0 and p.seed is None and p.top_k == 0
+    assert p.greedy and p.top_p == 1.0 and p.seed is None and p.top_k == 0 and p.sampling_mode == "rejection"
+    # An unset sampling_mode takes the caller's default (the orchestrator's default_sampling_mode).
+    assert wire.params_from_proto(pb.SamplingParams(), default_mode="coupled").sampling_mode == "coupled"
+
+
+def test_unknown_sampling_mode_names_the_field():
+    with pytest.raises(ValueError, match=r"sampling\.sampling_mode: 7 is not a known SamplingMode"):
+        wire.params_from_proto(pb.SamplingParams(temperature=1.0, sampling_mode=7), "sampling")
 
 
 @pytest.mark.parametrize(("proto", "match"), [
