@@ -165,7 +165,7 @@ class Worker:
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        # host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
+        # Read the new checkpoint into host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
         # both backends reinterpret them on the device and cast there.
         arrays = read_arrays(checked, bf16_bits=True)
         def apply() -> None:
