@@ -71,6 +71,7 @@ class DraftEngine:
         # As the target: checkpoint names as views, plus the fused buffers the forward uses.
         fused = fuse_projections(ops, params, [MTP_LAYER_PREFIX])
         self._weights = {**params, **fused}
+        self._groups = cfg.num_attention_heads // cfg.num_key_value_heads   # query heads per K/V head
         self.max_k = max_k
         self.cache = KVCache(ops, 1, cfg.num_key_value_heads, cfg.head_dim, cache_cfg.max_slots, cache_cfg.max_len)
         self.rope = Rope(ops, cfg, cache_cfg.max_len)
@@ -115,7 +116,7 @@ class DraftEngine:
         -> g_last [B, d] (MTP output hidden at each row's last real pair), logits_last [B, V]."""
         b, t = self.ops.shape(tokens)
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
-                               self.cache.max_len, attend_len or self.cache.max_len)
+                               self.cache.max_len, attend_len or self.cache.max_len, self._groups)
         g = mtp_forward(self.ops, self._weights, self.cfg, prev_hidden, tokens, meta, self.cache.layers[0])
         g_last = self.ops.index_select(self.ops.reshape(g, (b * t, self.cfg.hidden_size)), last_index, 0)
         return g_last, lm_head(self.ops, self._weights, self.cfg, g_last)

@@ -136,35 +136,27 @@ def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rotate_half(x) = [-x2, x1]; ``sin`` is sign-folded (``Rope``), so this is
     x*cos + [x2, x1]*sin (x1, x2 = the two halves of the head dim).
 
-    Computed in the dtype of ``cos``/``sin``: float32 tables for a float32
-    model; a bf16 model passes tables cast to bf16 once per forward
-    (``rope_tables``), as transformers' Llama does, two casts fewer per layer.
+    Computed in the dtype of ``cos``/``sin`` (``AttnMeta``: the compute dtype),
+    the result in x's dtype.
     """
     half = ops.shape(x)[-1] // 2
     swapped = ops.cat([x[..., half:], x[..., :half]], axis=-1)
     return ops.cast(x * cos + swapped * sin, ops.dtype_name(x))
 
 
-def rope_tables(ops: Ops, meta: "AttnMeta", dtype: str) -> tuple[Tensor, Tensor]:
-    """meta's cos/sin in ``dtype``, cast once per forward and shared by its layers."""
-    if meta.rope_cast is None or meta.rope_cast[0] != dtype:
-        meta.rope_cast = (dtype, ops.cast(meta.cos, dtype), ops.cast(meta.sin, dtype))
-    return meta.rope_cast[1], meta.rope_cast[2]
-
-
 @dataclass
 class AttnMeta:
-    """Where a forward's tokens live in the KV cache and what they may attend to.
+    """Where a forward's tokens live in the KV cache and what they may attend to,
+    made once per forward and shared by its layers.
 
     write_index int64 [B*T]   flat cache row each new token's K/V is written to
     read_slots  int64 [B]     cache slot each batch row reads; it reads that slot's
                               first La rows only (La = attend length: the context
                               bucket, not max_len)
-    mask        bool  [B, T, La]  key position j visible to query at position p iff j <= p
-    cos, sin    float32 [B, T, 1, D] (sin sign-folded, see ``Rope``)
-    attn_mask   ``mask`` in the form the backend's attention takes, made once per
-                forward by the first layer (``Ops.attention_mask``)
-    rope_cast   (dtype, cos, sin) in the layers' dtype, made once per forward (``rope_tables``)
+    mask        key position j visible to query at position p iff j <= p: bool
+                [B, T, La] in the form the backend's attention takes
+                (``Ops.attention_mask``, queries grouped per K/V head)
+    cos, sin    [B, T, 1, D] in the compute dtype (sin sign-folded, see ``Rope``)
     """
 
     write_index: Tensor
@@ -174,13 +166,12 @@ class AttnMeta:
     sin: Tensor
     attend_len: int
     max_len: int
-    attn_mask: Tensor | None = None
-    rope_cast: tuple[str, Tensor, Tensor] | None = None
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
-                    read_slots: Tensor, max_len: int, attend_len: int) -> AttnMeta:
-    """write_slots/positions int64 [B, T], read_slots int64 [B] -> AttnMeta.
+                    read_slots: Tensor, max_len: int, attend_len: int, groups: int) -> AttnMeta:
+    """write_slots/positions int64 [B, T], read_slots int64 [B] -> AttnMeta, for a model
+    with ``groups`` query heads per K/V head.
 
     Padding tokens carry the scratch slot in ``write_slots`` so their writes
     never touch a live request's cache rows. Cache rows are flat:
@@ -191,7 +182,10 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
     key_pos = ops.arange(attend_len)                                           # [La]
     mask = ops.less_equal(ops.reshape(key_pos, (1, 1, attend_len)), ops.reshape(positions, (b, t, 1)))
     cos, sin = rope.tables(ops, positions)
-    return AttnMeta(write_index, read_slots, mask, cos, sin, attend_len, max_len)
+    # RoPE in the compute dtype (as transformers' Llama computes it): for a bf16 model the
+    # tables are cast here once, not in every layer; float32 models keep float32 tables.
+    return AttnMeta(write_index, read_slots, ops.attention_mask(mask, groups),
+                    ops.cast(cos, ops.dtype), ops.cast(sin, ops.dtype), attend_len, max_len)
 
 
 # ---------------------------------------------------------------------------
@@ -241,7 +235,7 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     dt = ops.dtype_name(x)
-    cos, sin = rope_tables(ops, meta, dt) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
+    cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
@@ -268,9 +262,7 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         # cost follows the context bucket, not the cache length.
         k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
         v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        if meta.attn_mask is None:                                             # once per forward, not per layer
-            meta.attn_mask = ops.attention_mask(meta.mask, h // kvh)
-        attn = ops.attention(q, k_all, v_all, meta.attn_mask)
+        attn = ops.attention(q, k_all, v_all, meta.mask)
     else:
         attn = ops.attention(q, k, v, ops.attention_mask(train_mask, h // kvh))
     x = x + _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))

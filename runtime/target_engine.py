@@ -66,6 +66,7 @@ class TargetEngine:
         # plus the fused q/k/v and gate/up buffers the forward uses.
         fused = fuse_projections(ops, params, [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)])
         self._weights = {**params, **fused}
+        self._groups = cfg.num_attention_heads // cfg.num_key_value_heads   # query heads per K/V head
         self.max_k = max_k
         self.cache = KVCache(ops, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                              cache_cfg.max_slots, cache_cfg.max_len)
@@ -92,7 +93,7 @@ class TargetEngine:
         """tokens/write_slots/positions [B, T], read_slots [B]
         -> hidden [B, T, d], argmax int64 [B, T], logits float32 [B, T, V] (stay on the device)."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
-                               self.cache.max_len, attend_len or self.cache.max_len)
+                               self.cache.max_len, attend_len or self.cache.max_len, self._groups)
         hidden = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers)
         logits = lm_head(self.ops, self._weights, self.cfg, hidden)
         return hidden, self.ops.argmax(logits, -1), logits
@@ -101,7 +102,7 @@ class TargetEngine:
         """As ``_step``, but the output head runs on each row's last real position only:
         -> hidden [B, T, d], argmax int64 [B], logits float32 [B, V]."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
-                               self.cache.max_len, attend_len)
+                               self.cache.max_len, attend_len, self._groups)
         hidden = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers)
         b, t, d = self.ops.shape(hidden)
         last = self.ops.index_select(self.ops.reshape(hidden, (b * t, d)), last_index, 0)     # [B, d]

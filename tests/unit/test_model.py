@@ -83,7 +83,8 @@ def _run_cached(backend, p, chunks, fused=False):
     for chunk in chunks:
         lay = layout_rows([Row(slot, start, np.asarray(chunk))], len(chunk) + 2, cache.scratch_slot, 64)  # padded
         t = lambda a: ops.from_numpy(a, "int64")  # noqa: E731
-        meta = build_attn_meta(ops, rope, t(lay.write_slots), t(lay.positions), t(lay.read_slots), 64, 64)
+        meta = build_attn_meta(ops, rope, t(lay.write_slots), t(lay.positions), t(lay.read_slots), 64, 64,
+                               CFG.num_attention_heads // CFG.num_key_value_heads)
         with ops.no_grad():
             h = target_forward(ops, dp, CFG, t(lay.tokens), meta, cache.layers)
             lg = lm_head(ops, dp, CFG, h)

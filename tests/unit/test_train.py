@@ -77,13 +77,13 @@ def test_unrolled_training_matches_inference(ops):
             vc = ops.zeros((2 * max_len, CFG.num_key_value_heads, CFG.head_dim))
             pos = torch.arange(j + 1)[None]
             meta = build_attn_meta(ops, rope, torch.zeros_like(pos), pos, torch.zeros(1, dtype=torch.int64),
-                                   max_len, max_len)
+                                   max_len, max_len, CFG.num_attention_heads // CFG.num_key_value_heads)
             g = mtp_forward(ops, p, CFG, hidden[:, :j + 1], tokens[:, 1:j + 2], meta, (kc, vc))[:, -1:]
             got = [lm_head(ops, p, CFG, g)[0, 0]]
             for s in range(2, n + 1):
                 pos = torch.tensor([[j + s - 1]])
                 meta = build_attn_meta(ops, rope, torch.zeros_like(pos), pos, torch.zeros(1, dtype=torch.int64),
-                                       max_len, max_len)
+                                       max_len, max_len, CFG.num_attention_heads // CFG.num_key_value_heads)
                 g = mtp_forward(ops, p, CFG, g, tokens[:, j + s:j + s + 1], meta, (kc, vc))
                 got.append(lm_head(ops, p, CFG, g)[0, 0])
             for s in range(n):
