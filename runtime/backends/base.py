@@ -19,6 +19,21 @@ import numpy as np
 Tensor = Any  # a paddle.Tensor or torch.Tensor, opaque to callers
 
 
+class HostMirror:
+    """A plain host twin of a device buffer (see ``Ops.host_mirror``): ``upload`` is one
+    ``copy_from_numpy``. Backends without pinned asynchronous copies use it as is."""
+
+    def __init__(self, ops: "Ops", dst: Tensor, dtype: type) -> None:
+        self.ops, self.dst = ops, dst
+        self.host = np.empty(tuple(ops.shape(dst)), dtype=dtype)
+
+    def array(self) -> np.ndarray:
+        return self.host
+
+    def upload(self) -> None:
+        self.ops.copy_from_numpy(self.dst, self.host)
+
+
 class Ops(Protocol):
     name: str          # "paddle" | "torch"
     device: str        # "cpu" | "cuda:N"

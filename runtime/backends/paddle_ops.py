@@ -22,6 +22,8 @@ warnings.filterwarnings("ignore", message="No ccache found")
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 
+from runtime.backends.base import HostMirror  # noqa: E402
+
 # NOTE: restore the root logger after the import; Paddle raises it to INFO,
 # which would make every library's debug chatter appear in service logs.
 logging.getLogger().setLevel(_root_level)
@@ -39,20 +41,6 @@ def _dtype_name(dt) -> str:
         if dt == v:
             return k
     raise ValueError(f"unsupported paddle dtype {dt}")
-
-
-class _HostMirror:
-    """Host twin of a device buffer; ``upload`` is one copy (see ``Ops.host_mirror``)."""
-
-    def __init__(self, ops, dst) -> None:
-        self.ops, self.dst = ops, dst
-        self.host = np.empty(tuple(dst.shape), dtype=np.int64 if dst.dtype == paddle.int64 else np.float32)
-
-    def array(self) -> np.ndarray:
-        return self.host
-
-    def upload(self) -> None:
-        self.ops.copy_from_numpy(self.dst, self.host)
 
 
 class PaddleOps:
@@ -116,7 +104,7 @@ class PaddleOps:
         return fn  # no compiler here: the plain ops run as they are
 
     def host_mirror(self, dst):
-        return _HostMirror(self, dst)
+        return HostMirror(self, dst, np.int64 if dst.dtype == paddle.int64 else np.float32)
 
     def fuse_rows(self, xs):
         # NOTE: not fused. An in-place weight update writes the per-name tensors;

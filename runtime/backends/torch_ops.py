@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.backends.base import HostMirror
 from runtime.backends.torch_sampling import TorchSampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -79,20 +80,6 @@ class _PinnedMirror:
         self.i = 1 - i
 
 
-class _PlainMirror:
-    """Host twin without pinned memory (CPU): ``upload`` is one synchronous copy."""
-
-    def __init__(self, ops, dst) -> None:
-        self.ops, self.dst = ops, dst
-        self.host = np.empty(tuple(dst.shape), dtype=np.int64 if dst.dtype == torch.int64 else np.float32)
-
-    def array(self) -> np.ndarray:
-        return self.host
-
-    def upload(self) -> None:
-        self.ops.copy_from_numpy(self.dst, self.host)
-
-
 class TorchOps:
     name = "torch"
 
@@ -152,7 +139,7 @@ class TorchOps:
     def host_mirror(self, dst):
         if self._dev.type == "cuda" and dst.dtype in (torch.int64, torch.float32):
             return _PinnedMirror(dst)
-        return _PlainMirror(self, dst)
+        return HostMirror(self, dst, np.int64 if dst.dtype == torch.int64 else np.float32)
 
     def to_numpy_many(self, xs, bf16_bits=False):
         """Several tensors to the host with one stream sync (pinned, non-blocking copies).
