@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
@@ -28,13 +29,16 @@ def heldout_prompts(n: int, model_dir: Path = TINY) -> list[str]:
     return prompts[:n]
 
 
-def decode_all(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, k: int, desc: str | None = None):
+def decode_all(engine: SpecEngine, prompts: list[list[int]], max_tokens: int, k: int, desc: str | None = None,
+               params_for: Callable[[int], SamplingParams] | None = None):
     """Batch-1 decoding of every prompt; returns (outputs, seconds, merged stats). ``desc``: show
-    a progress bar (stderr) under that name."""
+    a progress bar (stderr) under that name; ``params_for(i)``: prompt i's sampling parameters
+    (default: greedy, ``max_tokens``, EOS ignored)."""
     outs, stats = [], SeqStats()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts if desc is None else progress(prompts, desc=desc, unit="prompt")):
-        res = engine.generate([GenRequest(f"b{i}", tuple(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)])[0]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True) if params_for is None else params_for(i)
+        res = engine.generate([GenRequest(f"b{i}", tuple(p), params, k)])[0]
         outs.append(res.tokens)
         stats.merge(res.stats)
     return outs, time.perf_counter() - t0, stats

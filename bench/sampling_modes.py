@@ -12,14 +12,12 @@ services, so the acceptance figures are the services' too.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-from bench.engine import TINY, heldout_prompts
+from bench.engine import TINY, decode_all, heldout_prompts
 from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
-from runtime.engine import GenRequest, SpecEngine
-from runtime.round_driver import SeqStats
+from runtime.engine import SpecEngine
 from runtime.tokenizer import ByteTokenizer
 
 MODES = {"rejection (greedy draft)": dict(sampling_mode="rejection"),
@@ -28,14 +26,9 @@ MODES = {"rejection (greedy draft)": dict(sampling_mode="rejection"),
 
 
 def _decode(engine: SpecEngine, prompts, max_tokens: int, k: int, temperature: float, mode: dict):
-    outs, stats = [], SeqStats()
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=1000 + i, **mode)
-        res = engine.generate([GenRequest(f"s{i}", tuple(p), params, k)])[0]
-        outs.append(res.tokens)
-        stats.merge(res.stats)
-    return outs, time.perf_counter() - t0, stats
+    """Every prompt at batch 1, prompt i seeded 1000 + i: (outputs, seconds, merged stats)."""
+    return decode_all(engine, prompts, max_tokens, k, params_for=lambda i: SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=1000 + i, **mode))
 
 
 def main(args) -> int:
