@@ -8,7 +8,9 @@ one device) and an orchestrator on loopback, then timing through the real
   - RECAPTURE reloads: validate, clear, release, load, capture (per worker,
     from the reload's own progress events; the workers run each phase
     concurrently, so a phase's wall time is the slower worker's);
-  - IN_PLACE reloads: validate, load (copy into the live tensors);
+  - IN_PLACE reloads: validate, load (copy into the live tensors), also with
+    ``preload`` (the workers read the tensors at prepare, before the pause);
+  - how long admission stays paused (everything after the prepare);
   - the floor: reading the checkpoint files from disk (raw bytes; page cache
     warm, as for the reloads), and reading them into host arrays the way the
     workers do (target + the draft's share).
@@ -42,7 +44,9 @@ from core.progress import progress
 SMALL = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
 PHASES = ("validate", "clear_graphs", "release", "load", "capture")
-REPS = 3                       # timed reloads per mode (after one warm-up), medians reported
+REPS = 3                       # timed reloads per variant (after one warm-up), medians reported
+VARIANTS = ("recapture", "in_place", "in_place+preload")
+ROWS = (*PHASES, "paused", "total")
 
 
 def write_checkpoints(root: Path, cfg: ModelConfig) -> list[Path]:
@@ -82,7 +86,7 @@ def read_times(path: Path, bf16_bits: bool) -> tuple[float, float, int]:
 
 
 def _phase_walls(events) -> dict[str, float]:
-    """Per phase: the slowest worker (they run concurrently); validate runs twice for IN_PLACE."""
+    """Per phase: the slowest worker (they run concurrently)."""
     out: dict[str, float] = {}
     per: dict[tuple[str, str], float] = {}
     for ev in events:
@@ -91,6 +95,8 @@ def _phase_walls(events) -> dict[str, float]:
     for (phase, _), s in per.items():
         out[phase] = max(out.get(phase, 0.0), s)
     out["total"] = events[-1].seconds
+    # Admission is paused from the drain on: everything after the prepare ("validate").
+    out["paused"] = out["total"] - out.get("validate", 0.0)
     return out
 
 
@@ -129,18 +135,20 @@ def main(args) -> int:
         try:
             paths, n = [v2, v1], 0
 
-            def reload(mode: str) -> dict[str, float]:
+            def reload(variant: str) -> dict[str, float]:
                 nonlocal n
                 path = paths[n % 2]
                 n += 1
-                return _phase_walls(client.reload(str(path), f"{path.name}-{n}", mode=mode, inflight="wait"))
+                mode, preload = variant.split("+")[0], variant.endswith("+preload")
+                return _phase_walls(client.reload(str(path), f"{path.name}-{n}", mode=mode, inflight="wait",
+                                                  preload=preload))
             reload("recapture")                                            # warm-up (first capture, caches)
-            bar = progress(desc="bench reload", total=2 * reps, unit="reload")
+            bar = progress(desc="bench reload", total=len(VARIANTS) * reps, unit="reload")
             runs = {}
-            for mode in ("recapture", "in_place"):
-                runs[mode] = []
+            for variant in VARIANTS:
+                runs[variant] = []
                 for _ in range(reps):
-                    runs[mode].append(reload(mode))
+                    runs[variant].append(reload(variant))
                     bar.update(1)
             bar.close()
             reads = [read_times(p, dtype == "bfloat16") for p in (v1, v2, v1)]
@@ -152,7 +160,7 @@ def main(args) -> int:
     raw = statistics.median(r[0] for r in reads)
     decode = statistics.median(r[1] for r in reads)
     gib = reads[0][2] / 2**30
-    med = {mode: {ph: statistics.median(r.get(ph, 0.0) for r in rs) for ph in (*PHASES, "total")}
+    med = {mode: {ph: statistics.median(r.get(ph, 0.0) for r in rs) for ph in ROWS}
            for mode, rs in runs.items()}
     result = {
         "model": "small d256 L4" if args.small else "llama-1b-shaped d2048 L16", "device": device, "dtype": dtype,
@@ -160,6 +168,7 @@ def main(args) -> int:
         "read_s": round(raw, 4), "workers_read_s": round(decode, 4),
         "recapture": {k: round(v, 4) for k, v in med["recapture"].items()},
         "in_place": {k: round(v, 4) for k, v in med["in_place"].items()},
+        "in_place_preload": {k: round(v, 4) for k, v in med["in_place+preload"].items()},
         "in_place_over_read": round(med["in_place"]["total"] / raw, 3),
         "recapture_over_read": round(med["recapture"]["total"] / raw, 3),
         "in_place_over_workers_read": round(med["in_place"]["total"] / decode, 3),
@@ -170,9 +179,10 @@ def main(args) -> int:
         return 0
     print(f"bench reload: {result['model']}, torch {device} {dtype}, checkpoint {gib:.2f} GiB (target + MTP files), "
           f"median of {reps}, page cache warm")
-    print(f"{'phase (s, slower worker)':26s} {'RECAPTURE':>10s} {'IN_PLACE':>10s}")
-    for ph in (*PHASES, "total"):
-        print(f"{ph:26s} {med['recapture'][ph]:10.3f} {med['in_place'][ph]:10.3f}")
+    print(f"{'phase (s, slower worker)':26s} {'RECAPTURE':>10s} {'IN_PLACE':>10s} {'IN_PLACE+preload':>17s}")
+    for ph in ROWS:
+        print(f"{ph:26s} {med['recapture'][ph]:10.3f} {med['in_place'][ph]:10.3f} "
+              f"{med['in_place+preload'][ph]:17.3f}")
     print(f"{'read checkpoint (raw)':26s} {raw:10.3f}")
     print(f"{'read as the workers do':26s} {decode:10.3f}")
     print(f"IN_PLACE / read = {result['in_place_over_read']:.2f} (goal <= 1.2), RECAPTURE / read = "

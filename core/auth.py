@@ -34,8 +34,8 @@ from core.config import SecurityConfig
 from core.admin_token import fingerprint
 from core.audit import AdminAudit, request_fields
 
-ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs",
-                           "ReloadWeights", "PushWeights", "ControlRounds"})
+ADMIN_METHODS = frozenset({"LoadWeights", "ReleaseWeights", "CaptureGraphs", "ClearGraphs", "PrepareWeights",
+                           "CommitWeights", "AbortWeights", "ReloadWeights", "PushWeights", "ControlRounds"})
 GENERATE_METHODS = frozenset({"Generate"})
 AUTH_HEADER = "authorization"
 

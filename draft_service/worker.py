@@ -33,11 +33,11 @@ class DraftWorker(Worker):
     role, metrics_cls = "draft", DraftMetrics
 
     # --- Worker hooks ----------------------------------------------------------
-    def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
+    def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
         target_ck = check_target(target, running)
         # The MTP file (default: mtp.safetensors next to the target) must also lie
         # under the checkpoint roots, wherever its symlinks point.
-        mtp = self._check_path(str(resolve_draft_path(target, draft_path or None)))
+        mtp = self.check_path(str(resolve_draft_path(target, draft_path or None)))
         return check_draft(target_ck, mtp)
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> DraftEngine:

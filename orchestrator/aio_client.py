@@ -147,11 +147,12 @@ class AsyncSpecsplitClient:
 
     # --- weight reload (admin: the client's token must be the orchestrator's admin token) ----
     async def reload_events(self, target_path: str, version: str, *, draft_path: str = "", mode: str = "recapture",
-                            inflight: str = "wait", timeout: float | None = None) -> AsyncIterator[ReloadEvent]:
+                            inflight: str = "wait", preload: bool = False,
+                            timeout: float | None = None) -> AsyncIterator[ReloadEvent]:
         """Stream a reload's progress events; a failed reload raises ReloadFailed (with the events) at the end."""
         req = opb.ReloadWeightsRequest(target_path=target_path, draft_path=draft_path, version=version,
                                        mode=_choice(_MODES, mode, "mode"),
-                                       inflight=_choice(_POLICIES, inflight, "inflight"))
+                                       inflight=_choice(_POLICIES, inflight, "inflight"), preload=preload)
         call = self._stub.ReloadWeights(req, timeout=timeout or self.timeout, metadata=self._metadata)
         seen: list[ReloadEvent] = []
         try:

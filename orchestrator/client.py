@@ -271,12 +271,13 @@ class SpecsplitClient:
 
     # --- weight reload (admin: the client's token must be the orchestrator's admin token) ----
     def reload_events(self, target_path: str, version: str, *, draft_path: str = "", mode: str = "recapture",
-                      inflight: str = "wait", timeout: float | None = None) -> Iterator[ReloadEvent]:
+                      inflight: str = "wait", preload: bool = False,
+                      timeout: float | None = None) -> Iterator[ReloadEvent]:
         """Stream a reload's progress events. mode: recapture | in_place; inflight: wait |
         abort | recompute. A failed reload raises ReloadFailed (with the events) at the end."""
         req = opb.ReloadWeightsRequest(target_path=target_path, draft_path=draft_path, version=version,
                                        mode=_choice(_MODES, mode, "mode"),
-                                       inflight=_choice(_POLICIES, inflight, "inflight"))
+                                       inflight=_choice(_POLICIES, inflight, "inflight"), preload=preload)
         call = self._stub.ReloadWeights(req, timeout=timeout or self.timeout, metadata=self._metadata)
         seen: list[ReloadEvent] = []
         try:

@@ -2,20 +2,26 @@
 
 Owns: the reload sequence and its order, one reload at a time, the in-flight
 policies (WAIT / ABORT / RECOMPUTE, applied by the target's round loop at a
-round boundary through ``RemoteRounds``), rollback of both workers to the previous version
-when any phase fails, the progress events (phase, service, seconds), the
-"reloading" gate that Generate calls wait on, and reload metrics.
+round boundary through ``RemoteRounds``), the cross-worker hold of a RECAPTURE
+(every worker's graphs cleared before any worker releases weights), rollback of
+both workers to the previous version when any phase fails, the progress events
+(phase, service, seconds), the "reloading" gate that Generate calls wait on, and
+reload metrics.
 
-    validate (both, nothing live changes) -> pause admission -> settle the
-    in-flight round + policy -> RECAPTURE: clear graphs (both) -> release
-    (both) -> load (both) -> capture (where graphs were live) | IN_PLACE: copy
-    into the existing tensors (both) -> resume (re-admit parked requests with
-    the new version) -> done
+    prepare (both: validate + stage, nothing live changes) -> drain (pause
+    admission, settle the in-flight requests by policy) -> commit (both, one
+    stream each; inside each worker: RECAPTURE = clear graphs -> hold -> release
+    -> load -> capture, IN_PLACE = copy into the live tensors) -> resume
+    (re-admit parked requests with the new version) -> done
+
+Six RPCs for two workers; a rollback is a worker-local commit of the previous
+version (the worker knows where it came from).
 
 Must not know: gRPC servicers, request messages, tensors, frameworks, how
-rounds run. It drives the worker clients' lifecycle calls (which return
-``WorkerStatus`` messages and raise ``RequestError``) and the scheduler's
-``pause_admission`` / ``abort_running`` / ``park_running`` / ``resume_parked``.
+rounds run, the order of a worker's own steps (``worker.swap`` and the
+lifecycle state machine enforce it). It drives the worker clients' swap calls
+(which return ``WorkerStatus`` messages and raise ``RequestError`` /
+``CommitFailed``) and the round loop's ``drain`` / ``resume_all``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from orchestrator.round_client import RemoteRounds
 from orchestrator.config import OrchestratorConfig
 from rounds.scheduler_types import RequestError
+from rounds.worker_clients import CommitFailed
 from runtime import host_memory
 from specsplit.v1 import common_pb2
 
@@ -43,7 +50,6 @@ WAIT, ABORT, RECOMPUTE = "wait", "abort", "recompute"
 ORCH = "orchestrator"
 _SERVING = (common_pb2.LIFECYCLE_STATE_LOADED, common_pb2.LIFECYCLE_STATE_READY)
 _READY = common_pb2.LIFECYCLE_STATE_READY
-_POLL_S = 0.02
 _RETRY_POLL_S = 0.2
 
 
@@ -64,6 +70,7 @@ class ReloadSpec:
     mode: str = RECAPTURE            # RECAPTURE | IN_PLACE
     inflight: str = WAIT             # WAIT | ABORT | RECOMPUTE
     draft_path: str = ""             # empty: mtp.safetensors inside target_path
+    preload: bool = False            # workers read the tensors into host memory before the pause
 
     def check(self) -> None:
         if not self.target_path:
@@ -119,11 +126,16 @@ class ReloadCoordinator:
     """Drives reloads; one at a time. ``reload`` blocks the calling thread until done."""
 
     def __init__(self, scheduler: RemoteRounds, clients: Callable[[], dict[str, Any]], cfg: OrchestratorConfig,
-                 refresh: Callable[[], None] = lambda: None, registry: CollectorRegistry | None = None) -> None:
+                 refresh: Callable[[dict[str, Any] | None], None] = lambda known: None,
+                 gate: Callable[[], None] = lambda: None, registry: CollectorRegistry | None = None) -> None:
         # clients() -> {"target": client, "draft": client}: looked up per reload (the draft's
         # client changes when it moves to a new address); no "draft" key = target-only.
         self.scheduler, self.clients, self.cfg = scheduler, clients, cfg
-        self.refresh = refresh                   # re-reads worker facts (the server's poll)
+        # refresh(known): re-read the worker facts (the server's poll); ``known`` holds the
+        # statuses the reload already has ("target", "draft": WorkerStatus; "rounds":
+        # RoundsStatus), so no call is needed for them; None: ask the workers.
+        # gate(): publish health / "reloading" from what is known (no call).
+        self.refresh, self.gate = refresh, gate
         self.metrics = ReloadMetrics(registry)
         self.epoch = 0                           # +1 at each start and end (pollers detect overlap)
         self._lock = threading.Lock()            # held for a whole reload
@@ -163,16 +175,19 @@ class ReloadCoordinator:
                               f"started {time.monotonic() - self._started_at:.1f}s ago): retry when it has finished")
         t0 = time.monotonic()
         outcome = "failed"
+        known: dict[str, Any] | None = None
         try:
             self._started_at, self._running_version = t0, spec.version
             self.epoch += 1
             self._running = True
             self._idle.clear()
-            self._refresh()                      # health NOT_SERVING, status "reloading" at once
+            self._call(self.gate)                # health NOT_SERVING, status "reloading" at once
             log.info("reload_started", weights_version=spec.version, mode=spec.mode, inflight=spec.inflight,
                      target_path=spec.target_path)
-            version = _Run(self, spec, emit).execute()
+            run = _Run(self, spec, emit)
+            version = run.execute()
             outcome = "ok"
+            known = run.known if {"target", "rounds"} <= set(run.known) else None
             return version
         except ReloadError as exc:
             outcome = "rolled_back" if exc.rolled_back else "failed"
@@ -188,14 +203,15 @@ class ReloadCoordinator:
             self._running = False
             # NOTE: facts (vocab, cache length, version) are re-read before the gate opens,
             # so the first Generate after a reload is validated against the new model.
-            self._refresh()
+            self._call(lambda: self.refresh(known))
             self._idle.set()
             self._lock.release()
             log.info("reload_finished", weights_version=spec.version, outcome=outcome, seconds=round(seconds, 3))
 
-    def _refresh(self) -> None:
+    @staticmethod
+    def _call(fn: Callable[[], None]) -> None:
         try:
-            self.refresh()
+            fn()
         except Exception:  # noqa: BLE001 - a failed status poll must not fail or wedge a reload
             log.exception("refresh_failed")
 
@@ -209,6 +225,36 @@ class ReloadCoordinator:
                 log.warning("reload_event_not_delivered", phase=ev.phase, service=ev.service)
 
 
+class _Holds:
+    """The cross-worker barriers of a RECAPTURE commit: each worker's stream stops after its
+    graphs are cleared, and again after its weights are released, until every worker got
+    there (``arrive``); one worker failing stops them all (``fail``)."""
+
+    def __init__(self, n: int, timeout: float) -> None:
+        self._n, self._timeout = n, timeout
+        self._arrived: dict[str, int] = {}
+        self.failed = False
+        self._cv = threading.Condition()
+
+    def arrive(self, after: str) -> bool:
+        """True: every worker got past ``after``, go on; False: stop (another failed, or timeout)."""
+        with self._cv:
+            self._arrived[after] = self._arrived.get(after, 0) + 1
+            self._cv.notify_all()
+            done = self._cv.wait_for(lambda: self.failed or self._arrived[after] >= self._n, self._timeout)
+            return bool(done) and not self.failed
+
+    def fail(self) -> None:
+        with self._cv:
+            self.failed = True
+            self._cv.notify_all()
+
+
+# The phase a RECAPTURE commit was in when its stream broke, from the last phase that ended.
+_NEXT_PHASE = {"": "clear_graphs", "clear_graphs": "release", "release": "load", "load": "capture",
+               "capture": "capture"}
+
+
 class _Run:
     """One reload: the phases, in order, and the rollback."""
 
@@ -220,20 +266,17 @@ class _Run:
         self.before: dict[str, _Before] = {}
         self.touched: set[str] = set()           # workers whose live weights/graphs a call may have changed
         self.timeout = self.cfg.reload_call_timeout_s
+        self.known: dict[str, Any] = {}          # statuses after the reload: the facts the gate opens with
 
     # --- helpers ---------------------------------------------------------------------------
     def _event(self, phase: str, service: str, t0: float, message: str = "", version: str = "",
-               error: RequestError | None = None, done: bool = False) -> None:
-        self.emit(ReloadEvent(phase, service, time.monotonic() - t0, message, done, version,
-                              error.code if error else "", error.message if error else ""))
+               error: RequestError | None = None, done: bool = False, seconds: float | None = None) -> None:
+        self.emit(ReloadEvent(phase, service, time.monotonic() - t0 if seconds is None else seconds, message, done,
+                              version, error.code if error else "", error.message if error else ""))
 
-    def _on_workers(self, phase: str, calls: dict[str, Callable[[Any], Any]], touch: bool = True) -> dict[str, Any]:
+    def _on_workers(self, phase: str, calls: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
         """Run ``calls[role](client)`` on the workers concurrently (they are separate
         machines); one event per worker; raises _PhaseFailed after all have answered."""
-        if not calls:
-            return {}
-        if touch:
-            self.touched.update(calls)
         results: dict[str, Any] = {}
         failures: dict[str, RequestError] = {}
 
@@ -243,8 +286,8 @@ class _Run:
                 st = calls[role](self.workers[role])
                 results[role] = st
                 valid = "checkpoint valid, " if phase == "validate" else ""
-                self._event(phase, role, t0, f"{valid}state {common_pb2.LifecycleState.Name(st.state)}"
-                            if st is not None else "", st.weights_version if st is not None else "")
+                self._event(phase, role, t0, f"{valid}state {common_pb2.LifecycleState.Name(st.state)}",
+                            st.weights_version)
             except Exception as exc:  # noqa: BLE001 - every failure is reported, then rolled back
                 err = exc if isinstance(exc, RequestError) else RequestError("INTERNAL", f"{type(exc).__name__}: {exc}")
                 failures[role] = err
@@ -256,14 +299,17 @@ class _Run:
             raise _PhaseFailed(phase, failures)
         return results
 
-    def _boundary(self, action: Callable[..., Any], what: str, *args: Any) -> Any:
+    def _boundary(self, action: Callable[..., Any], what: str, *args: Any, extra_s: float = 0.0) -> Any:
         """Run a round-loop action in the target, between two rounds (bounded wait: a round is
         bounded by the worker timeouts)."""
-        bound = 3 * self.cfg.worker_timeout_s + 10
+        bound = 3 * self.cfg.worker_timeout_s + 10 + extra_s
         phase = "resume" if what == "resume" else "inflight"
         try:
             return action(*args, timeout=bound)
         except RequestError as exc:                 # a timeout, the target gone, shutting down
+            if exc.code == "FAILED_PRECONDITION" and what == "wait":
+                raise _PhaseFailed(phase, {ORCH: RequestError(
+                    exc.code, f"{exc.message} (reload_wait_timeout_s); retry, or use ABORT or RECOMPUTE")}) from None
             raise _PhaseFailed(phase, {ORCH: RequestError(
                 exc.code, f"the round loop did not reach a round boundary ({what}): {exc.message}")}) from None
 
@@ -271,25 +317,15 @@ class _Run:
     def execute(self) -> str:
         spec = self.spec
         t0 = time.monotonic()
-        self._snapshot()
-        self._validate()
-        phase_t = time.monotonic()
+        # NOTE: the RPCs of a reload, in order: PrepareWeights (each worker), ControlRounds DRAIN,
+        # CommitWeights (each worker; one stream each), ControlRounds RESUME_ALL. Everything a
+        # worker does in between (clear, release, load, capture) happens inside it.
+        self._prepare()
         try:
-            self.sched.pause_admission()
-        except RequestError as exc:
-            raise ReloadError(exc.code, f"cannot pause admission in the target's round loop, nothing changed: "
-                                        f"{exc.message}") from None
-        self._event("pause", ORCH, phase_t, "admission paused")
-        try:
-            self._inflight()
-            if spec.mode == IN_PLACE:
-                # NOTE: IN_PLACE copies into the tensors the graphs read (addresses kept):
-                # no clear, no release, no recapture; validation already checked the shapes.
-                self._on_workers("load", {r: self._load(r, in_place=True) for r in self.workers})
-            else:
-                self._recapture()
-            self._check_serving(spec.version)
+            self._drain()
+            self._commit()
         except _PhaseFailed as failed:
+            self._abort_staged()
             ok, rolled = self._rollback()
             self._resume(None)
             where = ", ".join(f"{r}: {e.message}" for r, e in failed.failures.items())
@@ -305,134 +341,127 @@ class _Run:
                     done=True)
         return spec.version
 
-    def _snapshot(self) -> None:
-        t0 = time.monotonic()
-        for role, client in self.workers.items():
-            try:
-                st = client.get_status(timeout=min(self.timeout, self.cfg.worker_timeout_s))
-            except RequestError as exc:
-                self._event("validate", role, t0, "unreachable", error=exc)
-                raise ReloadError(exc.code, f"{role} is unreachable, nothing changed: {exc.message}") from None
-            self.before[role] = _Before(st.state, st.weights_version if st.state in _SERVING else "",
-                                        st.state == _READY)
-            if st.state in _SERVING and st.weights_version == self.spec.version:
-                raise ReloadError("INVALID_ARGUMENT", f"version: {self.spec.version!r} is already serving on {role}; "
-                                                      "tag the new weights with a new version")
-            if self.spec.mode == IN_PLACE and st.state not in _SERVING:
-                raise ReloadError("FAILED_PRECONDITION", f"mode IN_PLACE needs loaded weights to copy into; {role} "
-                                                         "holds none (state EMPTY): use RECAPTURE")
-
-    def _validate(self) -> None:
+    def _prepare(self) -> None:
         # NOTE: both checkpoints are validated completely (every name, shape, dtype, the
         # config; the draft against the NEW target's sizes and embedding/head) before
-        # anything live changes: a bad checkpoint leaves serving untouched.
+        # anything live changes: a bad checkpoint leaves serving untouched. The answers are
+        # also the "before" picture a rollback returns to.
         spec = self.spec
-        calls = {r: (lambda c, r=r: c.load_weights(spec.target_path, spec.draft_path if r == "draft" else "",
-                                                   spec.version, validate_only=True, timeout=self.timeout))
+        calls = {r: (lambda c, r=r: c.prepare_weights(spec.target_path, spec.draft_path if r == "draft" else "",
+                                                      spec.version, spec.mode, spec.preload, timeout=self.timeout))
                  for r in self.workers}
         try:
-            self._on_workers("validate", calls, touch=False)
-            if spec.mode == IN_PLACE:
-                calls = {r: (lambda c, r=r: c.load_weights(spec.target_path, spec.draft_path if r == "draft" else "",
-                                                           spec.version, in_place=True, validate_only=True,
-                                                           timeout=self.timeout)) for r in self.workers}
-                try:
-                    self._on_workers("validate", calls, touch=False)
-                except _PhaseFailed as failed:
-                    role, err = next(iter(failed.failures.items()))
-                    raise ReloadError("FAILED_PRECONDITION", f"mode IN_PLACE refused on {role}: the new checkpoint "
-                                                             f"does not fit the running tensors ({err.message}); "
-                                                             "use mode RECAPTURE") from None
+            results = self._on_workers("validate", calls)
         except _PhaseFailed as failed:
+            self._abort_staged()
+            role, err = next(iter(failed.failures.items()))
+            if spec.mode == IN_PLACE and err.code == "FAILED_PRECONDITION":
+                raise ReloadError("FAILED_PRECONDITION", f"mode IN_PLACE refused on {role}: {err.message}; "
+                                                         "use mode RECAPTURE") from None
             where = ", ".join(f"{r}: {e.message}" for r, e in failed.failures.items())
             raise ReloadError(failed.code, f"validation of {spec.version!r} failed, nothing changed ({where})") from None
+        self.before = {r: _Before(st.state, st.weights_version if st.state in _SERVING else "", st.state == _READY)
+                       for r, st in results.items()}
 
-    def _inflight(self) -> None:
+    def _drain(self) -> None:
         t0 = time.monotonic()
         policy = self.spec.inflight
-        if policy == WAIT:
-            bound = self.cfg.reload_wait_timeout_s
-            deadline = time.monotonic() + bound
-            while (active := self._active()) > 0:
-                if time.monotonic() > deadline:
-                    raise _PhaseFailed("inflight", {ORCH: RequestError(
-                        "FAILED_PRECONDITION", f"WAIT: {active} requests still running after {bound:g}s "
-                                               "(reload_wait_timeout_s); retry, or use ABORT or RECOMPUTE")})
-                time.sleep(_POLL_S)
-            # NOTE: a barrier even with nothing running: no round may be in flight when
-            # graphs or weights change.
-            self._boundary(self.sched.settle, "settle")
-            message = "in-flight requests finished (WAIT)"
-        elif policy == ABORT:
-            message = f"{self._boundary(self.sched.abort_running, 'abort')} requests aborted with their partial output"
-        else:
-            try:
-                n = self._boundary(self.sched.park_running, "park")
-            except _PhaseFailed:
+        what = {WAIT: "wait", ABORT: "abort", RECOMPUTE: "park"}[policy]
+        extra = self.cfg.reload_wait_timeout_s if policy == WAIT else 0.0
+        try:
+            resp = self._boundary(self.sched.drain, what, what, self.cfg.reload_wait_timeout_s, extra_s=extra)
+        except _PhaseFailed:
+            if policy == RECOMPUTE:
                 # The park may still run later: queue its undo behind it (best effort; the
                 # rollback's resume below tries again).
                 threading.Thread(target=self._resume_quietly, name="reload-unpark", daemon=True).start()
-                raise
-            message = f"{n} requests paused, caches released (RECOMPUTE re-prefills them)"
-        self._event("inflight", ORCH, t0, message)
+            raise
+        message = {WAIT: "in-flight requests finished (WAIT)",
+                   ABORT: f"{resp.count} requests aborted with their partial output",
+                   RECOMPUTE: f"{resp.count} requests paused, caches released (RECOMPUTE re-prefills them)"}[policy]
+        self._event("inflight", ORCH, t0, f"admission paused; {message}")
 
-    def _load(self, role: str, in_place: bool) -> Callable[[Any], Any]:
+    def _commit(self) -> None:
         spec = self.spec
-        draft_path = spec.draft_path if role == "draft" else ""
-        return lambda client: client.load_weights(spec.target_path, draft_path, spec.version, in_place=in_place,
-                                                  timeout=self.timeout)
+        # NOTE: every worker's graphs are cleared before any worker's weights are released,
+        # and every release happens before any load (the holds): a graph replays over the
+        # exact weight and cache addresses it was captured with, and workers sharing a GPU
+        # never hold two versions at once. Inside each worker the lifecycle refuses a
+        # release under live graphs.
+        holds = _Holds(len(self.workers), self.timeout) if spec.mode == RECAPTURE else None
+        self.touched.update(self.workers)
+        calls = {r: (lambda c, r=r: self._commit_one(r, c, holds)) for r in self.workers}
+        results: dict[str, Any] = {}
+        failures: dict[str, tuple[str, RequestError]] = {}
 
-    def _recapture(self) -> None:
-        graphs = [r for r, b in self.before.items() if b.graphs]
-        # NOTE: every worker's graphs are cleared before any worker's weights are
-        # released: a graph replays over the exact weight and cache addresses it was
-        # captured with, so freeing them under live graphs reads freed memory. The
-        # phases are barriers (all clears answered before the first release).
-        self._on_workers("clear_graphs", {r: lambda c: c.clear_graphs(timeout=self.timeout) for r in graphs})
-        self._on_workers("release", {r: lambda c: c.release_weights(timeout=self.timeout) for r in self.workers})
-        # NOTE: the draft loads its embedding, final norm and head from the NEW target
-        # checkpoint (same target_path), never keeps the old copy.
-        self._on_workers("load", {r: self._load(r, in_place=False) for r in self.workers})
-        # NOTE: capture only after the load: graphs record the new tensors' addresses.
-        self._on_workers("capture", {r: lambda c: c.capture_graphs(timeout=self.timeout) for r in graphs})
+        def one(role: str) -> None:
+            try:
+                results[role] = calls[role](self.workers[role])
+            except _WorkerFailed as exc:
+                failures[role] = (exc.phase, exc.error)
+                if holds is not None:
+                    holds.fail()
 
-    def _check_serving(self, version: str) -> None:
-        bad = {}
+        with ThreadPoolExecutor(len(calls), thread_name_prefix="reload-commit") as pool:
+            list(pool.map(one, list(calls)))
+        if failures:
+            phase = next(iter(failures.values()))[0]
+            raise _PhaseFailed(phase, {r: e for r, (_, e) in failures.items()})
+        self.known.update({r: st for r, st in results.items() if st is not None})
+
+    def _commit_one(self, role: str, client: Any, holds: _Holds | None) -> Any:
+        spec = self.spec
+        t_phase = [time.monotonic()]
+
+        def on_phase(ev: common_pb2.CommitWeightsEvent) -> None:
+            if ev.phase not in ("held", "done"):
+                self._event(ev.phase, role, t_phase[0], f"state {common_pb2.LifecycleState.Name(ev.status.state)}",
+                            ev.status.weights_version, seconds=ev.seconds)
+            t_phase[0] = time.monotonic()
+
+        try:
+            st = client.commit_weights(spec.version, spec.mode, hold=holds.arrive if holds is not None else None,
+                                       on_phase=on_phase, timeout=self.timeout)
+        except CommitFailed as exc:
+            phase = exc.phase if exc.reported else (_NEXT_PHASE.get(exc.phase, exc.phase)
+                                                    if spec.mode == RECAPTURE else "load")
+            self._event(phase, role, t_phase[0], f"{phase} failed", error=exc.error)
+            raise _WorkerFailed(phase, exc.error) from None
+        if st.state in _SERVING and st.weights_version == spec.version:
+            return st
+        if holds is not None and holds.failed:
+            return None            # stopped at a hold because another worker failed: that one's error says why
+        err = RequestError("DEADLINE_EXCEEDED" if holds is not None else "INTERNAL",
+                           f"{role} stopped at version {st.weights_version!r} (state "
+                           f"{common_pb2.LifecycleState.Name(st.state)}): the workers did not all reach the same "
+                           f"step within reload_call_timeout_s")
+        self._event("load", role, t_phase[0], "commit stopped", error=err)
+        raise _WorkerFailed("load", err)
+
+    def _abort_staged(self) -> None:
+        """Drop what the workers staged (frees preloaded host memory); best effort, failure path only."""
         for role, client in self.workers.items():
             try:
-                st = client.get_status(timeout=self.cfg.worker_timeout_s)
+                client.abort_weights(self.spec.version, timeout=min(self.timeout, self.cfg.worker_timeout_s))
             except RequestError as exc:
-                bad[role] = exc
-                continue
-            if st.state not in _SERVING or st.weights_version != version:
-                bad[role] = RequestError("INTERNAL", f"{role} reports state {common_pb2.LifecycleState.Name(st.state)}"
-                                                     f" version {st.weights_version!r}, expected {version!r}")
-        if bad:
-            raise _PhaseFailed("load", bad)
+                log.warning("abort_weights_failed", service=role, error=exc.message)
 
     def _resume(self, version: str | None) -> None:
         t0 = time.monotonic()
-
         try:
             # NOTE: the target opens a fresh draft stream before the first round
             # (reset_streams): the draft may have been restarted during the reload.
-            n = self._boundary(self.sched.resume_parked, "resume", version)
-            message = f"admission resumed; {n} paused requests re-prefilled and continuing"
+            resp = self._boundary(self.sched.resume_all, "resume", version)
+            self.known["rounds"] = resp.status
+            message = f"admission resumed; {resp.count} paused requests re-prefilled and continuing"
         except _PhaseFailed as failed:
             message = f"admission resumed; {failed}"
-        finally:
             try:
-                self.sched.resume_admission()
+                self.sched.resume_admission()        # the one-call resume failed: at least admission
             except RequestError as exc:
                 message = f"{message}; resuming admission failed: {exc.message}"
                 log.error("resume_admission_failed", error=exc.message)
         self._event("resume", ORCH, t0, message, version or "")
-
-    def _active(self) -> int:
-        try:
-            return self.sched.snapshot()[0]
-        except RequestError as exc:
-            raise _PhaseFailed("inflight", {ORCH: exc}) from None
 
     def _resume_quietly(self) -> None:
         try:
@@ -443,56 +472,50 @@ class _Run:
     # --- rollback ------------------------------------------------------------------------------
     def _rollback(self) -> tuple[bool, str]:
         """Both workers back on their previous version (and graphs): (succeeded, summary)."""
+        self.known.clear()                       # statuses changed again: the gate re-reads them
         if not self.touched:
             return True, "nothing had changed on the workers"
         calls = {r: (lambda c, r=r: self._restore(r, c)) for r in self.workers}
         try:
-            self._on_workers("rollback", calls, touch=False)
+            self._on_workers("rollback", calls)
         except _PhaseFailed as rb:
             where = ", ".join(f"{r}: {e.message}" for r, e in rb.failures.items())
             return False, f"ROLLBACK FAILED ({where})"
         versions = ", ".join(f"{r} {b.version!r}" for r, b in self.before.items())
         return True, f"rolled back: serving the previous version again ({versions})"
 
-    def _status_when_reachable(self, role: str, client: Any) -> Any:
-        """GetStatus, retried while the worker is unreachable (restarting), up to the bound."""
+    def _restore(self, role: str, client: Any, attempts: int = 3) -> Any:
+        """One worker back to its previous version: a worker-local commit of that version (it
+        knows where it came from). Retried while the worker is unreachable (restarting, up to
+        reload_rollback_wait_s) and up to ``attempts`` times otherwise: a load that timed out
+        on our side may still finish on the worker and race the rollback's own commit."""
+        prev = self.before[role]
+        # NOTE: a failed IN_PLACE copy may have changed some tensors already: the previous
+        # version is copied back in place (graphs stay valid), whatever the version label says.
+        mode = IN_PLACE if self.spec.mode == IN_PLACE and prev.version else RECAPTURE
         deadline = time.monotonic() + self.cfg.reload_rollback_wait_s
+        attempt = 0
         while True:
             try:
-                return client.get_status(timeout=min(self.cfg.worker_timeout_s, 5.0))
-            except RequestError as exc:
-                if exc.code != "UNAVAILABLE" or time.monotonic() > deadline:
-                    raise
+                st = client.commit_weights(prev.version, mode, capture=prev.graphs, timeout=self.timeout)
+                if (st.weights_version == prev.version
+                        and (st.state in _SERVING if prev.version else st.state == common_pb2.LIFECYCLE_STATE_EMPTY)):
+                    return st
+                raise _WorkerFailed("rollback", RequestError(
+                    "INTERNAL", f"{role} is at version {st.weights_version!r} after the rollback, "
+                                f"expected {prev.version!r}"))
+            except (CommitFailed, _WorkerFailed) as exc:
+                err = exc.error
+                unreachable = err.code == "UNAVAILABLE" and time.monotonic() < deadline
+                if not unreachable:
+                    attempt += 1
+                    if attempt >= attempts:
+                        raise err from None
+                log.warning("rollback_retry", service=role, attempt=attempt, error=err.message)
                 time.sleep(_RETRY_POLL_S)
 
-    def _restore(self, role: str, client: Any, attempts: int = 3) -> Any:
-        """One worker back to its previous version. Retried (bounded): a load that timed
-        out on our side may still finish on the worker and race the rollback's own load."""
-        prev, t = self.before[role], self.timeout
-        for attempt in range(1, attempts + 1):
-            try:
-                st = self._status_when_reachable(role, client)
-                if prev.version == "":               # held nothing before: hold nothing again
-                    client.clear_graphs(timeout=t)
-                    return client.release_weights(timeout=t)
-                if self.spec.mode == IN_PLACE and role in self.touched and st.state in _SERVING:
-                    # NOTE: a failed copy may have changed some tensors already: copy the previous
-                    # version back in place (graphs stay valid), whatever the version label says.
-                    st = client.load_weights("", "", prev.version, in_place=True, timeout=t)
-                elif not (st.state in _SERVING and st.weights_version == prev.version):
-                    # NOTE: same order as a reload: graphs cleared before weights are released.
-                    client.clear_graphs(timeout=t)
-                    client.release_weights(timeout=t)
-                    st = client.load_weights("", "", prev.version, timeout=t)   # the worker knows the paths
-                if prev.graphs and st.state != _READY:
-                    st = client.capture_graphs(timeout=t)
-                if st.state in _SERVING and st.weights_version == prev.version:
-                    return st
-                raise RequestError("INTERNAL", f"{role} is at version {st.weights_version!r} after the rollback, "
-                                               f"expected {prev.version!r}")
-            except RequestError as exc:
-                if attempt == attempts:
-                    raise
-                log.warning("rollback_retry", service=role, attempt=attempt, error=exc.message)
-                time.sleep(_RETRY_POLL_S)
-        raise AssertionError("unreachable")
+
+class _WorkerFailed(Exception):
+    def __init__(self, phase: str, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.phase, self.error = phase, error

@@ -31,6 +31,7 @@ _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
          grpc.StatusCode.UNKNOWN)
 
+_DRAIN = {"wait": tpb.DRAIN_POLICY_WAIT, "abort": tpb.DRAIN_POLICY_ABORT, "park": tpb.DRAIN_POLICY_PARK}
 
 def stats_from_proto(p: tpb.DecodeStats) -> SeqStats:
     return SeqStats(rounds=p.rounds, drafted=p.drafted, accepted=p.accepted, emitted_in_rounds=p.emitted_in_rounds,
@@ -266,6 +267,17 @@ class RemoteRounds:
 
     def park_running(self, timeout: float | None = None) -> int:
         return self.control(tpb.ROUNDS_ACTION_PARK_RUNNING, timeout).count
+
+    def drain(self, policy: str, wait_timeout_s: float, timeout: float | None = None) -> tpb.ControlRoundsResponse:
+        """A reload's pause in one call: admission paused, running requests settled by ``policy``
+        ("wait" | "abort" | "park"); ``count``: how many were aborted or parked."""
+        return self.control(tpb.ROUNDS_ACTION_DRAIN, timeout, drain=_DRAIN[policy], wait_timeout_s=wait_timeout_s)
+
+    def resume_all(self, version: str | None, timeout: float | None = None,
+                   reset_streams: bool = True) -> tpb.ControlRoundsResponse:
+        """A reload's end in one call: parked requests re-prefilled with ``version``, admission resumed."""
+        return self.control(tpb.ROUNDS_ACTION_RESUME_ALL, timeout, weights_version=version or "",
+                            reset_streams=reset_streams)
 
     def resume_parked(self, version: str | None, timeout: float | None = None, reset_streams: bool = True) -> int:
         return self.control(tpb.ROUNDS_ACTION_RESUME_PARKED, timeout, weights_version=version or "",

@@ -89,7 +89,7 @@ class Orchestrator:
         self._draft = self._make_draft(self.draft_address) if self.draft_address else None
         self._draft_lock = threading.Lock()
         self.reloader = ReloadCoordinator(self.scheduler, self._worker_clients, cfg, refresh=self.poll,
-                                          registry=metrics.registry)
+                                          gate=self.publish_health, registry=metrics.registry)
         self.scheduler.reloading = lambda: self.reloader.active
         self.scheduler.wait_reload = self.reloader.wait_idle
         self.scheduler.resume_wait_s = cfg.reload_rollback_wait_s + 3 * cfg.worker_timeout_s + 10
@@ -147,13 +147,18 @@ class Orchestrator:
         except RequestError as exc:
             return None, exc.message
 
-    def poll(self) -> None:
-        """Refresh model facts, scheduler limits, health and worker gauges from GetStatus."""
+    def poll(self, known: dict[str, Any] | None = None) -> None:
+        """Refresh model facts, scheduler limits, health and worker gauges from GetStatus.
+
+        ``known``: statuses just received another way (a reload's last answers: "target",
+        "draft" WorkerStatus, "rounds" RoundsStatus): used instead of asking again."""
+        known = known or {}
         new = read_address_file(self.cfg.draft_address_file)
         if new and new != self.draft_address:        # draft_address_file names a new draft
             self.set_draft_address(new)
-        t, t_err = self._status(self.target)
-        d, d_err = self._status(self.draft) if self.draft is not None else (None, "")
+        t, t_err = (known["target"], "") if "target" in known else self._status(self.target)
+        d, d_err = (None, "") if self.draft is None else (
+            (known["draft"], "") if "draft" in known else self._status(self.draft))
         target_ok = t is not None and t.state in _SERVING_STATES and t.vocab_size > 0
         draft_ok = d is not None and d.state in _SERVING_STATES
         if target_ok:
@@ -164,7 +169,8 @@ class Orchestrator:
                                     t.weights_version, slots, d.max_k if draft_ok else None,
                                     t.max_position_embeddings, tuple(t.eos_token_ids))
             try:
-                self.rounds = self.scheduler.status(timeout=min(self.cfg.worker_timeout_s, 5.0))
+                self.rounds = known.get("rounds") or self.scheduler.status(timeout=min(self.cfg.worker_timeout_s,
+                                                                                       5.0))
             except RequestError as exc:
                 self.rounds = None
                 log.warning("rounds_status_failed", error=exc.message)
@@ -192,12 +198,17 @@ class Orchestrator:
         # NOTE: a missing draft does not make the orchestrator NOT_SERVING: requests go on
         # target-only (speculation_available / specsplit_speculation_available say so).
         self.target_up = target_ok
-        serving = target_ok and not self.draining and not self.reloader.active
+        self.publish_health()
+        self.metrics.on_workers(t is not None, None if self.draft is None else d is not None)
+        self.metrics.speculation.set(int(self.speculation_available))
+
+    def publish_health(self) -> None:
+        """Health from what is known now (no call): SERVING while the target serves and no
+        reload or shutdown runs."""
+        serving = self.target_up and not self.draining and not self.reloader.active
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
-        self.metrics.on_workers(t is not None, None if self.draft is None else d is not None)
-        self.metrics.speculation.set(int(self.speculation_available))
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -362,7 +373,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def ReloadWeights(self, request: opb.ReloadWeightsRequest, context: grpc.ServicerContext):
         """Streams the reload's events as they happen; ends with the failure's status code."""
         spec = ReloadSpec(request.target_path, request.version, _enum(_MODES, opb.ReloadMode, request.mode),
-                          _enum(_POLICIES, opb.InflightPolicy, request.inflight), request.draft_path)
+                          _enum(_POLICIES, opb.InflightPolicy, request.inflight), request.draft_path, request.preload)
         events: queue.SimpleQueue = queue.SimpleQueue()
         failure: list[ReloadError] = []
 

@@ -39,6 +39,7 @@ _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 _WATCHDOG_POLL_S = 0.05
+_WEIGHTS_MODES = {"recapture": common_pb2.WEIGHTS_MODE_RECAPTURE, "in_place": common_pb2.WEIGHTS_MODE_IN_PLACE}
 
 
 def make_channel(address: str, *, max_message_bytes: int, tls_ca: str | None = None,
@@ -266,8 +267,88 @@ class _WorkerClient:
     def clear_graphs(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
         return self._unary("ClearGraphs", common_pb2.ClearGraphsRequest(), admin=True, timeout=timeout).status
 
+    # --- weight swaps (PrepareWeights / CommitWeights / AbortWeights) -------------------------
+    def prepare_weights(self, target_path: str, draft_path: str, version: str, mode: str, preload: bool = False,
+                        timeout: float | None = None) -> common_pb2.WorkerStatus:
+        req = common_pb2.PrepareWeightsRequest(target_path=target_path, draft_path=draft_path, version=version,
+                                               mode=_WEIGHTS_MODES[mode], preload=preload)
+        return self._unary("PrepareWeights", req, admin=True, timeout=timeout).status
+
+    def abort_weights(self, version: str = "", timeout: float | None = None) -> bool:
+        req = common_pb2.AbortWeightsRequest(version=version)
+        return self._unary("AbortWeights", req, admin=True, timeout=timeout).dropped
+
+    def commit_weights(self, version: str, mode: str, *, capture: bool | None = None,
+                       hold: Callable[[str], bool] | None = None,
+                       on_phase: Callable[[common_pb2.CommitWeightsEvent], None] = lambda ev: None,
+                       timeout: float | None = None) -> common_pb2.WorkerStatus:
+        """Commit ``version`` on the worker: one CommitWeights stream; ``on_phase`` gets each
+        phase as it ends. With ``hold`` (RECAPTURE), the worker stops after clearing its graphs
+        and again after releasing its weights, and ``hold(after)`` decides each time (True: go
+        on; False: stop there, see CommitWeightsResume). Returns the
+        worker's status after the last phase; raises ``CommitFailed`` naming the last phase
+        that ended (the failed one, or the one before the stream broke)."""
+        start = common_pb2.CommitWeightsStart(version=version, mode=_WEIGHTS_MODES[mode],
+                                              hold_after_clear=hold is not None, hold_after_release=hold is not None)
+        if capture is not None:
+            start.capture_graphs = capture
+        for attempt in (0, 1):
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            requests.put(common_pb2.CommitWeightsRequest(start=start))
+
+            def request_iter(q: queue.SimpleQueue = requests) -> Iterator[Any]:
+                while (item := q.get()) is not None:
+                    yield item
+            last: common_pb2.CommitWeightsEvent | None = None
+            stopped = done = False
+            failed: CommitFailed | None = None
+            try:
+                call = self.stub.CommitWeights(request_iter(), timeout=timeout or self.timeout_s,
+                                               metadata=self._admin_md)
+                for ev in call:                          # to the stream's end (the worker ends it after "done"
+                    last = ev                            # or after a failed phase)
+                    if ev.HasField("error"):
+                        failed = CommitFailed(ev.phase, _item_error(self.role, ev.error), reported=True)
+                        continue
+                    on_phase(ev)
+                    if ev.held and hold is not None:
+                        stopped = not hold(ev.after)
+                        requests.put(common_pb2.CommitWeightsRequest(
+                            resume=common_pb2.CommitWeightsResume(proceed=not stopped)))
+                    done = done or ev.phase == "done"
+                if failed is not None:
+                    raise failed
+                if (done or stopped) and last is not None:
+                    return last.status
+                raise CommitFailed(_ended(last), RequestError(
+                    "INTERNAL", f"{self.role} CommitWeights: the stream ended before the commit was done"))
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if (attempt == 0 and last is None and code == grpc.StatusCode.UNAUTHENTICATED
+                        and self._refresh_token()):
+                    continue                             # the worker restarted with a new generated token
+                raise CommitFailed(_ended(last), _rpc_error(self.role, "CommitWeights", exc)) from None
+            finally:
+                requests.put(None)
+        raise AssertionError("unreachable")
+
     def close(self) -> None:
         self._channel.close()
+
+
+def _ended(ev: common_pb2.CommitWeightsEvent | None) -> str:
+    """The last phase that ended by ``ev`` (a held event: the phase it holds after)."""
+    return "" if ev is None else (ev.after if ev.held else ev.phase)
+
+
+class CommitFailed(Exception):
+    """A CommitWeights stream failed. ``reported``: the worker reported the failed phase
+    (``phase``); otherwise the stream broke or ended early and ``phase`` is the last phase
+    that ended before ("" when none did). ``error``: why."""
+
+    def __init__(self, phase: str, error: RequestError, reported: bool = False) -> None:
+        super().__init__(error.message)
+        self.phase, self.error, self.reported = phase, error, reported
 
 
 class TargetClient(_WorkerClient):

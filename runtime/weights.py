@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -93,16 +94,50 @@ def to_device(ops: Ops, arrays: dict[str, np.ndarray]) -> Params:
     return out
 
 
-def copy_in_place(ops: Ops, params: Params, arrays: dict[str, np.ndarray]) -> None:
+class CheckpointArrays(Mapping[str, np.ndarray]):
+    """A validated checkpoint's tensors, read on access (bf16 as raw bits): what an in-place
+    update copies from without holding the whole checkpoint in host memory, and lets the
+    backend stream straight from the files (``Ops.fill_from_files``)."""
+
+    def __init__(self, checked: CheckedCheckpoint) -> None:
+        self.checked = checked
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.checked.names:
+            raise KeyError(name)
+        return checkpoint.read_tensor(self.checked.infos[name], bf16_bits=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checked.names)
+
+    def __len__(self) -> int:
+        return len(self.checked.names)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return tuple(self.checked.infos[name].shape)
+
+
+def copy_in_place(ops: Ops, params: Params, arrays: Mapping[str, np.ndarray]) -> None:
     """Overwrite existing parameter tensors (addresses unchanged, graphs stay valid).
 
-    Refuses before touching anything if a name is missing or a shape differs.
+    Refuses before touching anything if a name is missing or a shape differs. From
+    ``CheckpointArrays`` the backend streams what it can straight from the files
+    (through pinned buffers on CUDA); the rest is read and copied one tensor at a time.
     """
+    shape_of = arrays.shape_of if isinstance(arrays, CheckpointArrays) else (lambda n: tuple(arrays[n].shape))
     for name, tensor in params.items():
         if name not in arrays:
             raise CheckpointError(f"in-place update: tensor {name!r} missing from the new weights")
-        if tuple(arrays[name].shape) != ops.shape(tensor):
-            raise CheckpointError(f"in-place update: tensor {name!r} has shape {list(arrays[name].shape)}, "
+        if shape_of(name) != ops.shape(tensor):
+            raise CheckpointError(f"in-place update: tensor {name!r} has shape {list(shape_of(name))}, "
                                   f"running shape is {list(ops.shape(tensor))}")
+    done: set[str] = set()
+    if isinstance(arrays, CheckpointArrays):
+        infos = arrays.checked.infos
+        names = list(params)
+        filled = ops.fill_from_files([(params[n], str(infos[n].file), infos[n].start, infos[n].end, infos[n].dtype)
+                                      for n in names])
+        done = {n for n, ok in zip(names, filled) if ok}
     for name, tensor in params.items():
-        ops.copy_from_numpy(tensor, arrays[name])
+        if name not in done:
+            ops.copy_from_numpy(tensor, arrays[name])

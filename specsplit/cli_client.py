@@ -112,7 +112,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     with _client(args) as client, progress(desc="reload", unit="phase") as bar:
         try:
             for ev in client.reload_events(args.target_path, args.version, draft_path=args.draft_path or "",
-                                           mode=args.mode, inflight=args.inflight):
+                                           mode=args.mode, inflight=args.inflight, preload=args.preload):
                 if args.json:
                     print(json.dumps(ev.__dict__), flush=True)
                 else:
@@ -259,6 +259,9 @@ def add_client_parsers(sub: Any) -> None:
     p.add_argument("--draft-path", default=None, help="MTP file (default: mtp.safetensors inside target_path)")
     p.add_argument("--mode", default="recapture", choices=("recapture", "in_place"))
     p.add_argument("--inflight", default="wait", choices=("wait", "abort", "recompute"))
+    p.add_argument("--preload", action="store_true",
+                   help="workers read the new tensors into host memory before admission pauses (shorter pause, "
+                        "one checkpoint of host memory per worker)")
     _client_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
 

@@ -35,14 +35,17 @@ from rounds.scheduler import (GenerationRequest, ItemFailures, NullObserver, Req
 from rounds.worker_clients import DraftClient
 from worker.config import WorkerConfig
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
+from core.errors import FailedPrecondition
 from core.wire import ItemError
 from target_service.worker import TargetWorker
 
 log = structlog.get_logger("target.rounds")
 
-STATUS, PAUSE, RESUME, SETTLE, ABORT, PARK, RESUME_PARKED, CONFIGURE = (
+STATUS, PAUSE, RESUME, SETTLE, ABORT, PARK, RESUME_PARKED, CONFIGURE, DRAIN, RESUME_ALL = (
     "status", "pause_admission", "resume_admission", "settle", "abort_running", "park_running", "resume_parked",
-    "configure")
+    "configure", "drain", "resume_all")
+DRAIN_WAIT, DRAIN_ABORT, DRAIN_PARK = "wait", "abort", "park"
+_WAIT_POLL_S = 0.01                 # DRAIN WAIT: how often the running count is looked at
 DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE = 16, 64
 BOUNDARY_TIMEOUT_S = 600.0          # a control action waits this long for a round boundary at most
 
@@ -147,7 +150,7 @@ class RoundHost:
 
     def control(self, action: str, *, weights_version: str = "", draft_address: str = "", max_batch: int = 0,
                 max_queue: int = -1, draft_timeout_s: float = 0.0, reset_streams: bool = False,
-                timeout: float = BOUNDARY_TIMEOUT_S) -> int:
+                drain: str = "", wait_timeout_s: float = 0.0, timeout: float = BOUNDARY_TIMEOUT_S) -> int:
         """Run one control action; returns how many requests it touched (0 for the others)."""
         sched = self.scheduler
         if action == STATUS:
@@ -176,7 +179,40 @@ class RoundHost:
         if action == CONFIGURE:
             self.configure(draft_address, max_batch, max_queue, draft_timeout_s, timeout)
             return 0
+        if action == DRAIN:
+            return self._drain(drain, wait_timeout_s, timeout)
+        if action == RESUME_ALL:
+            try:
+                return self.control(RESUME_PARKED, weights_version=weights_version, reset_streams=reset_streams,
+                                    timeout=timeout)
+            finally:
+                # NOTE: admission resumes even when the re-prefill failed: a reload never
+                # leaves the loop refusing work.
+                sched.resume_admission()
         raise ValueError(f"action: {action!r} is not a known rounds action")
+
+    def _drain(self, policy: str, wait_timeout_s: float, timeout: float) -> int:
+        """A reload's pause: admission paused, then the running requests settled by ``policy``
+        at a round boundary. Returns how many were aborted or parked."""
+        if policy not in (DRAIN_WAIT, DRAIN_ABORT, DRAIN_PARK):
+            raise ValueError(f"drain: {policy!r} is not one of WAIT, ABORT, PARK (required with DRAIN)")
+        if not 0.0 <= wait_timeout_s <= 86400:
+            raise ValueError(f"wait_timeout_s: {wait_timeout_s:g} is not in [0, 86400]")
+        sched = self.scheduler
+        sched.pause_admission()
+        if policy == DRAIN_ABORT:
+            return int(self._boundary(sched.abort_running, timeout))
+        if policy == DRAIN_PARK:
+            return int(self._boundary(sched.park_running, timeout))
+        deadline = time.monotonic() + wait_timeout_s
+        while (active := sched.snapshot()[0]) > 0:
+            if time.monotonic() > deadline:
+                raise FailedPrecondition(f"WAIT: {active} requests still running after {wait_timeout_s:g}s")
+            time.sleep(_WAIT_POLL_S)
+        # NOTE: a barrier even with nothing running: no round may be in flight when
+        # graphs or weights change.
+        self._boundary(lambda: None, timeout)
+        return 0
 
     def configure(self, draft_address: str, max_batch: int, max_queue: int, draft_timeout_s: float,
                   timeout: float = BOUNDARY_TIMEOUT_S) -> None:

@@ -28,8 +28,8 @@ from worker.service import (WorkerService, WorkerServicerMixin, decode_items, ne
 from specsplit.v1 import common_pb2
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
-from target_service.rounds import (ABORT, CONFIGURE, PARK, PAUSE, RESUME, RESUME_PARKED, SETTLE, STATUS, RoundHost,
-                                   RoundsState)
+from target_service.rounds import (ABORT, CONFIGURE, DRAIN, DRAIN_ABORT, DRAIN_PARK, DRAIN_WAIT, PARK, PAUSE, RESUME,
+                                   RESUME_ALL, RESUME_PARKED, SETTLE, STATUS, RoundHost, RoundsState)
 from target_service.worker import TargetWorker
 
 SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TargetService"].full_name   # "specsplit.v1.TargetService"
@@ -61,7 +61,9 @@ def _verify_output(res: VerifyResult) -> dict[str, Any]:
 _ACTIONS = {tpb.ROUNDS_ACTION_STATUS: STATUS, tpb.ROUNDS_ACTION_PAUSE_ADMISSION: PAUSE,
             tpb.ROUNDS_ACTION_RESUME_ADMISSION: RESUME, tpb.ROUNDS_ACTION_SETTLE: SETTLE,
             tpb.ROUNDS_ACTION_ABORT_RUNNING: ABORT, tpb.ROUNDS_ACTION_PARK_RUNNING: PARK,
-            tpb.ROUNDS_ACTION_RESUME_PARKED: RESUME_PARKED, tpb.ROUNDS_ACTION_CONFIGURE: CONFIGURE}
+            tpb.ROUNDS_ACTION_RESUME_PARKED: RESUME_PARKED, tpb.ROUNDS_ACTION_CONFIGURE: CONFIGURE,
+            tpb.ROUNDS_ACTION_DRAIN: DRAIN, tpb.ROUNDS_ACTION_RESUME_ALL: RESUME_ALL}
+_DRAIN = {tpb.DRAIN_POLICY_WAIT: DRAIN_WAIT, tpb.DRAIN_POLICY_ABORT: DRAIN_ABORT, tpb.DRAIN_POLICY_PARK: DRAIN_PARK}
 EVENT_POLL_S = 0.25                # how often a Decode handler checks that its caller is still there
 
 
@@ -171,7 +173,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
             action, weights_version=request.weights_version, draft_address=request.draft_address,
             max_batch=request.max_batch, max_queue=request.max_queue if request.action == tpb.ROUNDS_ACTION_CONFIGURE
             else -1, draft_timeout_s=request.draft_timeout_s, reset_streams=request.reset_streams,
-            timeout=max(timeout, 0.1)))
+            drain=_DRAIN.get(request.drain, ""), wait_timeout_s=request.wait_timeout_s, timeout=max(timeout, 0.1)))
         if action != STATUS:
             self.log.info("rounds_control", action=action, count=count)
         return tpb.ControlRoundsResponse(count=count, status=_rounds_proto(self.rounds.state()))

@@ -32,7 +32,7 @@ class TargetWorker(Worker):
     role, metrics_cls = "target", TargetMetrics
 
     # --- Worker hooks ----------------------------------------------------------
-    def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
+    def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
         return check_target(target, running)             # draft_path is the draft's business
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> TargetEngine:

@@ -8,7 +8,8 @@ right order (all on the worker's one device thread), running a batched step
 ``<step>`` runs the rest as one batch, per-item errors through ``core.wire``),
 request release, the ``WorkerStatus`` record, the checkpoint-path policy, and
 where recent weight versions came from (so a rollback can reload the previous
-version by its tag). A role (``draft_service.worker``, ``target_service.worker``)
+version by its tag). A reload's staged swap (prepare, commit, abort) is
+``worker.swap``, built on these transitions. A role (``draft_service.worker``, ``target_service.worker``)
 adds only its checkpoint rules, its engine constructor, its metrics and the
 names of its steps.
 
@@ -24,7 +25,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import structlog
@@ -36,11 +37,12 @@ from runtime.backends import make_ops
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig, RuntimeConfig
 from worker.config import WorkerConfig
+from worker.swap import WeightSwaps
 from runtime.device_thread import DeviceThread
 from runtime.graphs import GraphRegistry
 from runtime.lifecycle import (CAPTURE_GRAPHS, CLEAR_GRAPHS, LOAD_WEIGHTS, LOAD_WEIGHTS_IN_PLACE, RELEASE_WEIGHTS,
                                Lifecycle, State)
-from runtime.weights import CheckedCheckpoint, copy_in_place, read_arrays, to_device
+from runtime.weights import CheckedCheckpoint, CheckpointArrays, copy_in_place, read_arrays, to_device
 
 MAX_KEPT_SOURCES = 4     # weights sources a worker remembers for rollback (LoadWeights with empty target_path)
 
@@ -105,13 +107,14 @@ class Worker:
         self.model_cfg: ModelConfig | None = None
         self.weights_version = ""
         self._pool_bytes = 0
-        self._check_path = lambda p: check_checkpoint_path(p, cfg.security.checkpoint_roots)
+        self.check_path = lambda p: check_checkpoint_path(p, cfg.security.checkpoint_roots)
         # version -> (target_path, draft_path) of the last MAX_KEPT_SOURCES loads, newest
         # last: what a rollback reloads (LoadWeights with an empty target_path).
         self._sources: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self.swaps = WeightSwaps(self)          # PrepareWeights / CommitWeights / AbortWeights
 
     # --- role hooks ----------------------------------------------------------
-    def _checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
+    def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
         """Validate the role's checkpoint from headers only (no tensor data read)."""
         raise NotImplementedError
 
@@ -152,8 +155,8 @@ class Worker:
         for a wrong state. On any failure the previous weights, version and state are intact.
         """
         if not target_path:
-            target_path, draft_path, version = self._known_source(version)
-        target = self._check_path(target_path)          # ValueError outside the configured roots
+            target_path, draft_path, version = self.known_source(version)
+        target = self.check_path(target_path)          # ValueError outside the configured roots
         version = version or target_path
         action = LOAD_WEIGHTS_IN_PLACE if in_place else LOAD_WEIGHTS
         if not validate_only:
@@ -161,30 +164,49 @@ class Worker:
         # NOTE: validate the whole checkpoint (config, every name/shape/dtype) from
         # the headers before any live weight is touched: a bad checkpoint must leave
         # the running weights and graphs exactly as they were.
-        checked = self._checkpoint(target, draft_path, self.model_cfg if in_place else None)
+        checked = self.validate_checkpoint(target, draft_path, self.model_cfg if in_place else None)
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        # Read the new checkpoint into host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
-        # both backends reinterpret them on the device and cast there.
-        arrays = read_arrays(checked, bf16_bits=True)
+        # NOTE: an in-place update streams the tensors (read on access, straight from the files
+        # through pinned buffers where the backend can); a new load reads them all first.
+        arrays = CheckpointArrays(checked) if in_place else self.read_weights(checked)
+        self.apply_weights(checked, arrays, version, in_place, (target_path, draft_path))
+
+    def read_weights(self, checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
+        """A validated checkpoint's tensors in host memory (on the caller's thread: serving goes
+        on meanwhile). bf16 stays raw bits (no float32 host copy): both backends reinterpret
+        them on the device and cast there."""
+        return read_arrays(checked, bf16_bits=True)
+
+    def apply_weights(self, checked: CheckedCheckpoint, arrays: Mapping[str, np.ndarray], version: str,
+                      in_place: bool, source: tuple[str, str]) -> None:
+        """Make the tensors of a validated checkpoint the live weights (one lifecycle transition
+        on the device thread): a new load (EMPTY -> LOADED; ``arrays`` read into host memory,
+        consumed) or a copy into the live tensors (``arrays`` may be ``CheckpointArrays``,
+        read as it goes); ``source`` (target_path, draft_path) is remembered for rollbacks."""
+        action = LOAD_WEIGHTS_IN_PLACE if in_place else LOAD_WEIGHTS
+
         def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
             else:
                 self.lifecycle.apply(action, lambda: self._install(checked.cfg, arrays, version), version)
             self._sources.pop(version, None)
-            self._sources[version] = (target_path, draft_path)
+            self._sources[version] = source
             while len(self._sources) > MAX_KEPT_SOURCES:
                 self._sources.popitem(last=False)
 
-        self.device.run(apply)
-        # NOTE: after the new weights are live and the host arrays are gone (to_device /
-        # copy_in_place consumed them): give the freed host pages back (runtime/host_memory.py).
-        del arrays
-        host_memory.trim()
+        try:
+            self.device.run(apply)
+        finally:
+            # NOTE: after the new weights are live and the host arrays are gone (to_device /
+            # copy_in_place consumed them): give the freed host pages back (runtime/host_memory.py).
+            if isinstance(arrays, dict):
+                arrays.clear()
+            host_memory.trim()
 
-    def _known_source(self, version: str) -> tuple[str, str, str]:
+    def known_source(self, version: str) -> tuple[str, str, str]:
         """(target_path, draft_path, version) of weights loaded here earlier as ``version``.
 
         An empty target_path in LoadWeights means "reload version X from where it came
@@ -201,7 +223,7 @@ class Worker:
         target_path, draft_path = self._sources[version]
         return target_path, draft_path, version
 
-    def _copy_in_place(self, new_cfg: ModelConfig, arrays: dict[str, np.ndarray], version: str) -> None:
+    def _copy_in_place(self, new_cfg: ModelConfig, arrays: Mapping[str, np.ndarray], version: str) -> None:
         diff = [f for f in self.model_cfg.compatible_with(new_cfg) if f != "torch_dtype"]
         if diff:
             raise CheckpointError(f"in-place update: config differs from the running model in {diff}")

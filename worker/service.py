@@ -3,7 +3,7 @@ lifecycle / status / release RPC handlers, a worker's status as a proto, and sta
 worker service.
 
 Owns: ``bind_health``, ``WorkerServicerMixin`` (LoadWeights, ReleaseWeights, CaptureGraphs,
-ClearGraphs, GetStatus, Release, the error handling of every worker RPC and the persistent
+ClearGraphs, PrepareWeights / CommitWeights / AbortWeights, GetStatus, Release, the error handling of every worker RPC and the persistent
 batched round stream), per-item decoding and result messages (``decode_items``, ``result_proto``),
 ``status_to_proto`` / ``state_to_proto``, ``new_worker``, ``WorkerService`` and
 ``start_worker_service``.
@@ -14,6 +14,8 @@ Errors become status codes through ``core.wire`` (the one map).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -30,6 +32,7 @@ from runtime.lifecycle import State
 from specsplit.v1 import common_pb2 as pb
 from worker.base import Worker, WorkerStatus
 from worker.config import WorkerConfig
+from worker.swap import CLEAR, IN_PLACE, RECAPTURE, RELEASE
 
 
 # --- health follows the lifecycle ---------------------------------------------------
@@ -153,6 +156,66 @@ class WorkerServicerMixin:
         self._run(context, "ClearGraphs", self.worker.clear_graphs)
         return pb.ClearGraphsResponse(status=self._status())
 
+    # --- weight swaps (the orchestrator's reload: prepare both, commit both) ---------------
+    def PrepareWeights(self, request: pb.PrepareWeightsRequest,
+                       context: grpc.ServicerContext) -> pb.PrepareWeightsResponse:
+        self._run(context, "PrepareWeights", lambda: self.worker.swaps.prepare(
+            request.target_path, request.draft_path, request.version, _weights_mode(request.mode), request.preload))
+        return pb.PrepareWeightsResponse(status=self._status())
+
+    def AbortWeights(self, request: pb.AbortWeightsRequest, context: grpc.ServicerContext) -> pb.AbortWeightsResponse:
+        dropped = self._run(context, "AbortWeights", lambda: self.worker.swaps.abort(request.version))
+        return pb.AbortWeightsResponse(dropped=dropped, status=self._status())
+
+    def CommitWeights(self, request_iterator: Iterator[pb.CommitWeightsRequest],
+                      context: grpc.ServicerContext) -> Iterator[pb.CommitWeightsEvent]:
+        """One event per phase as it ends; a ``held`` event waits for the caller's ``resume``."""
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("start"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first CommitWeights message must be `start`")
+        st = first.start
+        steps = self._run(context, "CommitWeights", lambda: self.worker.swaps.commit(
+            st.version, _weights_mode(st.mode), st.capture_graphs if st.HasField("capture_graphs") else None,
+            tuple(h for h, on in ((CLEAR, st.hold_after_clear), (RELEASE, st.hold_after_release)) if on)))
+        events: queue.SimpleQueue = queue.SimpleQueue()
+
+        def drive() -> None:
+            # NOTE: the phases run on this thread to the end whatever the caller does: a
+            # commit never stops half-way because its caller left (a hold it no longer
+            # answers means "stop", see worker.swap.Commit).
+            answer = None
+            try:
+                while True:
+                    phase = steps.send(answer)
+                    answer = None
+                    events.put((phase, self._status()))
+                    if phase.held:
+                        answer = _resume_answer(request_iterator)
+            except StopIteration:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported as the stream's status
+                events.put(exc)
+            finally:
+                events.put(None)
+
+        threading.Thread(target=drive, name=f"{self.worker.role}-commit", daemon=True).start()
+        while (item := events.get()) is not None:
+            if isinstance(item, Exception):
+                context.abort(wire.status_code_for(item), wire.error_message(item))
+            phase, status = item
+            ev = pb.CommitWeightsEvent(phase=phase.name, seconds=phase.seconds, status=status, held=phase.held,
+                                       after=phase.after)
+            if phase.error is not None:
+                err = wire.item_error_for(phase.error)
+                level = self.log.exception if err.code == grpc.StatusCode.INTERNAL else self.log.warning
+                level("commit_phase_failed", phase=phase.name, code=err.code.name, error=err.message,
+                      exc_info=phase.error)
+                ev.error.CopyFrom(wire.item_error_to_proto(err))
+            else:
+                self.log.info("commit_phase", phase=phase.name, seconds=round(phase.seconds, 4),
+                              weights_version=status.weights_version)
+            yield ev
+
     def GetStatus(self, request: pb.GetStatusRequest, context: grpc.ServicerContext) -> pb.GetStatusResponse:
         return pb.GetStatusResponse(status=self._run(context, "GetStatus", self._status))
 
@@ -161,6 +224,26 @@ class WorkerServicerMixin:
         if released:
             self.log.info("released", request_ids=released)
         return pb.ReleaseResponse(released=released)
+
+
+_WEIGHTS_MODES = {pb.WEIGHTS_MODE_RECAPTURE: RECAPTURE, pb.WEIGHTS_MODE_IN_PLACE: IN_PLACE}
+
+
+def _weights_mode(value: int) -> str:
+    mode = _WEIGHTS_MODES.get(value)
+    if mode is None:
+        raise ValueError(f"mode: {value} is not RECAPTURE or IN_PLACE (required)")
+    return mode
+
+
+def _resume_answer(request_iterator: Iterator[pb.CommitWeightsRequest]) -> bool:
+    """The caller's answer to a hold: True only for ``resume`` with ``proceed``; an ended or
+    broken stream is "stop"."""
+    try:
+        msg = next(request_iterator, None)
+    except Exception:  # noqa: BLE001 - the caller left (cancelled, deadline): stop
+        return False
+    return msg is not None and msg.HasField("resume") and msg.resume.proceed
 
 
 # --- starting a worker service ------------------------------------------------------------

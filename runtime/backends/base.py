@@ -58,6 +58,11 @@ class Ops(Protocol):
         """In-place copy (dst keeps its address). Shapes must match."""
     def copy_from_numpy(self, dst: Tensor, arr: np.ndarray) -> None:
         """Host array straight into an existing device tensor (one copy, address kept)."""
+    def fill_from_files(self, items: list[tuple[Tensor, str, int, int, str]]) -> list[bool]:
+        """Stream raw checkpoint bytes straight into existing tensors: each item is (dst, file,
+        start, end, safetensors dtype). Returns, per item, whether it was filled here (True:
+        bytes [start, end) of the file are now ``dst``, address kept); items this backend has
+        no direct path for (another dtype, a CPU device) are left to the caller."""
     def host_mirror(self, dst: Tensor) -> Any:
         """A host twin of an int64 / float32 device buffer: ``.array()`` -> the numpy array to
         fill, ``.upload()`` copies it into ``dst`` (asynchronously from pinned memory on CUDA;

@@ -1,12 +1,15 @@
 """Torch implementation of the ops layer (see ``base.py`` for semantics).
 
 Owns: every ``torch`` call the model family makes, the pinned host staging
-ring for host->device step inputs and the pinned read-back of step outputs
-(one stream sync for several tensors), and the device sampler
+ring for host->device step inputs, the pinned read-back of step outputs
+(one stream sync for several tensors), streaming checkpoint bytes into
+tensors through pinned chunks (``fill_from_files``), and the device sampler
 (``torch_sampling.py``). Must not know models, requests or gRPC.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +23,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _STAGE_SLOTS = 8            # pinned staging buffers in the ring (uploads in flight at once)
 _STAGE_BYTES = 1 << 20      # larger uploads (weights) take the plain synchronous path
+_FILL_CHUNK, _FILL_SLOTS = 32 << 20, 3   # fill_from_files: pinned chunk buffers (96 MiB while it runs)
+_ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 class _StageRing:
@@ -47,6 +52,41 @@ class _StageRing:
         dst.copy_(stage, non_blocking=True)
         self.events[i].record()
         self.used[i] = True
+
+
+class _FileFill:
+    """Streams file bytes into device tensors through a few pinned chunk buffers.
+
+    Each chunk is read from the file into a pinned buffer, then copied to the device
+    asynchronously, so reading the next chunk overlaps the copy of this one (a
+    checkpoint's in-place update costs about its read time).
+    NOTE: a buffer is refilled only after the event behind its last copy completed
+    (the copy reads it asynchronously).
+    """
+
+    def __init__(self) -> None:
+        self.bufs = [torch.empty(_FILL_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(_FILL_SLOTS)]
+        self.views = [memoryview(b.numpy()) for b in self.bufs]
+        self.events = [torch.cuda.Event() for _ in range(_FILL_SLOTS)]
+        self.used = [False] * _FILL_SLOTS
+        self.next = 0
+
+    def fill(self, dst: torch.Tensor, f: Any, start: int, nbytes: int, name: str) -> None:
+        flat = dst.view(-1).view(torch.uint8)
+        f.seek(start)
+        off = 0
+        while off < nbytes:
+            i = self.next
+            self.next = (i + 1) % _FILL_SLOTS
+            if self.used[i]:
+                self.events[i].synchronize()
+            n = min(_FILL_CHUNK, nbytes - off)
+            if f.readinto(self.views[i][:n]) != n:
+                raise ValueError(f"{name}: tensor data truncated")
+            flat[off:off + n].copy_(self.bufs[i][:n], non_blocking=True)
+            self.events[i].record()
+            self.used[i] = True
+            off += n
 
 
 class _PinnedMirror:
@@ -135,6 +175,24 @@ class TorchOps:
             self._ring.upload(dst, src)
             return
         dst.copy_(src.to(dst.dtype), non_blocking=False)
+
+    def fill_from_files(self, items):
+        ok = [self._dev.type == "cuda" and dst.is_contiguous() and _ST_TORCH.get(dt) == dst.dtype
+              and dst.numel() * dst.element_size() == end - start for dst, _, start, end, dt in items]
+        if not any(ok):
+            return ok
+        ring, files = _FileFill(), {}
+        try:
+            for (dst, path, start, end, _), direct in zip(items, ok):
+                if direct:
+                    if path not in files:
+                        files[path] = open(path, "rb", buffering=0)
+                    ring.fill(dst, files[path], start, end - start, path)
+            torch.cuda.current_stream().synchronize()      # the pinned buffers go when this returns
+        finally:
+            for f in files.values():
+                f.close()
+        return ok
 
     def host_mirror(self, dst):
         if self._dev.type == "cuda" and dst.dtype in (torch.int64, torch.float32):

@@ -111,6 +111,40 @@ LIFECYCLE_STATE_READY: LifecycleState.ValueType  # 3
 """Weights loaded and CUDA graphs captured."""
 Global___LifecycleState: _TypeAlias = LifecycleState  # noqa: Y015
 
+class _WeightsMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightsModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightsMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHTS_MODE_UNSPECIFIED: _WeightsMode.ValueType  # 0
+    WEIGHTS_MODE_RECAPTURE: _WeightsMode.ValueType  # 1
+    """Clear graphs -> release the old weights -> load the new ones -> capture
+    graphs again (where they were live), in that order, inside the worker.
+    """
+    WEIGHTS_MODE_IN_PLACE: _WeightsMode.ValueType  # 2
+    """Copy the new values into the live tensors (addresses kept, graphs stay
+    valid). Needs loaded weights and a checkpoint of the same shapes.
+    """
+
+class WeightsMode(_WeightsMode, metaclass=_WeightsModeEnumTypeWrapper):
+    """--- weight swaps owned by the worker (the orchestrator's reload: prepare both,
+    commit both; DESIGN § Worker lifecycle) ---------------------------------------
+
+    How new weights replace the serving ones.
+    """
+
+WEIGHTS_MODE_UNSPECIFIED: WeightsMode.ValueType  # 0
+WEIGHTS_MODE_RECAPTURE: WeightsMode.ValueType  # 1
+"""Clear graphs -> release the old weights -> load the new ones -> capture
+graphs again (where they were live), in that order, inside the worker.
+"""
+WEIGHTS_MODE_IN_PLACE: WeightsMode.ValueType  # 2
+"""Copy the new values into the live tensors (addresses kept, graphs stay
+valid). Needs loaded weights and a checkpoint of the same shapes.
+"""
+Global___WeightsMode: _TypeAlias = WeightsMode  # noqa: Y015
+
 @_typing.final
 class Tensor(_message.Message):
     """A dense tensor: row-major, little-endian `data` of exactly
@@ -512,6 +546,272 @@ class ClearGraphsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearGraphsResponse: _TypeAlias = ClearGraphsResponse  # noqa: Y015
+
+@_typing.final
+class PrepareWeightsRequest(_message.Message):
+    """Validate and stage new weights; nothing live changes. The checkpoint's
+    headers are read once here (config, every name, shape and dtype; the draft
+    checks its MTP file against the new target's sizes); the commit uses them.
+    One staged version per worker: a new Prepare replaces it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_PATH_FIELD_NUMBER: _builtins.int
+    DRAFT_PATH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    PRELOAD_FIELD_NUMBER: _builtins.int
+    target_path: _builtins.str
+    """Target checkpoint directory (Hugging Face layout), under the checkpoint
+    roots. Required.
+    """
+    draft_path: _builtins.str
+    """MTP file; empty means `mtp.safetensors` inside target_path. Draft only."""
+    version: _builtins.str
+    """Version tag of the new weights. Required; INVALID_ARGUMENT when it is
+    the version this worker serves.
+    """
+    mode: Global___WeightsMode.ValueType
+    """Required. IN_PLACE is FAILED_PRECONDITION when the worker holds no
+    weights or the new config does not fit the running tensors.
+    """
+    preload: _builtins.bool
+    """Also read the tensors into host memory now, while serving goes on, so
+    the commit only copies them to the device (costs the checkpoint's size
+    in host memory until the commit or AbortWeights).
+    """
+    def __init__(
+        self,
+        *,
+        target_path: _builtins.str = ...,
+        draft_path: _builtins.str = ...,
+        version: _builtins.str = ...,
+        mode: Global___WeightsMode.ValueType = ...,
+        preload: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_path", b"draft_path", "mode", b"mode", "preload", b"preload", "target_path", b"target_path", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareWeightsRequest: _TypeAlias = PrepareWeightsRequest  # noqa: Y015
+
+@_typing.final
+class PrepareWeightsResponse(_message.Message):
+    """`status` is the worker as it is (the state and version a rollback returns to)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def status(self) -> Global___WorkerStatus: ...
+    def __init__(
+        self,
+        *,
+        status: Global___WorkerStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareWeightsResponse: _TypeAlias = PrepareWeightsResponse  # noqa: Y015
+
+@_typing.final
+class CommitWeightsStart(_message.Message):
+    """A commit is one bidirectional stream: the first message is `start`. With
+    `start.hold_after_clear` the worker, once its graphs are cleared, sends an
+    event with `held` = true and waits for `resume` before releasing anything;
+    `hold_after_release` does the same between the release and the load. So an
+    orchestrator can clear every worker's graphs before any worker releases
+    weights, and release all before any loads (one GPU shared by two workers
+    never holds two versions). The stream ends after the `done` event or the
+    first event with an `error`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    CAPTURE_GRAPHS_FIELD_NUMBER: _builtins.int
+    HOLD_AFTER_CLEAR_FIELD_NUMBER: _builtins.int
+    HOLD_AFTER_RELEASE_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """The prepared version; or a version this worker loaded before (it keeps
+    the paths of its last 4): how a failed reload rolls back. Empty with
+    RECAPTURE: hold no weights afterwards (the worker held none before).
+    """
+    mode: Global___WeightsMode.ValueType
+    """Required; must be the prepared mode for a prepared version."""
+    capture_graphs: _builtins.bool
+    """Graphs live after the commit; unset: as they were before it."""
+    hold_after_clear: _builtins.bool
+    """RECAPTURE only (INVALID_ARGUMENT with IN_PLACE)."""
+    hold_after_release: _builtins.bool
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        mode: Global___WeightsMode.ValueType = ...,
+        capture_graphs: _builtins.bool | None = ...,
+        hold_after_clear: _builtins.bool = ...,
+        hold_after_release: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs", "capture_graphs", b"capture_graphs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs", "capture_graphs", b"capture_graphs", "hold_after_clear", b"hold_after_clear", "hold_after_release", b"hold_after_release", "mode", b"mode", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__capture_graphs: _TypeAlias = _typing.Literal["capture_graphs"]  # noqa: Y015
+    _WhichOneofArgType__capture_graphs: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__capture_graphs) -> _WhichOneofReturnType__capture_graphs | None: ...
+
+Global___CommitWeightsStart: _TypeAlias = CommitWeightsStart  # noqa: Y015
+
+@_typing.final
+class CommitWeightsResume(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROCEED_FIELD_NUMBER: _builtins.int
+    proceed: _builtins.bool
+    """false: go no further. Held after the clear: the graphs are captured
+    again and the old weights kept; after the release: the worker stays
+    without weights (a commit of the previous version restores it).
+    """
+    def __init__(
+        self,
+        *,
+        proceed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proceed", b"proceed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitWeightsResume: _TypeAlias = CommitWeightsResume  # noqa: Y015
+
+@_typing.final
+class CommitWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> Global___CommitWeightsStart: ...
+    @_builtins.property
+    def resume(self) -> Global___CommitWeightsResume: ...
+    def __init__(
+        self,
+        *,
+        start: Global___CommitWeightsStart | None = ...,
+        resume: Global___CommitWeightsResume | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume", "start", b"start", "step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume", "start", b"start", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_step: _TypeAlias = _typing.Literal["start", "resume"]  # noqa: Y015
+    _WhichOneofArgType_step: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_step) -> _WhichOneofReturnType_step | None: ...
+
+Global___CommitWeightsRequest: _TypeAlias = CommitWeightsRequest  # noqa: Y015
+
+@_typing.final
+class CommitWeightsEvent(_message.Message):
+    """One phase of the commit, when it ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PHASE_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    phase: _builtins.str
+    """"clear_graphs", "release", "load" (RECAPTURE: a new load; IN_PLACE: the
+    copy), "capture", "held", "done".
+    """
+    seconds: _builtins.float
+    held: _builtins.bool
+    """Waiting for CommitWeightsResume (phase "held")."""
+    after: _builtins.str
+    """A held event: the phase it holds after ("clear_graphs" or "release")."""
+    @_builtins.property
+    def status(self) -> Global___WorkerStatus:
+        """The worker after this phase."""
+
+    @_builtins.property
+    def error(self) -> Global___ItemError:
+        """This phase failed (nothing after it ran); the stream ends here."""
+
+    def __init__(
+        self,
+        *,
+        phase: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+        status: Global___WorkerStatus | None = ...,
+        held: _builtins.bool = ...,
+        error: Global___ItemError | None = ...,
+        after: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "error", b"error", "held", b"held", "phase", b"phase", "seconds", b"seconds", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitWeightsEvent: _TypeAlias = CommitWeightsEvent  # noqa: Y015
+
+@_typing.final
+class AbortWeightsRequest(_message.Message):
+    """Drop the staged weights of `version` (empty: whatever is staged); frees the
+    host memory a preload took. Idempotent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortWeightsRequest: _TypeAlias = AbortWeightsRequest  # noqa: Y015
+
+@_typing.final
+class AbortWeightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.bool
+    """A staged version was dropped."""
+    @_builtins.property
+    def status(self) -> Global___WorkerStatus: ...
+    def __init__(
+        self,
+        *,
+        dropped: _builtins.bool = ...,
+        status: Global___WorkerStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortWeightsResponse: _TypeAlias = AbortWeightsResponse  # noqa: Y015
 
 @_typing.final
 class GetStatusRequest(_message.Message):

@@ -75,6 +75,21 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_common__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.PrepareWeights = channel.unary_unary(
+                '/specsplit.v1.DraftService/PrepareWeights',
+                request_serializer=specsplit_dot_v1_dot_common__pb2.PrepareWeightsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.PrepareWeightsResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.stream_stream(
+                '/specsplit.v1.DraftService/CommitWeights',
+                request_serializer=specsplit_dot_v1_dot_common__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.CommitWeightsEvent.FromString,
+                _registered_method=True)
+        self.AbortWeights = channel.unary_unary(
+                '/specsplit.v1.DraftService/AbortWeights',
+                request_serializer=specsplit_dot_v1_dot_common__pb2.AbortWeightsRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_common__pb2.AbortWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -133,6 +148,27 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareWeights(self, request, context):
+        """Weight swaps owned by the worker (the orchestrator's reload): validate and
+        stage; apply in order (clear graphs, release, load, capture) or copy in
+        place; drop what was staged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +211,21 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=specsplit_dot_v1_dot_common__pb2.GetStatusRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_common__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'PrepareWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareWeights,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.PrepareWeightsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.PrepareWeightsResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.stream_stream_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.CommitWeightsEvent.SerializeToString,
+            ),
+            'AbortWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeights,
+                    request_deserializer=specsplit_dot_v1_dot_common__pb2.AbortWeightsRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_common__pb2.AbortWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +444,87 @@ class DraftService:
             '/specsplit.v1.DraftService/GetStatus',
             specsplit_dot_v1_dot_common__pb2.GetStatusRequest.SerializeToString,
             specsplit_dot_v1_dot_common__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.DraftService/PrepareWeights',
+            specsplit_dot_v1_dot_common__pb2.PrepareWeightsRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.PrepareWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.DraftService/CommitWeights',
+            specsplit_dot_v1_dot_common__pb2.CommitWeightsRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.CommitWeightsEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.DraftService/AbortWeights',
+            specsplit_dot_v1_dot_common__pb2.AbortWeightsRequest.SerializeToString,
+            specsplit_dot_v1_dot_common__pb2.AbortWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,13 @@ class DraftServiceStub:
     CaptureGraphs: _grpc.UnaryUnaryMultiCallable[_common_pb2.CaptureGraphsRequest, _common_pb2.CaptureGraphsResponse]
     ClearGraphs: _grpc.UnaryUnaryMultiCallable[_common_pb2.ClearGraphsRequest, _common_pb2.ClearGraphsResponse]
     GetStatus: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _common_pb2.GetStatusResponse]
+    PrepareWeights: _grpc.UnaryUnaryMultiCallable[_common_pb2.PrepareWeightsRequest, _common_pb2.PrepareWeightsResponse]
+    """Weight swaps owned by the worker (the orchestrator's reload): validate and
+    stage; apply in order (clear graphs, release, load, capture) or copy in
+    place; drop what was staged.
+    """
+    CommitWeights: _grpc.StreamStreamMultiCallable[_common_pb2.CommitWeightsRequest, _common_pb2.CommitWeightsEvent]
+    AbortWeights: _grpc.UnaryUnaryMultiCallable[_common_pb2.AbortWeightsRequest, _common_pb2.AbortWeightsResponse]
 
 @_typing.type_check_only
 class DraftServiceAsyncStub(DraftServiceStub):
@@ -64,6 +71,13 @@ class DraftServiceAsyncStub(DraftServiceStub):
     CaptureGraphs: _aio.UnaryUnaryMultiCallable[_common_pb2.CaptureGraphsRequest, _common_pb2.CaptureGraphsResponse]  # type: ignore[assignment]
     ClearGraphs: _aio.UnaryUnaryMultiCallable[_common_pb2.ClearGraphsRequest, _common_pb2.ClearGraphsResponse]  # type: ignore[assignment]
     GetStatus: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatusRequest, _common_pb2.GetStatusResponse]  # type: ignore[assignment]
+    PrepareWeights: _aio.UnaryUnaryMultiCallable[_common_pb2.PrepareWeightsRequest, _common_pb2.PrepareWeightsResponse]  # type: ignore[assignment]
+    """Weight swaps owned by the worker (the orchestrator's reload): validate and
+    stage; apply in order (clear graphs, release, load, capture) or copy in
+    place; drop what was staged.
+    """
+    CommitWeights: _aio.StreamStreamMultiCallable[_common_pb2.CommitWeightsRequest, _common_pb2.CommitWeightsEvent]  # type: ignore[assignment]
+    AbortWeights: _aio.UnaryUnaryMultiCallable[_common_pb2.AbortWeightsRequest, _common_pb2.AbortWeightsResponse]  # type: ignore[assignment]
 
 class DraftServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -127,5 +141,30 @@ class DraftServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.GetStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.GetStatusResponse, _abc.Awaitable[_common_pb2.GetStatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PrepareWeights(
+        self,
+        request: _common_pb2.PrepareWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.PrepareWeightsResponse, _abc.Awaitable[_common_pb2.PrepareWeightsResponse]]:
+        """Weight swaps owned by the worker (the orchestrator's reload): validate and
+        stage; apply in order (clear graphs, release, load, capture) or copy in
+        place; drop what was staged.
+        """
+
+    @_abc_1.abstractmethod
+    def CommitWeights(
+        self,
+        request_iterator: _MaybeAsyncIterator[_common_pb2.CommitWeightsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.CommitWeightsEvent], _abc.AsyncIterator[_common_pb2.CommitWeightsEvent]]: ...
+
+    @_abc_1.abstractmethod
+    def AbortWeights(
+        self,
+        request: _common_pb2.AbortWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.AbortWeightsResponse, _abc.Awaitable[_common_pb2.AbortWeightsResponse]]: ...
 
 def add_DraftServiceServicer_to_server(servicer: DraftServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

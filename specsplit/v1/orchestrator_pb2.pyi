@@ -451,6 +451,7 @@ class ReloadWeightsRequest(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     INFLIGHT_FIELD_NUMBER: _builtins.int
+    PRELOAD_FIELD_NUMBER: _builtins.int
     target_path: _builtins.str
     """New target checkpoint directory (Hugging Face layout), under the
     workers' checkpoint roots. Required.
@@ -465,6 +466,11 @@ class ReloadWeightsRequest(_message.Message):
     """Required (UNSPECIFIED is INVALID_ARGUMENT)."""
     inflight: Global___InflightPolicy.ValueType
     """Required (UNSPECIFIED is INVALID_ARGUMENT)."""
+    preload: _builtins.bool
+    """Read the new weights into the workers' host memory before admission
+    pauses (while serving goes on): the pause then lasts only the device
+    load or copy. Costs one checkpoint's size of host memory per worker.
+    """
     def __init__(
         self,
         *,
@@ -473,10 +479,11 @@ class ReloadWeightsRequest(_message.Message):
         version: _builtins.str = ...,
         mode: Global___ReloadMode.ValueType = ...,
         inflight: Global___InflightPolicy.ValueType = ...,
+        preload: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_path", b"draft_path", "inflight", b"inflight", "mode", b"mode", "target_path", b"target_path", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_path", b"draft_path", "inflight", b"inflight", "mode", b"mode", "preload", b"preload", "target_path", b"target_path", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -498,8 +505,9 @@ class ReloadWeightsResponse(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     phase: _builtins.str
-    """"validate", "pause", "inflight", "clear_graphs", "release", "load",
-    "capture", "resume", "rollback", "done".
+    """"validate" (prepare), "inflight" (admission paused, in-flight requests
+    settled), "clear_graphs", "release", "load", "capture" (per worker, as its
+    commit ends each), "resume", "rollback", "done".
     """
     service: _builtins.str
     """"draft", "target" or "orchestrator"."""

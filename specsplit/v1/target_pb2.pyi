@@ -20,6 +20,32 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _DrainPolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DrainPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DrainPolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DRAIN_POLICY_UNSPECIFIED: _DrainPolicy.ValueType  # 0
+    DRAIN_POLICY_WAIT: _DrainPolicy.ValueType  # 1
+    """Let them finish (bounded by wait_timeout_s)."""
+    DRAIN_POLICY_ABORT: _DrainPolicy.ValueType  # 2
+    """End them with finish reason "aborted" and their partial output."""
+    DRAIN_POLICY_PARK: _DrainPolicy.ValueType  # 3
+    """Take them out of the batch and free their caches (RECOMPUTE re-prefills them)."""
+
+class DrainPolicy(_DrainPolicy, metaclass=_DrainPolicyEnumTypeWrapper):
+    """DRAIN: what happens to the running requests."""
+
+DRAIN_POLICY_UNSPECIFIED: DrainPolicy.ValueType  # 0
+DRAIN_POLICY_WAIT: DrainPolicy.ValueType  # 1
+"""Let them finish (bounded by wait_timeout_s)."""
+DRAIN_POLICY_ABORT: DrainPolicy.ValueType  # 2
+"""End them with finish reason "aborted" and their partial output."""
+DRAIN_POLICY_PARK: DrainPolicy.ValueType  # 3
+"""Take them out of the batch and free their caches (RECOMPUTE re-prefills them)."""
+Global___DrainPolicy: _TypeAlias = DrainPolicy  # noqa: Y015
+
 class _RoundsAction:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -42,6 +68,16 @@ class _RoundsActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoundsAc
     """Set weights_version, re-prefill every parked request and put it back."""
     ROUNDS_ACTION_CONFIGURE: _RoundsAction.ValueType  # 8
     """Set the draft address and the batch limits (fields below)."""
+    ROUNDS_ACTION_DRAIN: _RoundsAction.ValueType  # 9
+    """A reload's pause in one call: PAUSE_ADMISSION, then settle the running
+    requests by `drain` (WAIT: until none runs, at most wait_timeout_s, else
+    FAILED_PRECONDITION with admission still paused; ABORT; PARK), then a
+    round boundary. `count`: the requests aborted or parked.
+    """
+    ROUNDS_ACTION_RESUME_ALL: _RoundsAction.ValueType  # 10
+    """A reload's end in one call: RESUME_PARKED (weights_version,
+    reset_streams), then RESUME_ADMISSION even when the re-prefill failed.
+    """
 
 class RoundsAction(_RoundsAction, metaclass=_RoundsActionEnumTypeWrapper): ...
 
@@ -61,6 +97,16 @@ ROUNDS_ACTION_RESUME_PARKED: RoundsAction.ValueType  # 7
 """Set weights_version, re-prefill every parked request and put it back."""
 ROUNDS_ACTION_CONFIGURE: RoundsAction.ValueType  # 8
 """Set the draft address and the batch limits (fields below)."""
+ROUNDS_ACTION_DRAIN: RoundsAction.ValueType  # 9
+"""A reload's pause in one call: PAUSE_ADMISSION, then settle the running
+requests by `drain` (WAIT: until none runs, at most wait_timeout_s, else
+FAILED_PRECONDITION with admission still paused; ABORT; PARK), then a
+round boundary. `count`: the requests aborted or parked.
+"""
+ROUNDS_ACTION_RESUME_ALL: RoundsAction.ValueType  # 10
+"""A reload's end in one call: RESUME_PARKED (weights_version,
+reset_streams), then RESUME_ADMISSION even when the re-prefill failed.
+"""
 Global___RoundsAction: _TypeAlias = RoundsAction  # noqa: Y015
 
 @_typing.final
@@ -354,9 +400,11 @@ class ControlRoundsRequest(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _builtins.int
     DRAFT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     RESET_STREAMS_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     action: Global___RoundsAction.ValueType
     weights_version: _builtins.str
-    """RESUME_PARKED: the version now serving (empty: unchanged)."""
+    """RESUME_PARKED / RESUME_ALL: the version now serving (empty: unchanged)."""
     draft_address: _builtins.str
     """CONFIGURE: the draft service's host:port (empty: target-only)."""
     max_batch: _builtins.int
@@ -365,7 +413,11 @@ class ControlRoundsRequest(_message.Message):
     draft_timeout_s: _builtins.float
     """CONFIGURE: deadline of each call to the draft, seconds."""
     reset_streams: _builtins.bool
-    """RESUME_PARKED: open a fresh draft stream first (the draft may have restarted)."""
+    """RESUME_PARKED / RESUME_ALL: open a fresh draft stream first (the draft may have restarted)."""
+    drain: Global___DrainPolicy.ValueType
+    """DRAIN: required (UNSPECIFIED is INVALID_ARGUMENT)."""
+    wait_timeout_s: _builtins.float
+    """DRAIN with WAIT: seconds, >= 0."""
     def __init__(
         self,
         *,
@@ -376,10 +428,12 @@ class ControlRoundsRequest(_message.Message):
         max_queue: _builtins.int = ...,
         draft_timeout_s: _builtins.float = ...,
         reset_streams: _builtins.bool = ...,
+        drain: Global___DrainPolicy.ValueType = ...,
+        wait_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "draft_address", b"draft_address", "draft_timeout_s", b"draft_timeout_s", "max_batch", b"max_batch", "max_queue", b"max_queue", "reset_streams", b"reset_streams", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "draft_address", b"draft_address", "draft_timeout_s", b"draft_timeout_s", "drain", b"drain", "max_batch", b"max_batch", "max_queue", b"max_queue", "reset_streams", b"reset_streams", "wait_timeout_s", b"wait_timeout_s", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -438,7 +492,7 @@ class ControlRoundsResponse(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     STATUS_FIELD_NUMBER: _builtins.int
     count: _builtins.int
-    """ABORT_RUNNING / PARK_RUNNING / RESUME_PARKED: how many requests it touched."""
+    """ABORT_RUNNING / PARK_RUNNING / RESUME_PARKED / DRAIN / RESUME_ALL: how many requests it touched."""
     @_builtins.property
     def status(self) -> Global___RoundsStatus: ...
     def __init__(

@@ -126,7 +126,7 @@ def test_validate_reports_unexpected_tensor_when_strict(tmp_path):
         validate(index_checkpoint(tmp_path / "x.safetensors"), {"a": (2,)}, "x", allow_extra=False)
 
 
-def test_bf16_bits_reach_the_device_exactly(tmp_path):
+def test_bf16_bits_reach_a_torch_cpu_worker_exactly(tmp_path):
     """bf16 checkpoints load as raw bits into a bf16 Torch worker (no float32 detour), same values."""
     from runtime.backends.torch_ops import TorchOps
     from runtime.weights import copy_in_place
@@ -181,3 +181,32 @@ def test_bf16_bits_reach_the_device_exactly(tmp_path, backend, dtype):
     np.testing.assert_array_equal(ops.to_numpy(params["w"]), want)
     copy_in_place(ops, params, {"w": bits["v"]})
     np.testing.assert_array_equal(ops.to_numpy(params["w"]), -want)
+
+
+@pytest.mark.parametrize("backend, dtype", [("paddle", "float32"), ("torch", "bfloat16"), ("torch", "float32")])
+def test_in_place_from_checkpoint_arrays_reads_as_it_goes_and_refuses_before_touching(tmp_path, backend, dtype):
+    """``CheckpointArrays``: an in-place copy read tensor by tensor (mixed file dtypes), exact, addresses
+    kept; a shape that differs is refused before any tensor changes."""
+    from runtime.backends import make_ops
+    from runtime.checkpoint import bf16_bits_to_float32
+    from runtime.config import RuntimeConfig
+    from runtime.weights import CheckedCheckpoint, CheckpointArrays, copy_in_place, to_device
+    rng = np.random.default_rng(3)
+    new = {"a": rng.standard_normal((4, 6)).astype(np.float32), "b": rng.standard_normal(6).astype(np.float32)}
+    save_safetensors(tmp_path / "a.safetensors", {"a": new["a"]}, "bfloat16")
+    save_safetensors(tmp_path / "b.safetensors", {"b": new["b"]}, "float32")
+    infos = {**index_checkpoint(tmp_path / "a.safetensors"), **index_checkpoint(tmp_path / "b.safetensors")}
+    arrays = CheckpointArrays(CheckedCheckpoint(CFG, infos, ("a", "b")))
+    assert set(arrays) == {"a", "b"} and arrays.shape_of("a") == (4, 6)
+    ops = make_ops(RuntimeConfig(backend=backend, dtype=dtype))
+    params = to_device(ops, {"a": np.zeros((4, 6), np.float32), "b": np.zeros(6, np.float32)})
+    ptrs = {n: ops.data_ptr(t) for n, t in params.items()}
+    copy_in_place(ops, params, arrays)
+    want_a = bf16_bits_to_float32(load_tensors(infos, ["a"], bf16_bits=True)["a"])
+    np.testing.assert_array_equal(ops.to_numpy(params["a"]), want_a)
+    np.testing.assert_allclose(ops.to_numpy(params["b"]), new["b"], rtol=1e-2 if dtype == "bfloat16" else 0)
+    assert {n: ops.data_ptr(t) for n, t in params.items()} == ptrs
+    wide = to_device(ops, {"a": np.ones((4, 6), np.float32), "b": np.ones(7, np.float32)})
+    with pytest.raises(CheckpointError, match="'b' has shape"):
+        copy_in_place(ops, wide, arrays)
+    np.testing.assert_array_equal(ops.to_numpy(wide["a"]), np.ones((4, 6), np.float32))   # untouched
