@@ -227,8 +227,8 @@ class ReloadCoordinator:
 
 class _Holds:
     """The cross-worker barriers of a RECAPTURE commit: each worker's stream stops after its
-    graphs are cleared, and again after its weights are released, until every worker got
-    there (``arrive``); one worker failing stops them all (``fail``)."""
+    graphs are cleared, after its weights are released and after the new ones are loaded,
+    until every worker got there (``arrive``); one worker failing stops them all (``fail``)."""
 
     def __init__(self, n: int, timeout: float) -> None:
         self._n, self._timeout = n, timeout
@@ -384,10 +384,11 @@ class _Run:
     def _commit(self) -> None:
         spec = self.spec
         # NOTE: every worker's graphs are cleared before any worker's weights are released,
-        # and every release happens before any load (the holds): a graph replays over the
-        # exact weight and cache addresses it was captured with, and workers sharing a GPU
-        # never hold two versions at once. Inside each worker the lifecycle refuses a
-        # release under live graphs.
+        # every release happens before any load and every load before any capture (the
+        # holds): a graph replays over the exact weight and cache addresses it was captured
+        # with, and workers sharing a GPU never hold two versions at once nor allocate for a
+        # load while another captures. Inside each worker the lifecycle refuses a release
+        # under live graphs.
         holds = _Holds(len(self.workers), self.timeout) if spec.mode == RECAPTURE else None
         self.touched.update(self.workers)
         calls = {r: (lambda c, r=r: self._commit_one(r, c, holds)) for r in self.workers}

@@ -39,6 +39,7 @@ _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 _WATCHDOG_POLL_S = 0.05
+_HOLD_POINTS = ("clear_graphs", "release", "load")    # CommitWeightsStart.hold_after
 _WEIGHTS_MODES = {"recapture": common_pb2.WEIGHTS_MODE_RECAPTURE, "in_place": common_pb2.WEIGHTS_MODE_IN_PLACE}
 
 
@@ -283,13 +284,13 @@ class _WorkerClient:
                        on_phase: Callable[[common_pb2.CommitWeightsEvent], None] = lambda ev: None,
                        timeout: float | None = None) -> common_pb2.WorkerStatus:
         """Commit ``version`` on the worker: one CommitWeights stream; ``on_phase`` gets each
-        phase as it ends. With ``hold`` (RECAPTURE), the worker stops after clearing its graphs
-        and again after releasing its weights, and ``hold(after)`` decides each time (True: go
-        on; False: stop there, see CommitWeightsResume). Returns the
+        phase as it ends. With ``hold`` (RECAPTURE), the worker stops after clearing its graphs,
+        after releasing its weights and after loading the new ones, and ``hold(after)`` decides
+        each time (True: go on; False: stop there, see CommitWeightsResume). Returns the
         worker's status after the last phase; raises ``CommitFailed`` naming the last phase
         that ended (the failed one, or the one before the stream broke)."""
         start = common_pb2.CommitWeightsStart(version=version, mode=_WEIGHTS_MODES[mode],
-                                              hold_after_clear=hold is not None, hold_after_release=hold is not None)
+                                              hold_after=list(_HOLD_POINTS) if hold is not None else [])
         if capture is not None:
             start.capture_graphs = capture
         for attempt in (0, 1):

@@ -32,7 +32,7 @@ from runtime.lifecycle import State
 from specsplit.v1 import common_pb2 as pb
 from worker.base import Worker, WorkerStatus
 from worker.config import WorkerConfig
-from worker.swap import CLEAR, IN_PLACE, RECAPTURE, RELEASE
+from worker.swap import IN_PLACE, RECAPTURE
 
 
 # --- health follows the lifecycle ---------------------------------------------------
@@ -176,7 +176,7 @@ class WorkerServicerMixin:
         st = first.start
         steps = self._run(context, "CommitWeights", lambda: self.worker.swaps.commit(
             st.version, _weights_mode(st.mode), st.capture_graphs if st.HasField("capture_graphs") else None,
-            tuple(h for h, on in ((CLEAR, st.hold_after_clear), (RELEASE, st.hold_after_release)) if on)))
+            tuple(st.hold_after)))
         events: queue.SimpleQueue = queue.SimpleQueue()
 
         def drive() -> None:

@@ -6,7 +6,7 @@ before anything live changes (version not already serving, IN_PLACE needs
 weights of the same config), and the commit of one worker as an ordered list of
 phases, each one lifecycle transition of ``worker.base.Worker``:
 
-    RECAPTURE: clear_graphs -> [held] -> release -> [held] -> load -> capture
+    RECAPTURE: clear_graphs -> [held] -> release -> [held] -> load -> [held] -> capture
                ([held]: with a hold asked for there, wait for the caller's go)
     IN_PLACE:  load (copy into the live tensors; graphs stay valid)
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the worker is passed in; importing it here would be circula
 RECAPTURE, IN_PLACE = "recapture", "in_place"
 MODES = (RECAPTURE, IN_PLACE)
 CLEAR, HELD, RELEASE, LOAD, CAPTURE = "clear_graphs", "held", "release", "load", "capture"
+HOLD_POINTS = (CLEAR, RELEASE, LOAD)
 
 
 @dataclass
@@ -59,13 +60,13 @@ class Phase:
     name: str
     seconds: float
     held: bool = False
-    after: str = ""                           # held: the phase it holds after (CLEAR or RELEASE)
+    after: str = ""                           # held: the phase it holds after (one of HOLD_POINTS)
     error: BaseException | None = None
 
 
 # A commit: yields each Phase as it ends; after a ``held`` phase it is sent True (go on) or
 # False (stop: held after the clear, the graphs are put back and the old weights kept; held
-# after the release, the worker stays without weights until a rollback commit).
+# later, the worker stays as it is until a rollback commit).
 Commit = Generator[Phase, "bool | None", None]
 
 
@@ -140,14 +141,16 @@ class WeightSwaps:
 
         ``version``: the staged one, or one loaded here before (rollback), or "" with
         RECAPTURE (hold nothing). ``capture``: graphs live afterwards (None: as before).
-        ``holds``: the phases (CLEAR, RELEASE) after which to wait for the caller.
+        ``holds``: the phases (of HOLD_POINTS) after which to wait for the caller.
         Raises (before any phase) ValueError for a version neither staged nor known, or a
         mode other than the staged one.
         """
         _check_mode(mode)
         if holds and mode == IN_PLACE:
-            raise ValueError("hold_after_clear / hold_after_release: only with mode RECAPTURE "
-                             "(IN_PLACE neither clears nor releases)")
+            raise ValueError("hold_after: only with mode RECAPTURE (IN_PLACE neither clears, releases nor loads anew)")
+        unknown = [h for h in holds if h not in HOLD_POINTS]
+        if unknown:
+            raise ValueError(f"hold_after: {unknown} are not among {list(HOLD_POINTS)}")
         w = self.w
         with self._lock:
             staged = self._staged if self._staged is not None and self._staged.version == version else None
@@ -198,6 +201,8 @@ class WeightSwaps:
             if RELEASE in holds and not (yield Phase(HELD, 0.0, held=True, after=RELEASE)):
                 return
             if staged is not None and not (yield from _phase(LOAD, lambda: self._load(staged, in_place=False))):
+                return
+            if LOAD in holds and not (yield Phase(HELD, 0.0, held=True, after=LOAD)):
                 return
         if w.lifecycle.serving and graphs_after != (w.lifecycle.state == State.READY):
             # NOTE: capture only after the load: graphs record the new tensors' addresses.

@@ -183,11 +183,12 @@ class TorchOps:
             return ok
         ring, files = _FileFill(), {}
         try:
-            for (dst, path, start, end, _), direct in zip(items, ok):
-                if direct:
-                    if path not in files:
-                        files[path] = open(path, "rb", buffering=0)
-                    ring.fill(dst, files[path], start, end - start, path)
+            # NOTE: in file order, so the reads are sequential (the kernel's read-ahead works).
+            for i in sorted((i for i, direct in enumerate(ok) if direct), key=lambda i: (items[i][1], items[i][2])):
+                dst, path, start, end, _ = items[i]
+                if path not in files:
+                    files[path] = open(path, "rb", buffering=0)
+                ring.fill(dst, files[path], start, end - start, path)
             torch.cuda.current_stream().synchronize()      # the pinned buffers go when this returns
         finally:
             for f in files.values():

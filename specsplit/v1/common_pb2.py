@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xaa\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\x08\x12\x31\n\rsampling_mode\x18\x06 \x01(\x0e\x32\x1a.specsplit.v1.SamplingModeB\x07\n\x05_seed\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x99\x04\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.specsplit.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x12\n\ngraph_keys\x18\x04 \x03(\t\x12\x18\n\x10graph_pool_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bgraphs_mode\x18\x06 \x01(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nfree_slots\x18\n \x01(\x05\x12\x12\n\nused_slots\x18\x0b \x01(\x05\x12\x15\n\rgraph_replays\x18\x0c \x01(\x03\x12\x12\n\neager_runs\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x0f \x03(\t\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x11 \x01(\x05\x12\x0f\n\x07max_len\x18\x12 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x13 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10lifecycle_events\x18\x14 \x03(\t\x12\x1f\n\x17max_position_embeddings\x18\x15 \x01(\x05\x12\x15\n\reos_token_ids\x18\x16 \x03(\x03\x42\x0f\n\r_eos_token_id\"w\n\x12LoadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x10\n\x08in_place\x18\x04 \x01(\x08\x12\x15\n\rvalidate_only\x18\x05 \x01(\x08\"A\n\x13LoadWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x17\n\x15ReleaseWeightsRequest\"D\n\x16ReleaseWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x16\n\x14\x43\x61ptureGraphsRequest\"C\n\x15\x43\x61ptureGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x14\n\x12\x43learGraphsRequest\"A\n\x13\x43learGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x8b\x01\n\x15PrepareWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.specsplit.v1.WeightsMode\x12\x0f\n\x07preload\x18\x05 \x01(\x08\"D\n\x16PrepareWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\xb4\x01\n\x12\x43ommitWeightsStart\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\'\n\x04mode\x18\x02 \x01(\x0e\x32\x19.specsplit.v1.WeightsMode\x12\x1b\n\x0e\x63\x61pture_graphs\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x10hold_after_clear\x18\x04 \x01(\x08\x12\x1a\n\x12hold_after_release\x18\x05 \x01(\x08\x42\x11\n\x0f_capture_graphs\"&\n\x13\x43ommitWeightsResume\x12\x0f\n\x07proceed\x18\x01 \x01(\x08\"\x86\x01\n\x14\x43ommitWeightsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .specsplit.v1.CommitWeightsStartH\x00\x12\x33\n\x06resume\x18\x02 \x01(\x0b\x32!.specsplit.v1.CommitWeightsResumeH\x00\x42\x06\n\x04step\"\xa5\x01\n\x12\x43ommitWeightsEvent\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12*\n\x06status\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12\x0c\n\x04held\x18\x04 \x01(\x08\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.ItemError\x12\r\n\x05\x61\x66ter\x18\x06 \x01(\t\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"S\n\x14\x41\x62ortWeightsResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x12\n\x10GetStatusRequest\"?\n\x11GetStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x03(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04*e\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLING_MODE_REJECTION\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x83\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LIFECYCLE_STATE_EMPTY\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_LOADED\x10\x02\x12\x19\n\x15LIFECYCLE_STATE_READY\x10\x03*b\n\x0bWeightsMode\x12\x1c\n\x18WEIGHTS_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WEIGHTS_MODE_RECAPTURE\x10\x01\x12\x19\n\x15WEIGHTS_MODE_IN_PLACE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.specsplit.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xaa\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\x08\x12\x31\n\rsampling_mode\x18\x06 \x01(\x0e\x32\x1a.specsplit.v1.SamplingModeB\x07\n\x05_seed\"*\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x99\x04\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.specsplit.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x12\n\ngraph_keys\x18\x04 \x03(\t\x12\x18\n\x10graph_pool_bytes\x18\x05 \x01(\x03\x12\x13\n\x0bgraphs_mode\x18\x06 \x01(\t\x12\r\n\x05max_k\x18\x07 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nfree_slots\x18\n \x01(\x05\x12\x12\n\nused_slots\x18\x0b \x01(\x05\x12\x15\n\rgraph_replays\x18\x0c \x01(\x03\x12\x12\n\neager_runs\x18\r \x01(\x03\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x0e \x01(\x03\x12\x1a\n\x12\x61\x63tive_request_ids\x18\x0f \x03(\t\x12\x12\n\nvocab_size\x18\x10 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x11 \x01(\x05\x12\x0f\n\x07max_len\x18\x12 \x01(\x05\x12\x19\n\x0c\x65os_token_id\x18\x13 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10lifecycle_events\x18\x14 \x03(\t\x12\x1f\n\x17max_position_embeddings\x18\x15 \x01(\x05\x12\x15\n\reos_token_ids\x18\x16 \x03(\x03\x42\x0f\n\r_eos_token_id\"w\n\x12LoadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x10\n\x08in_place\x18\x04 \x01(\x08\x12\x15\n\rvalidate_only\x18\x05 \x01(\x08\"A\n\x13LoadWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x17\n\x15ReleaseWeightsRequest\"D\n\x16ReleaseWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x16\n\x14\x43\x61ptureGraphsRequest\"C\n\x15\x43\x61ptureGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x14\n\x12\x43learGraphsRequest\"A\n\x13\x43learGraphsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x8b\x01\n\x15PrepareWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\'\n\x04mode\x18\x04 \x01(\x0e\x32\x19.specsplit.v1.WeightsMode\x12\x0f\n\x07preload\x18\x05 \x01(\x08\"D\n\x16PrepareWeightsResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x92\x01\n\x12\x43ommitWeightsStart\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\'\n\x04mode\x18\x02 \x01(\x0e\x32\x19.specsplit.v1.WeightsMode\x12\x1b\n\x0e\x63\x61pture_graphs\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\nhold_after\x18\x04 \x03(\tB\x11\n\x0f_capture_graphs\"&\n\x13\x43ommitWeightsResume\x12\x0f\n\x07proceed\x18\x01 \x01(\x08\"\x86\x01\n\x14\x43ommitWeightsRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .specsplit.v1.CommitWeightsStartH\x00\x12\x33\n\x06resume\x18\x02 \x01(\x0b\x32!.specsplit.v1.CommitWeightsResumeH\x00\x42\x06\n\x04step\"\xa5\x01\n\x12\x43ommitWeightsEvent\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12*\n\x06status\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12\x0c\n\x04held\x18\x04 \x01(\x08\x12&\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x17.specsplit.v1.ItemError\x12\r\n\x05\x61\x66ter\x18\x06 \x01(\t\"&\n\x13\x41\x62ortWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"S\n\x14\x41\x62ortWeightsResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12*\n\x06status\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"\x12\n\x10GetStatusRequest\"?\n\x11GetStatusResponse\x12*\n\x06status\x18\x01 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x03(\t*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04*e\n\x0cSamplingMode\x12\x1d\n\x19SAMPLING_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SAMPLING_MODE_REJECTION\x10\x01\x12\x19\n\x15SAMPLING_MODE_COUPLED\x10\x02*\x83\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LIFECYCLE_STATE_EMPTY\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_LOADED\x10\x02\x12\x19\n\x15LIFECYCLE_STATE_READY\x10\x03*b\n\x0bWeightsMode\x12\x1c\n\x18WEIGHTS_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16WEIGHTS_MODE_RECAPTURE\x10\x01\x12\x19\n\x15WEIGHTS_MODE_IN_PLACE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2366
-  _globals['_DTYPE']._serialized_end=2471
-  _globals['_SAMPLINGMODE']._serialized_start=2473
-  _globals['_SAMPLINGMODE']._serialized_end=2574
-  _globals['_LIFECYCLESTATE']._serialized_start=2577
-  _globals['_LIFECYCLESTATE']._serialized_end=2708
-  _globals['_WEIGHTSMODE']._serialized_start=2710
-  _globals['_WEIGHTSMODE']._serialized_end=2808
+  _globals['_DTYPE']._serialized_start=2332
+  _globals['_DTYPE']._serialized_end=2437
+  _globals['_SAMPLINGMODE']._serialized_start=2439
+  _globals['_SAMPLINGMODE']._serialized_end=2540
+  _globals['_LIFECYCLESTATE']._serialized_start=2543
+  _globals['_LIFECYCLESTATE']._serialized_end=2674
+  _globals['_WEIGHTSMODE']._serialized_start=2676
+  _globals['_WEIGHTSMODE']._serialized_end=2774
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
   _globals['_SAMPLINGPARAMS']._serialized_start=119
@@ -68,23 +68,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPAREWEIGHTSRESPONSE']._serialized_start=1482
   _globals['_PREPAREWEIGHTSRESPONSE']._serialized_end=1550
   _globals['_COMMITWEIGHTSSTART']._serialized_start=1553
-  _globals['_COMMITWEIGHTSSTART']._serialized_end=1733
-  _globals['_COMMITWEIGHTSRESUME']._serialized_start=1735
-  _globals['_COMMITWEIGHTSRESUME']._serialized_end=1773
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=1776
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=1910
-  _globals['_COMMITWEIGHTSEVENT']._serialized_start=1913
-  _globals['_COMMITWEIGHTSEVENT']._serialized_end=2078
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=2080
-  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=2118
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=2120
-  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=2203
-  _globals['_GETSTATUSREQUEST']._serialized_start=2205
-  _globals['_GETSTATUSREQUEST']._serialized_end=2223
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2225
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2288
-  _globals['_RELEASEREQUEST']._serialized_start=2290
-  _globals['_RELEASEREQUEST']._serialized_end=2327
-  _globals['_RELEASERESPONSE']._serialized_start=2329
-  _globals['_RELEASERESPONSE']._serialized_end=2364
+  _globals['_COMMITWEIGHTSSTART']._serialized_end=1699
+  _globals['_COMMITWEIGHTSRESUME']._serialized_start=1701
+  _globals['_COMMITWEIGHTSRESUME']._serialized_end=1739
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=1742
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=1876
+  _globals['_COMMITWEIGHTSEVENT']._serialized_start=1879
+  _globals['_COMMITWEIGHTSEVENT']._serialized_end=2044
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_start=2046
+  _globals['_ABORTWEIGHTSREQUEST']._serialized_end=2084
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_start=2086
+  _globals['_ABORTWEIGHTSRESPONSE']._serialized_end=2169
+  _globals['_GETSTATUSREQUEST']._serialized_start=2171
+  _globals['_GETSTATUSREQUEST']._serialized_end=2189
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2191
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2254
+  _globals['_RELEASEREQUEST']._serialized_start=2256
+  _globals['_RELEASEREQUEST']._serialized_end=2293
+  _globals['_RELEASERESPONSE']._serialized_start=2295
+  _globals['_RELEASERESPONSE']._serialized_end=2330
 # @@protoc_insertion_point(module_scope)

@@ -622,14 +622,13 @@ Global___PrepareWeightsResponse: _TypeAlias = PrepareWeightsResponse  # noqa: Y0
 
 @_typing.final
 class CommitWeightsStart(_message.Message):
-    """A commit is one bidirectional stream: the first message is `start`. With
-    `start.hold_after_clear` the worker, once its graphs are cleared, sends an
-    event with `held` = true and waits for `resume` before releasing anything;
-    `hold_after_release` does the same between the release and the load. So an
-    orchestrator can clear every worker's graphs before any worker releases
-    weights, and release all before any loads (one GPU shared by two workers
-    never holds two versions). The stream ends after the `done` event or the
-    first event with an `error`.
+    """A commit is one bidirectional stream: the first message is `start`. After
+    each phase named in `start.hold_after` the worker sends an event with
+    `held` = true and waits for `resume`. So an orchestrator keeps the workers
+    in step: every worker's graphs cleared before any worker releases weights,
+    every release before any load (workers sharing a GPU never hold two
+    versions), every load before any capture. The stream ends after the `done`
+    event or the first event with an `error`.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -637,8 +636,7 @@ class CommitWeightsStart(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     CAPTURE_GRAPHS_FIELD_NUMBER: _builtins.int
-    HOLD_AFTER_CLEAR_FIELD_NUMBER: _builtins.int
-    HOLD_AFTER_RELEASE_FIELD_NUMBER: _builtins.int
+    HOLD_AFTER_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The prepared version; or a version this worker loaded before (it keeps
     the paths of its last 4): how a failed reload rolls back. Empty with
@@ -648,21 +646,24 @@ class CommitWeightsStart(_message.Message):
     """Required; must be the prepared mode for a prepared version."""
     capture_graphs: _builtins.bool
     """Graphs live after the commit; unset: as they were before it."""
-    hold_after_clear: _builtins.bool
-    """RECAPTURE only (INVALID_ARGUMENT with IN_PLACE)."""
-    hold_after_release: _builtins.bool
+    @_builtins.property
+    def hold_after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """RECAPTURE only (INVALID_ARGUMENT with IN_PLACE): "clear_graphs",
+        "release", "load" (a held event follows the phase even when it had
+        nothing to do).
+        """
+
     def __init__(
         self,
         *,
         version: _builtins.str = ...,
         mode: Global___WeightsMode.ValueType = ...,
         capture_graphs: _builtins.bool | None = ...,
-        hold_after_clear: _builtins.bool = ...,
-        hold_after_release: _builtins.bool = ...,
+        hold_after: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs", "capture_graphs", b"capture_graphs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs", "capture_graphs", b"capture_graphs", "hold_after_clear", b"hold_after_clear", "hold_after_release", b"hold_after_release", "mode", b"mode", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs", "capture_graphs", b"capture_graphs", "hold_after", b"hold_after", "mode", b"mode", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__capture_graphs: _TypeAlias = _typing.Literal["capture_graphs"]  # noqa: Y015
     _WhichOneofArgType__capture_graphs: _TypeAlias = _typing.Literal["_capture_graphs", b"_capture_graphs"]  # noqa: Y015
@@ -677,8 +678,8 @@ class CommitWeightsResume(_message.Message):
     PROCEED_FIELD_NUMBER: _builtins.int
     proceed: _builtins.bool
     """false: go no further. Held after the clear: the graphs are captured
-    again and the old weights kept; after the release: the worker stays
-    without weights (a commit of the previous version restores it).
+    again and the old weights kept; after the release or the load: the
+    worker stays as it is (a commit of the previous version restores it).
     """
     def __init__(
         self,
@@ -739,7 +740,7 @@ class CommitWeightsEvent(_message.Message):
     held: _builtins.bool
     """Waiting for CommitWeightsResume (phase "held")."""
     after: _builtins.str
-    """A held event: the phase it holds after ("clear_graphs" or "release")."""
+    """A held event: the phase it holds after."""
     @_builtins.property
     def status(self) -> Global___WorkerStatus:
         """The worker after this phase."""

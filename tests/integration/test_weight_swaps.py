@@ -46,11 +46,13 @@ def prepare(w, path: Path, version: str, mode=RECAPTURE, **kw) -> pb.WorkerStatu
                                  timeout=TIMEOUT).status
 
 
+HOLD_ALL = ["clear_graphs", "release", "load"]
+
+
 def commit(w, version: str, mode=RECAPTURE, answers: list[bool] | None = None, capture: bool | None = None):
-    """All events of one CommitWeights stream; with ``answers``, it holds after the clear and
-    after the release, and each held event is answered from the list."""
-    start = pb.CommitWeightsStart(version=version, mode=mode, hold_after_clear=answers is not None,
-                                  hold_after_release=answers is not None)
+    """All events of one CommitWeights stream; with ``answers``, it holds after the clear, the
+    release and the load, and each held event is answered from the list."""
+    start = pb.CommitWeightsStart(version=version, mode=mode, hold_after=HOLD_ALL if answers is not None else [])
     if capture is not None:
         start.capture_graphs = capture
     requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,9 +111,10 @@ def test_recapture_commit_runs_in_order_inside_the_worker_and_reads_headers_once
     monkeypatch.setattr(runtime.checkpoint, "index_checkpoint", lambda p: (indexed.append(str(p)), real(p))[1])
     st = prepare(w, model_b, "B")
     assert st.state == pb.LIFECYCLE_STATE_READY and st.weights_version == "v1"      # nothing live changed
-    events = commit(w, "B", answers=[True, True])
-    assert [e.phase for e in events] == ["clear_graphs", "held", "release", "held", "load", "capture", "done"]
-    assert [e.after for e in events if e.held] == ["clear_graphs", "release"]
+    events = commit(w, "B", answers=[True, True, True])
+    assert [e.phase for e in events] == ["clear_graphs", "held", "release", "held", "load", "held", "capture",
+                                         "done"]
+    assert [e.after for e in events if e.held] == HOLD_ALL
     assert not any(e.HasField("error") for e in events)
     assert events[-1].status.state == pb.LIFECYCLE_STATE_READY and events[-1].status.weights_version == "B"
     assert actions(w, n) == ["clear_graphs", "release_weights", "load_weights", "capture_graphs"]
@@ -140,7 +143,7 @@ def test_a_hold_answered_stop_or_left_keeps_the_old_weights_and_puts_the_graphs_
     n = len(t.worker.lifecycle.events())
     requests: queue.SimpleQueue = queue.SimpleQueue()
     requests.put(pb.CommitWeightsRequest(start=pb.CommitWeightsStart(version="B", mode=RECAPTURE,
-                                                                     hold_after_clear=True)))
+                                                                     hold_after=["clear_graphs"])))
     call = t.stub.CommitWeights(iter(requests.get, None), timeout=TIMEOUT)
     assert next(call).phase == "clear_graphs" and next(call).held
     call.cancel()
@@ -239,5 +242,9 @@ def test_hold_is_only_for_recapture(worker_server, model_b):
     t = worker_server("target")
     prepare(t, model_b, "B", mode=IN_PLACE)
     refused(lambda: list(t.stub.CommitWeights(iter([pb.CommitWeightsRequest(start=pb.CommitWeightsStart(
-        version="B", mode=IN_PLACE, hold_after_clear=True))]), timeout=TIMEOUT)), grpc.StatusCode.INVALID_ARGUMENT,
-        "hold_after_clear")
+        version="B", mode=IN_PLACE, hold_after=["clear_graphs"]))]), timeout=TIMEOUT)),
+        grpc.StatusCode.INVALID_ARGUMENT, "hold_after")
+    prepare(t, model_b, "B")
+    refused(lambda: list(t.stub.CommitWeights(iter([pb.CommitWeightsRequest(start=pb.CommitWeightsStart(
+        version="B", mode=RECAPTURE, hold_after=["capture"]))]), timeout=TIMEOUT)),
+        grpc.StatusCode.INVALID_ARGUMENT, "are not among")
