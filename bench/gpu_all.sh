@@ -6,14 +6,7 @@
 # The GPU host has Torch (CUDA) but no Paddle and no structlog: structlog and
 # the pinned grpc/protobuf wheels are installed from .whl/ first (see
 # docs/gpu.md). Logs land in OUT_DIR; a short summary is printed last.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-${OUT:-.out/gpu}}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
+source "$(dirname "$0")/gpu_env.sh" "$@"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv;
   python3 -c "import torch, grpc, google.protobuf as pb; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"; } | tee "$out/env.txt"
 timeout 270 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error" 

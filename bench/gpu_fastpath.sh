@@ -10,15 +10,8 @@
 # `bench graphs`, `bench profile` and `bench peer --batch 1`; with "compile":
 # `bench graphs --compile` and `bench peer --batch 1 --compile`; with "final":
 # every one-GPU `gpu` test, `bench graphs` and `bench services --variants fixed adaptive`.
-# Wheels from .whl/ as in gpu_all.sh.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-${OUT:-.out/gpu}}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
+# Set-up (wheels from .whl/): bench/gpu_env.sh.
+source "$(dirname "$0")/gpu_env.sh" "$@"
 date -u | tee "$out/env.txt"
 if [ "${2:-}" = "attention" ]; then
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert"

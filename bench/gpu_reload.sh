@@ -6,15 +6,8 @@
 # The reload GPU tests (20 RECAPTURE cycles through the swap RPCs: memory flat,
 # teardown order; pinned streaming of checkpoint bytes into tensors) and
 # `bench reload` on the ~1B config (RECAPTURE, IN_PLACE, IN_PLACE with preload,
-# against reading the files). Wheels from .whl/ as in gpu_all.sh.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-${OUT:-.out/gpu}}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
+# against reading the files). Set-up: bench/gpu_env.sh.
+source "$(dirname "$0")/gpu_env.sh" "$@"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader; } | tee "$out/env.txt"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fill_gpu.py tests/gpu/test_reload_gpu.py \
   2>&1 | tee "$out/gpu_tests.log" | grep -E "^reload on|^ *[0-9]+ +[AB] |RECAPTURE median|passed|failed|error|Error|assert" | tail -30

@@ -5,8 +5,8 @@ long for the cache -> RESOURCE_EXHAUSTED), turning scheduler events into the
 Generate stream (TokenChunk per round, then GenerateFinal), holding Generate
 calls while weights reload (bounded, then UNAVAILABLE with RetryInfo), the
 cluster status, the worker poller that keeps model facts (vocab, cache length,
-EOS, slots) and health current, proto <-> records for the reload RPCs, and
-``create_server``.
+EOS, slots) and health current, and ``create_server``. The reload RPCs'
+messages are ``orchestrator.reload_rpcs``'.
 
 Must not know: how rounds run (``scheduler``), how workers are called
 (``worker_clients``), how a reload proceeds (``reload``) or a push is staged
@@ -16,7 +16,6 @@ Must not know: how rounds run (``scheduler``), how workers are called
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from typing import Any
@@ -30,9 +29,9 @@ from grpc_status import rpc_status
 
 from rounds.draft_health import read_address_file
 from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.push import PushError, PushStaging
-from orchestrator.reload import (ABORT, IN_PLACE, RECAPTURE, RECOMPUTE, WAIT, ReloadCoordinator, ReloadError,
-                                 ReloadEvent, ReloadSpec)
+from orchestrator.push import PushStaging
+from orchestrator.reload import ReloadCoordinator
+from orchestrator.reload_rpcs import ReloadServicerMixin
 from orchestrator.round_client import RemoteRounds
 from rounds.scheduler_types import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError,
                                           TokensEvent)
@@ -41,8 +40,7 @@ from rounds.worker_clients import DraftClient, TargetClient
 from orchestrator.config import OrchestratorConfig
 from core.observability import start_metrics_server
 from runtime.round_driver import SeqStats
-from runtime.tokenizer import StopStrings, Tokenizer, load_tokenizer
-from core import wire
+from runtime.tokenizer import StopStrings, load_tokenizer
 from core.admin_token import token_for_worker
 from core.serving import build_server
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
@@ -54,9 +52,6 @@ POLL_S = 1.0                       # worker status poll period (health, model fa
 EVENT_POLL_S = 0.25                # how often a waiting Generate handler checks its client is still there
 _SERVING_STATES = (common_pb2.LIFECYCLE_STATE_LOADED, common_pb2.LIFECYCLE_STATE_READY)
 _FINISH = {"stop": opb.FINISH_REASON_STOP, "length": opb.FINISH_REASON_LENGTH, "aborted": opb.FINISH_REASON_ABORTED}
-_MODES = {opb.RELOAD_MODE_RECAPTURE: RECAPTURE, opb.RELOAD_MODE_IN_PLACE: IN_PLACE}
-_POLICIES = {opb.INFLIGHT_POLICY_WAIT: WAIT, opb.INFLIGHT_POLICY_ABORT: ABORT,
-             opb.INFLIGHT_POLICY_RECOMPUTE: RECOMPUTE}
 
 
 class Orchestrator:
@@ -263,7 +258,7 @@ def _stats_proto(s: SeqStats) -> opb.SpecStats:
                          rounds=s.rounds, ahead_asked=s.ahead_asked, ahead_used=s.ahead_used)
 
 
-class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, core: Orchestrator) -> None:
         self.core = core
         self.tokenizer = load_tokenizer(core.cfg.tokenizer)
@@ -369,91 +364,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def GetStatus(self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext) -> opb.ClusterStatus:
         return self.core.cluster_status()
-
-    def ReloadWeights(self, request: opb.ReloadWeightsRequest, context: grpc.ServicerContext):
-        """Streams the reload's events as they happen; ends with the failure's status code."""
-        spec = ReloadSpec(request.target_path, request.version, _enum(_MODES, opb.ReloadMode, request.mode),
-                          _enum(_POLICIES, opb.InflightPolicy, request.inflight), request.draft_path, request.preload)
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        failure: list[ReloadError] = []
-
-        def run() -> None:
-            try:
-                self.core.reloader.reload(spec, events.put)
-            except ReloadError as exc:
-                failure.append(exc)
-            except Exception as exc:  # noqa: BLE001 - reported as INTERNAL
-                log.exception("reload_crashed")
-                failure.append(ReloadError("INTERNAL", f"{type(exc).__name__}: {exc}"))
-            finally:
-                events.put(None)
-
-        # NOTE: the reload runs on its own thread: a client that goes away mid-reload
-        # must not stop it half-way (it always ends rolled forward or rolled back).
-        threading.Thread(target=run, name="reload", daemon=True).start()
-        while (ev := events.get()) is not None:
-            yield _event_proto(ev)
-        if failure:
-            context.abort(grpc.StatusCode[failure[0].code], failure[0].message)
-
-    def PushWeights(self, request_iterator, context: grpc.ServicerContext) -> opb.PushWeightsResponse:
-        core = self.core
-        try:
-            staged = self._stage(request_iterator)
-        except (PushError, ReloadError) as exc:
-            log.warning("push_refused", code=exc.code, error=exc.message)
-            context.abort(grpc.StatusCode[exc.code], exc.message)
-        events: list[ReloadEvent] = []
-        try:
-            version = core.reloader.reload(ReloadSpec(staged.path, staged.version, staged.mode, staged.inflight),
-                                           events.append)
-        except ReloadError as exc:
-            if not exc.rollback_failed:                    # never served: drop it
-                core.push.discard(staged.path)
-            context.abort(grpc.StatusCode[exc.code], exc.message)
-        core.push.prune()
-        return opb.PushWeightsResponse(weights_version=version, staged_path=staged.path,
-                                       bytes_received=staged.bytes_received, num_tensors=staged.num_tensors,
-                                       events=[_event_proto(ev) for ev in events])
-
-    def _stage(self, request_iterator):
-        session = self.core.push.begin()
-        try:
-            for msg in request_iterator:
-                part = msg.WhichOneof("part")
-                if part == "header":
-                    h = msg.header
-                    mode, policy = _enum(_MODES, opb.ReloadMode, h.mode), _enum(_POLICIES, opb.InflightPolicy,
-                                                                               h.inflight)
-                    ReloadSpec("<pushed>", h.version or "<unset>", mode, policy).check()
-                    if self.core.reloader.active:
-                        raise PushError("FAILED_PRECONDITION", "a reload is running (one at a time): retry later")
-                    session.header(h.version, h.target_config_json, mode, policy)
-                elif part == "chunk":
-                    c = msg.chunk
-                    session.chunk(c.name, c.dtype, tuple(c.shape), c.offset, c.data)
-                elif part == "commit":
-                    return session.commit(msg.commit.num_tensors)
-                else:
-                    raise PushError("INVALID_ARGUMENT", "a PushWeightsRequest with no part set")
-            raise PushError("INVALID_ARGUMENT", "the stream ended without a commit message")
-        except BaseException:
-            session.abort()
-            raise
-
-
-def _enum(names: dict[int, str], enum: Any, value: int) -> str:
-    """Proto enum -> the reload module's name; an unset/unknown value keeps its proto name (refused later)."""
-    return names.get(value) or (enum.Name(value) if value in enum.values() else str(value))
-
-
-def _event_proto(ev: ReloadEvent) -> opb.ReloadWeightsResponse:
-    out = opb.ReloadWeightsResponse(phase=ev.phase, service=ev.service, seconds=ev.seconds, message=ev.message,
-                                    done=ev.done, weights_version=ev.weights_version)
-    if ev.error_code:
-        out.error.CopyFrom(common_pb2.ItemError(code=grpc.StatusCode[ev.error_code].value[0],
-                                                message=ev.error_message))
-    return out
 
 
 # --- the server ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
     import draft_service.metrics as draft
     import target_service.metrics as target
     from orchestrator.metrics import OrchestratorMetrics
-    from orchestrator.reload import ReloadMetrics
+    from orchestrator.reload_spec import ReloadMetrics
 
     from prometheus_client import CollectorRegistry
 
