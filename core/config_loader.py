@@ -36,6 +36,8 @@ HELP: dict[str, str] = {
     "draft_path": "MTP file (default: mtp.safetensors inside target_path)",
     "weights_version": "version tag of the start-up weights (default: the path)",
     "capture_on_start": "capture CUDA graphs after the start-up load",
+    "tp": "target: tensor-parallel ranks, one process per device (rank r on cuda:N+r for runtime.device "
+          "cuda:N; gloo on the CPU); torch backend only",
     "runtime.backend": "tensor framework: paddle | torch",
     "runtime.device": "cpu | cuda:N",
     "runtime.dtype": "float32 | float16 | bfloat16",

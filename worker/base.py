@@ -118,6 +118,10 @@ class Worker:
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> Any:
         raise NotImplementedError
 
+    def _read_arrays(self, checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
+        """The host arrays of a validated checkpoint (a tensor-parallel rank reads only its slices)."""
+        return read_arrays(checked, bf16_bits=True)
+
     # --- construction ----------------------------------------------------------
     def _make_ops(self, rt: RuntimeConfig) -> tuple[Any, str]:
         try:
@@ -167,7 +171,7 @@ class Worker:
             return
         # Read the new checkpoint into host memory; serving goes on meanwhile. bf16 stays raw bits (no float32 host copy):
         # both backends reinterpret them on the device and cast there.
-        arrays = read_arrays(checked, bf16_bits=True)
+        arrays = self._read_arrays(checked)
         def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)
