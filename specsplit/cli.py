@@ -108,6 +108,12 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a
     # short grace so in-flight rounds answer, then exit.
+    if rendezvous is not None or cfg.tp > 1:
+        # NOTE: a tensor-parallel target tears down on every rank (graphs, then weights) and
+        # then tells the other ranks to stop; exiting without that would leave them to find
+        # rank 0 gone.
+        service.stop(grace=SHUTDOWN_GRACE_S)
+        return 0
     server.stop(grace=SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
     return 0
 
