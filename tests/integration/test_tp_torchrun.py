@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -45,7 +46,10 @@ def test_torchrun_style_ranks_equal_tp1_and_stop_in_order(tmp_path):
     port = _free_port()
     ranks = [_rank(0, port, tmp_path), _rank(1, port, tmp_path)]       # stderr of each: tmp_path/rank<r>.err
     try:
-        line = ranks[0].stdout.readline()            # the listening line (blocks until rank 0 serves)
+        # The listening line, within a deadline (rank 0 prints it once it serves).
+        ready = select.select([ranks[0].stdout], [], [], TIMEOUT)[0]
+        assert ready, f"rank 0 did not listen within {TIMEOUT}s"
+        line = ranks[0].stdout.readline()
         assert line, "rank 0 exited before listening"
         address = json.loads(line)["address"]
         client = TargetClient(address, timeout_s=TIMEOUT, max_message_bytes=1 << 26, admin_token=process_token())
