@@ -65,20 +65,10 @@ def leader_worker(rendezvous: Rendezvous | None) -> Callable[..., TPTargetWorker
             return TPTargetWorker(cfg, log, rendezvous)
         rv, procs = spawn_ranks(cfg)
         try:
-            worker = TPTargetWorker(cfg, log, rv)
+            return TPTargetWorker(cfg, log, rv, after_close=lambda: _stop(procs))
         except BaseException:
             _stop(procs)
             raise
-        closing = worker.close
-
-        def close() -> None:
-            try:
-                closing()
-            finally:
-                _stop(procs)
-
-        worker.close = close            # type: ignore[method-assign]
-        return worker
 
     return make
 

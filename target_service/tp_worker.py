@@ -79,7 +79,8 @@ def rank_config(cfg: WorkerConfig, rank: int) -> WorkerConfig:
 
 
 class TPTargetWorker(TargetWorker):
-    def __init__(self, cfg: WorkerConfig, log: Any = None, rendezvous: Rendezvous | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, log: Any = None, rendezvous: Rendezvous | None = None,
+                 after_close: Callable[[], None] | None = None) -> None:
         if rendezvous is None or rendezvous.world_size != cfg.tp:
             raise ValueError(f"tp={cfg.tp}: the rendezvous has world size "
                              f"{rendezvous.world_size if rendezvous else None}")
@@ -87,6 +88,7 @@ class TPTargetWorker(TargetWorker):
         super().__init__(rank_config(cfg, self.rank), log)
         self.log = self.log.bind(tp_rank=self.rank, tp=cfg.tp)
         self._broken = ""
+        self._after_close = after_close          # e.g. wait for the ranks this process spawned
         self._staged: tuple[_Sharded, ModelConfig, bool] | None = None     # ranks > 0: read, not yet live
         if self.rank == 0:
             self.registry = _AnnouncingRegistry(self.ops, cfg.graphs.batch_buckets,
@@ -221,13 +223,17 @@ class TPTargetWorker(TargetWorker):
 
     def close(self) -> None:
         """Rank 0: the ordered teardown on every rank (graphs, then weights), then stop the others."""
-        super().close()
-        if self.rank == 0 and not self._broken:
-            try:
-                self.device.run(lambda: self.group.send((STOP,)))
-            except Exception as exc:  # noqa: BLE001 - a rank already gone: nothing to stop
-                self.log.warning("tp_stop_failed", error=str(exc))
-        self.device.run(self.group.close)
+        try:
+            super().close()
+            if self.rank == 0 and not self._broken:
+                try:
+                    self.device.run(lambda: self.group.send((STOP,)))
+                except Exception as exc:  # noqa: BLE001 - a rank already gone: nothing to stop
+                    self.log.warning("tp_stop_failed", error=str(exc))
+            self.device.run(self.group.close)
+        finally:
+            if self._after_close is not None:
+                self._after_close()
 
     # --- ranks > 0 -------------------------------------------------------------------------
     def follow(self) -> None:
