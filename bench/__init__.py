@@ -20,6 +20,7 @@ BENCHES = {
     "round-parts": "bench.round_parts",  # one round's parts: engine vs worker vs service (issue 10)
     "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
     "sampling-modes": "bench.sampling_modes",  # rejection vs coupled speculative sampling: acceptance (issue 17)
+    "tp": "bench.tp",              # target verify step, one device vs tensor-parallel (issue 14)
 }
 
 
@@ -41,6 +42,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
     p.add_argument("--temperatures", type=float, nargs="*", default=[1.0, 0.7],
                    help="sampling-modes bench: the sampling temperatures")
+    p.add_argument("--tp", type=int, default=2, help="tp bench: tensor-parallel ranks (one GPU each from --device)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive")
 

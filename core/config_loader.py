@@ -36,6 +36,8 @@ HELP: dict[str, str] = {
     "draft_path": "MTP file (default: mtp.safetensors inside target_path)",
     "weights_version": "version tag of the start-up weights (default: the path)",
     "capture_on_start": "capture CUDA graphs after the start-up load",
+    "tp": "target: tensor-parallel ranks, one process per device (rank r on cuda:N+r for runtime.device "
+          "cuda:N; gloo on the CPU); torch backend only",
     "runtime.backend": "tensor framework: paddle | torch",
     "runtime.device": "cpu | cuda:N",
     "runtime.dtype": "float32 | float16 | bfloat16",
@@ -196,7 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
 EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_LOG_LEVEL", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN",
                        "SPECSPLIT_ENV_FILE", "SPECSPLIT_IMAGE", "SPECSPLIT_PORT", "SPECSPLIT_METRICS_PORT",
                        # where generated admin-token files live / which one the CLI reads (core.admin_token)
-                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE"})
+                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE",
+                       # deploy/docker-compose.yml: the target's --tp (tensor-parallel ranks)
+                       "SPECSPLIT_TARGET_TP"})
 
 
 def _closest(name: str, candidates: dict[str, str]) -> str:

@@ -19,7 +19,7 @@ Conventions (see DESIGN § The speculative round):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -223,13 +223,17 @@ def fuse_projections(ops: Ops, params: Params, prefixes: list[str]) -> Params:
 
 def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
                   meta: AttnMeta | None, cache: tuple[Tensor, Tensor] | None,
-                  train_mask: Tensor | None = None, cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  train_mask: Tensor | None = None, cos_sin: tuple[Tensor, Tensor] | None = None,
+                  reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """One Llama decoder block. x [B, T, d] -> [B, T, d].
 
     With ``meta``/``cache``: K/V are written into the cache rows then read back
     for attention (decode/verify/prefill). Without (training): causal attention
     over the chunk itself using ``train_mask`` [B, T, T] and ``cos_sin``.
     Uses the fused projections of ``fuse_projections`` when ``p`` has them.
+    Tensor parallel (``runtime/tp_plan.py``): ``p`` holds one rank's shards, ``cfg`` its
+    local head and ffn counts, and ``reduce`` sums the row-split o and down outputs
+    over the ranks (None: one device, nothing to sum).
     """
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -265,7 +269,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         attn = ops.attention(q, k_all, v_all, meta.mask)
     else:
         attn = ops.attention(q, k, v, ops.attention_mask(train_mask, h // kvh))
-    x = x + _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
+    o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
+    x = x + (o if reduce is None else reduce(o))
     hn = ops.rms_norm(x, p[prefix + "post_attention_layernorm.weight"], eps)
     if prefix + "mlp.gate_up_proj.weight" in p:
         gate_up = _proj(ops, p, prefix + "mlp.gate_up_proj", hn)
@@ -273,7 +278,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         mlp = ops.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
     else:
         mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
-    return x + _proj(ops, p, prefix + "mlp.down_proj", mlp)
+    down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
+    return x + (down if reduce is None else reduce(down))
 
 
 def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -296,12 +302,14 @@ def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
 
 
 def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: AttnMeta | None,
-                   caches: list[tuple[Tensor, Tensor]] | None, **train: Any) -> Tensor:
-    """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer)."""
+                   caches: list[tuple[Tensor, Tensor]] | None, reduce: Callable[[Tensor], Tensor] | None = None,
+                   **train: Any) -> Tensor:
+    """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer).
+    ``reduce``: the tensor-parallel sum of ``decoder_layer`` (the embedding is replicated)."""
     x = ops.embedding(p["model.embed_tokens.weight"], tokens)
     for i in range(cfg.num_hidden_layers):
         x = decoder_layer(ops, p, f"model.layers.{i}.", cfg, x, meta,
-                          caches[i] if caches is not None else None, **train)
+                          caches[i] if caches is not None else None, reduce=reduce, **train)
     return x
 
 

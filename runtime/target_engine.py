@@ -109,6 +109,14 @@ class TargetEngine:
         logits = lm_head(self.ops, self._weights, self.cfg, last)
         return hidden, self.ops.argmax(logits, -1), logits
 
+    def _run_prefill(self, arrays: dict[str, np.ndarray], attend_len: int) -> tuple:
+        """The prefill forward on host int64 arrays (tokens/write_slots/positions [B, T],
+        read_slots/last_index [B]); a tensor-parallel engine hands the same arrays to its other ranks."""
+        t = lambda a: self.ops.from_numpy(a, "int64")  # noqa: E731
+        with self.ops.no_grad():
+            return self._prefill_step(t(arrays["tokens"]), t(arrays["write_slots"]), t(arrays["positions"]),
+                                      t(arrays["read_slots"]), t(arrays["last_index"]), attend_len=attend_len)
+
     # --- requests --------------------------------------------------------------
     # --- what a request must satisfy (run before the batch; a refused item never joins it) ----
     def check_prefill(self, items: list[tuple[int, PrefillRequest]]
@@ -170,11 +178,10 @@ class TargetEngine:
             rows = [Row(s.slot, 0, np.asarray(r.prompt, dtype=np.int64)) for s, r in zip(states, reqs)]
             width = max(len(r.prompt) for r in reqs)
             lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
-            t = lambda a: self.ops.from_numpy(a, "int64")  # noqa: E731
-            with self.ops.no_grad():
-                hidden, best, logits = self._prefill_step(
-                    t(lay.tokens), t(lay.write_slots), t(lay.positions), t(lay.read_slots), t(lay.last_index),
-                    attend_len=attend_span(lay.positions, self.cache.max_len))
+            hidden, best, logits = self._run_prefill(
+                {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                 "read_slots": lay.read_slots, "last_index": lay.last_index},
+                attend_span(lay.positions, self.cache.max_len))
             seeds = [request_seed(r.params) for r in reqs]
             sampled = [i for i, r in enumerate(reqs) if r.resume_token is None and not r.params.greedy]
             extra, logits_np = [], None

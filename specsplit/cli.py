@@ -87,13 +87,19 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     log = configure_logging(f"{role}_service", args.log_level)
     log.info("starting", config=redact(cfg))
     try:
+        rendezvous = torchrun_rendezvous(os.environ) if role == "target" and cfg.tp > 1 else None
+        if rendezvous is not None and rendezvous.rank > 0:
+            from target_service.tp_launch import follower_main
+
+            follower_main(cfg, rendezvous)       # ranks > 0 serve nothing: they follow rank 0
+            return 0
         if role == "draft":
             from draft_service.server import start
         else:
             from target_service.server import start
         # NOTE: `start` (not `create_server`) returns the service with its bound metrics port,
         # so the listening line reports the port actually served.
-        service = start(cfg)
+        service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
     server, port = service.server, service.port
@@ -102,8 +108,28 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a
     # short grace so in-flight rounds answer, then exit.
+    if rendezvous is not None or cfg.tp > 1:
+        # NOTE: a tensor-parallel target tears down on every rank (graphs, then weights) and
+        # then tells the other ranks to stop; exiting without that would leave them to find
+        # rank 0 gone.
+        service.stop(grace=SHUTDOWN_GRACE_S)
+        return 0
     server.stop(grace=SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
     return 0
+
+
+def torchrun_rendezvous(env: Any) -> Any:
+    """The tensor-parallel rendezvous torchrun gives each process (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), or None outside torchrun (``specsplit target --tp N`` then spawns the ranks)."""
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        return None
+    from runtime.tp_plan import Rendezvous
+
+    try:
+        return Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]), env.get("MASTER_ADDR", "127.0.0.1"),
+                          int(env.get("MASTER_PORT", "29500")))
+    except ValueError as exc:
+        raise ConfigError(f"torchrun environment: RANK/WORLD_SIZE/MASTER_PORT must be integers ({exc})") from None
 
 
 def cmd_orchestrator(args: argparse.Namespace) -> int:

@@ -196,9 +196,16 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
                                   tpb.VerifyResponse)
 
 
-def start(cfg: WorkerConfig) -> WorkerService:
-    """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving."""
-    worker, log = new_worker(cfg, "target", TargetWorker)
+def start(cfg: WorkerConfig, rendezvous: Any = None) -> WorkerService:
+    """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving.
+    With ``cfg.tp`` > 1 this process is rank 0 of a tensor-parallel group (``target_service/tp_launch.py``;
+    ``rendezvous``: where torchrun's ranks meet, None: spawn the other ranks here)."""
+    if cfg.tp > 1:
+        from target_service.tp_launch import leader_worker
+
+        worker, log = new_worker(cfg, "target", leader_worker(rendezvous))
+    else:
+        worker, log = new_worker(cfg, "target", TargetWorker)
     rounds = RoundHost(worker, cfg)
     # NOTE: every Decode call holds a handler thread for its whole life (the running
     # batch plus the waiting queue), so the pool is sized for that, not for cfg alone.

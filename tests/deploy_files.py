@@ -30,7 +30,7 @@ COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 K8S_DIR = DEPLOY / "k8s"
 # SPECSPLIT_* variables read outside the config dataclasses (documented in the CLI / loader).
 EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN", "SPECSPLIT_LOG_LEVEL",
-                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE"})
+                       "SPECSPLIT_RUNTIME_DIR", "SPECSPLIT_TOKEN_FILE", "SPECSPLIT_TARGET_TP"})
 SERVICE_CLASSES: dict[str, type] = {"draft": WorkerConfig, "target": WorkerConfig, "orchestrator": OrchestratorConfig}
 
 

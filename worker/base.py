@@ -168,16 +168,20 @@ class Worker:
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        # NOTE: an in-place update streams the tensors (read on access, straight from the files
-        # through pinned buffers where the backend can); a new load reads them all first.
-        arrays = CheckpointArrays(checked) if in_place else self.read_weights(checked)
-        self.apply_weights(checked, arrays, version, in_place, (target_path, draft_path))
+        self.apply_weights(checked, self.in_place_source(checked) if in_place else self.read_weights(checked),
+                           version, in_place, (target_path, draft_path))
 
     def read_weights(self, checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
         """A validated checkpoint's tensors in host memory (on the caller's thread: serving goes
         on meanwhile). bf16 stays raw bits (no float32 host copy): both backends reinterpret
-        them on the device and cast there."""
+        them on the device and cast there. A role may read only its share (tensor parallel)."""
         return read_arrays(checked, bf16_bits=True)
+
+    def in_place_source(self, checked: CheckedCheckpoint) -> Mapping[str, np.ndarray]:
+        """What an in-place update copies from: the tensors read on access, one at a time
+        (``CheckpointArrays``: the backend streams them straight from the files through pinned
+        buffers where it can), so the checkpoint is never whole in host memory."""
+        return CheckpointArrays(checked)
 
     def apply_weights(self, checked: CheckedCheckpoint, arrays: Mapping[str, np.ndarray], version: str,
                       in_place: bool, source: tuple[str, str]) -> None:
@@ -186,7 +190,6 @@ class Worker:
         consumed) or a copy into the live tensors (``arrays`` may be ``CheckpointArrays``,
         read as it goes); ``source`` (target_path, draft_path) is remembered for rollbacks."""
         action = LOAD_WEIGHTS_IN_PLACE if in_place else LOAD_WEIGHTS
-
         def apply() -> None:
             if in_place:
                 self.lifecycle.apply(action, lambda: self._copy_in_place(checked.cfg, arrays, version), version)

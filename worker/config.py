@@ -23,6 +23,7 @@ class WorkerConfig:
     draft_path: str | None = None
     weights_version: str = ""
     capture_on_start: bool = False       # capture graphs after the start-up load
+    tp: int = 1                          # target: tensor-parallel ranks (one process per device; target_service/tp_*)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -37,6 +38,12 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
+        _check(isinstance(self.tp, int) and 1 <= self.tp <= 64, "tp", "an integer in [1, 64]", self.tp)
+        _check(self.tp == 1 or self.role == "target", "tp",
+               "1 for the draft (the draft runs on one device; only the target is tensor-parallel)", self.tp)
+        _check(self.tp == 1 or self.runtime.backend == "torch", "tp",
+               "1 with runtime.backend='paddle' (tensor parallelism runs on torch.distributed: use "
+               "runtime.backend='torch')", self.tp)
         _check((self.draft_client_cert is None) == (self.draft_client_key is None),
                "draft_client_cert/draft_client_key", "both set or both unset",
                (self.draft_client_cert, self.draft_client_key))

@@ -31,7 +31,7 @@ import numpy as np
 from core.errors import FailedPrecondition
 from runtime import host_memory
 from runtime.lifecycle import State
-from runtime.weights import CheckedCheckpoint, CheckpointArrays
+from runtime.weights import CheckedCheckpoint
 
 if TYPE_CHECKING:  # the worker is passed in; importing it here would be circular
     from worker.base import Worker
@@ -218,7 +218,7 @@ class WeightSwaps:
         else:
             # NOTE: an in-place copy streams the tensors (read on access, straight from the
             # files through pinned buffers where the backend can); a new load reads them first.
-            arrays = CheckpointArrays(staged.checked) if in_place else self.w.read_weights(staged.checked)
+            arrays = self.w.in_place_source(staged.checked) if in_place else self.w.read_weights(staged.checked)
         staged.arrays = None
         self.w.apply_weights(staged.checked, arrays, staged.version, in_place, staged.source)
 

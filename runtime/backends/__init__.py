@@ -7,6 +7,9 @@ loads Paddle and vice versa (they live in separate processes).
 
 from __future__ import annotations
 
+from typing import Any
+
+from core.config import ConfigError
 from runtime.backends.base import Ops
 from runtime.config import RuntimeConfig
 
@@ -24,4 +27,14 @@ def make_ops(cfg: RuntimeConfig) -> Ops:
     raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
 
 
-__all__ = ["Ops", "make_ops"]
+def make_tp_group(cfg: RuntimeConfig, rendezvous: Any, step_timeout_s: float = 300.0) -> Any:
+    """Join the tensor-parallel group of a target (``runtime.tp_plan.Rendezvous``): Torch only."""
+    if cfg.backend != "torch":
+        raise ConfigError(f"tp > 1 needs runtime.backend='torch' (tensor parallelism runs on torch.distributed); "
+                          f"runtime.backend is {cfg.backend!r}")
+    from runtime.backends.torch_dist import TorchGroup
+
+    return TorchGroup(rendezvous, cfg.device, step_timeout_s)
+
+
+__all__ = ["Ops", "make_ops", "make_tp_group"]

@@ -1,0 +1,216 @@
+"""Tensor-parallel sharding of the Llama target: which slice of every tensor a rank holds.
+
+Owns: the Megatron-style plan for ``tp`` ranks (column splits of q/k/v and gate/up
+along their output rows, row splits of o and down along their input columns, KV
+heads split across ranks or replicated when there are fewer KV heads than ranks,
+a vocabulary-parallel output head, replicated embedding and norms), the model
+config one rank computes with (``local_cfg``), slicing a full host array to a
+rank's shard (``shard``: pushed weights, tests) and reading only a rank's slices
+from the safetensors files (``read_sharded``: loading and IN_PLACE reloads).
+
+Must not know: frameworks (arrays here are numpy; collectives belong to
+``runtime/backends/torch_dist.py``), processes, gRPC, lifecycle.
+
+Math (x [.., d], rank r of tp):
+- column split: W [out, in] -> rows of r; y_r = x W_r^T is rank r's part of y
+  (q heads h/tp per rank; its K/V heads; gate/up ffn/tp rows).
+- row split: W [d, in] -> columns of r; y = sum_r x_r W_r^T (the all-reduce).
+  A bias of a row-split projection lives on rank 0 only (zeros elsewhere), so the
+  sum adds it once.
+- head: rows [r*V/tp, (r+1)*V/tp) of the head; the ranks' logits are gathered
+  along the vocabulary. A vocabulary that ``tp`` does not divide keeps the head
+  whole on every rank (no gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.bf16 import bf16_bits_to_float32
+from core.config import ConfigError
+from runtime.checkpoint import CheckpointError, TensorInfo, read_tensor
+from runtime.config import ModelConfig
+from runtime.model import head_weight_name
+
+_ST_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+ZEROS_OFF_RANK0 = "zeros-off-rank-0"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one TP target meet (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows or columns [start, stop) of a tensor along ``axis``; ``ZEROS_OFF_RANK0`` in mode:
+    the whole tensor on rank 0, zeros of its shape on the others (biases of row splits)."""
+
+    axis: int
+    start: int
+    stop: int
+    mode: str = ""
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    cfg: ModelConfig             # the full model
+    tp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        cfg, tp = self.cfg, self.tp
+        h, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+        if not (isinstance(tp, int) and tp >= 1):
+            raise ConfigError(f"tp={tp!r} is invalid: expected an integer >= 1")
+        if not 0 <= self.rank < tp:
+            raise ConfigError(f"tp rank {self.rank} is out of range [0, {tp})")
+        if h % tp:
+            raise ConfigError(f"tp={tp} must divide model.num_attention_heads={h}")
+        if kvh % tp and tp % kvh:
+            raise ConfigError(f"tp={tp} must divide model.num_key_value_heads={kvh} or be a multiple of it")
+        if cfg.intermediate_size % tp:
+            raise ConfigError(f"tp={tp} must divide model.intermediate_size={cfg.intermediate_size}")
+
+    # --- sizes on this rank -------------------------------------------------------------
+    @property
+    def heads(self) -> int:
+        return self.cfg.num_attention_heads // self.tp
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads this rank holds: kvh/tp, or 1 (replicated) when kvh < tp."""
+        return max(1, self.cfg.num_key_value_heads // self.tp)
+
+    @property
+    def kv_start(self) -> int:
+        """First K/V head of this rank. With kvh < tp, tp/kvh ranks share one K/V head: the
+        query heads of rank r (h/tp of them from r*h/tp) all belong to K/V head r*kvh//tp."""
+        kvh = self.cfg.num_key_value_heads
+        return self.rank * kvh // self.tp if kvh < self.tp else self.rank * self.kv_heads
+
+    @property
+    def vocab_split(self) -> bool:
+        return self.tp > 1 and self.cfg.vocab_size % self.tp == 0
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        """Rows of the output head this rank computes: its vocabulary slice, or all of it."""
+        if not self.vocab_split:
+            return 0, self.cfg.vocab_size
+        n = self.cfg.vocab_size // self.tp
+        return self.rank * n, (self.rank + 1) * n
+
+    def local_cfg(self) -> ModelConfig:
+        """The config one rank's decoder layers compute with (vocabulary and width stay whole)."""
+        return dataclasses.replace(self.cfg, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                                   intermediate_size=self.cfg.intermediate_size // self.tp)
+
+    # --- per tensor ----------------------------------------------------------------------
+    def slice_of(self, name: str) -> Slice | None:
+        """This rank's part of tensor ``name`` (checkpoint naming); None = the whole tensor."""
+        if self.tp == 1:
+            return None
+        hd, r = self.cfg.head_dim, self.rank
+        leaf = name.rsplit(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in name else name
+        ffn = self.cfg.intermediate_size // self.tp
+        if leaf.startswith("self_attn.q_proj."):
+            return Slice(0, r * self.heads * hd, (r + 1) * self.heads * hd)
+        if leaf.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+            return Slice(0, self.kv_start * hd, (self.kv_start + self.kv_heads) * hd)
+        if leaf.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+            return Slice(0, r * ffn, (r + 1) * ffn)
+        if leaf == "self_attn.o_proj.weight":
+            return Slice(1, r * self.heads * hd, (r + 1) * self.heads * hd)
+        if leaf == "mlp.down_proj.weight":
+            return Slice(1, r * ffn, (r + 1) * ffn)
+        if leaf in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
+            return Slice(0, 0, 0, ZEROS_OFF_RANK0)
+        if name == "lm_head.weight" and self.vocab_split:
+            a, b = self.vocab_rows
+            return Slice(0, a, b)
+        return None                     # embedding (the tied head is a view of it), norms, q/k norms
+
+    def shard(self, name: str, full: np.ndarray) -> np.ndarray:
+        """A full host array -> this rank's shard (a new contiguous array, or ``full`` itself)."""
+        s = self.slice_of(name)
+        if s is None:
+            return full
+        if s.mode == ZEROS_OFF_RANK0:
+            return full if self.rank == 0 else np.zeros_like(full)
+        index = [slice(None)] * full.ndim
+        index[s.axis] = slice(s.start, s.stop)
+        return np.ascontiguousarray(full[tuple(index)])
+
+    def head_is_embedding_view(self) -> bool:
+        """Tied embeddings with a split head: the head is rows ``vocab_rows`` of the (replicated)
+        embedding, taken as a view on the device (an in-place update of the embedding moves both)."""
+        return self.vocab_split and head_weight_name(self.cfg) == "model.embed_tokens.weight"
+
+
+def read_sharded(infos: dict[str, TensorInfo], names: list[str], plan: TPPlan,
+                 bf16_bits: bool = False) -> dict[str, np.ndarray]:
+    """Read only this rank's slice of each tensor from its safetensors file.
+
+    A row slice is one contiguous byte range (one read); a column slice reads each
+    row's span through a memory map, so only the pages holding this rank's columns
+    are touched. Dtypes as ``checkpoint.read_tensor``: float32, or bf16 as bit patterns.
+    """
+    out = {}
+    for name in names:
+        info = infos[name]
+        s = plan.slice_of(name)
+        if s is None:
+            out[name] = read_tensor(info, bf16_bits)
+            continue
+        if s.mode == ZEROS_OFF_RANK0:
+            full = read_tensor(info, bf16_bits) if plan.rank == 0 else None
+            out[name] = full if full is not None else np.zeros(info.shape, dtype=_host_dtype(info, bf16_bits))
+            continue
+        out[name] = _convert(_read_slice(info, s), info.dtype, bf16_bits)
+    return out
+
+
+def _host_dtype(info: TensorInfo, bf16_bits: bool) -> type:
+    return np.uint16 if (info.dtype == "BF16" and bf16_bits) else np.float32
+
+
+def _read_slice(info: TensorInfo, s: Slice) -> np.ndarray:
+    dtype = _ST_NP.get(info.dtype)
+    if dtype is None:
+        raise CheckpointError(f"{info.file}: tensor dtype {info.dtype} cannot be sharded (float tensors only)")
+    shape = info.shape
+    if not 0 <= s.start < s.stop <= shape[s.axis]:
+        raise CheckpointError(f"{info.file}: slice [{s.start}, {s.stop}) of axis {s.axis} is outside shape "
+                              f"{list(shape)}")
+    item = np.dtype(dtype).itemsize
+    if s.axis == 0:
+        row = int(np.prod(shape[1:], dtype=np.int64)) * item
+        buf = bytearray((s.stop - s.start) * row)
+        with open(info.file, "rb") as f:
+            f.seek(info.start + s.start * row)
+            n = f.readinto(buf)
+        if n != len(buf):
+            raise CheckpointError(f"{info.file}: tensor data truncated")
+        return np.frombuffer(buf, dtype=dtype).reshape((s.stop - s.start, *shape[1:]))
+    mm = np.memmap(info.file, dtype=dtype, mode="r", offset=info.start, shape=shape)
+    try:
+        index = [slice(None)] * len(shape)
+        index[s.axis] = slice(s.start, s.stop)
+        return np.array(mm[tuple(index)], copy=True, order="C")
+    finally:
+        del mm
+
+
+def _convert(arr: np.ndarray, st_dtype: str, bf16_bits: bool) -> np.ndarray:
+    if st_dtype == "BF16":
+        return arr if bf16_bits else bf16_bits_to_float32(arr)
+    return arr.astype(np.float32) if st_dtype == "F16" else arr

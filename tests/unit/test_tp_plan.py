@@ -1,0 +1,113 @@
+"""The tensor-parallel sharding math (runtime/tp_plan.py), in numpy.
+
+Column splits (q/k/v, gate/up) concatenated over the ranks, and row splits (o,
+down) summed over the ranks, give the full matmuls; each rank's query heads read
+the K/V head they belong to, also when K/V heads are replicated (fewer than ranks);
+the head's vocabulary slices reassemble the logits; slices read from a safetensors
+file equal slices of the full tensor (F32 and BF16); models or configs that cannot
+be split are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.bf16 import bf16_bits_to_float32, float32_to_bf16_bits
+from core.config import ConfigError
+from runtime.checkpoint import index_checkpoint, read_tensor, save_target
+from runtime.config import ModelConfig, RuntimeConfig
+from runtime.model import init_params, target_tensor_shapes
+from runtime.tp_plan import TPPlan, read_sharded
+from worker.config import WorkerConfig
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, attention_bias=True, mlp_bias=True)
+
+
+def _params(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {n: rng.standard_normal(a.shape).astype(np.float32)
+            for n, a in init_params(cfg, 0, target_tensor_shapes(cfg)).items()}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_column_and_row_splits_reassemble_the_full_matmuls(tp):
+    p, x = _params(CFG), np.random.default_rng(1).standard_normal((3, CFG.hidden_size)).astype(np.float32)
+    plans = [TPPlan(CFG, tp, r) for r in range(tp)]
+    pre = "model.layers.0."
+    for name in ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj"):
+        full = x @ p[pre + name + ".weight"].T + p[pre + name + ".bias"]
+        parts = [x @ pl.shard(pre + name + ".weight", p[pre + name + ".weight"]).T
+                 + pl.shard(pre + name + ".bias", p[pre + name + ".bias"]) for pl in plans]
+        np.testing.assert_allclose(np.concatenate(parts, -1), full, rtol=1e-5, atol=1e-5)
+    for name, width in (("self_attn.o_proj", CFG.num_attention_heads * CFG.head_dim),
+                        ("mlp.down_proj", CFG.intermediate_size)):
+        h = np.random.default_rng(2).standard_normal((3, width)).astype(np.float32)
+        full = h @ p[pre + name + ".weight"].T + p[pre + name + ".bias"]
+        n = width // tp
+        total = sum(h[:, r * n:(r + 1) * n] @ pl.shard(pre + name + ".weight", p[pre + name + ".weight"]).T
+                    + pl.shard(pre + name + ".bias", p[pre + name + ".bias"]) for r, pl in enumerate(plans))
+        np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)       # the all-reduce; bias added once
+    head = p["lm_head.weight"]
+    logits = np.concatenate([x @ pl.shard("lm_head.weight", head).T for pl in plans], -1)
+    np.testing.assert_allclose(logits, x @ head.T, rtol=1e-5, atol=1e-5)    # the vocabulary gather
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_ranks_query_heads_read_their_own_kv_head(tp):
+    """tp=4 > 2 K/V heads: ranks (0, 1) share K/V head 0 and (2, 3) head 1 (replicated)."""
+    hd, g = CFG.head_dim, CFG.num_attention_heads // CFG.num_key_value_heads
+    k = _params(CFG)["model.layers.0.self_attn.k_proj.weight"]                  # [kvh*hd, d]
+    for r in range(tp):
+        pl = TPPlan(CFG, tp, r)
+        local = pl.local_cfg()
+        assert local.num_attention_heads == CFG.num_attention_heads // tp
+        assert local.num_attention_heads % local.num_key_value_heads == 0
+        shard = pl.shard("model.layers.0.self_attn.k_proj.weight", k)
+        lg = local.num_attention_heads // local.num_key_value_heads
+        for j in range(local.num_attention_heads):                               # local query head j
+            global_q = r * local.num_attention_heads + j
+            want = k[(global_q // g) * hd:(global_q // g + 1) * hd]
+            got = shard[(j // lg) * hd:(j // lg + 1) * hd]
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sliced_reads_equal_slices_of_the_full_tensors(tmp_path, dtype):
+    p = _params(CFG)
+    save_target(tmp_path, CFG, p, dtype=dtype, shard_bytes=8192)
+    infos = index_checkpoint(tmp_path)
+    for r in range(2):
+        plan = TPPlan(CFG, 2, r)
+        got = read_sharded(infos, list(infos), plan, bf16_bits=dtype == "bfloat16")
+        for name, info in infos.items():
+            want = plan.shard(name, read_tensor(info, bf16_bits=dtype == "bfloat16"))
+            assert got[name].shape == want.shape and got[name].dtype == want.dtype, name
+            np.testing.assert_array_equal(got[name], want)
+        if dtype == "bfloat16":        # bits, exactly the stored values
+            o = got["model.layers.0.self_attn.o_proj.weight"]
+            full = float32_to_bf16_bits(p["model.layers.0.self_attn.o_proj.weight"])
+            np.testing.assert_array_equal(bf16_bits_to_float32(o), bf16_bits_to_float32(full[:, r * 16:(r + 1) * 16]))
+
+
+def test_vocabulary_that_tp_does_not_divide_keeps_the_head_whole():
+    cfg = ModelConfig(vocab_size=65, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    plan = TPPlan(cfg, 2, 1)
+    assert not plan.vocab_split and plan.vocab_rows == (0, 65) and plan.slice_of("lm_head.weight") is None
+
+
+def test_models_and_configs_that_cannot_be_split_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="tp=3 must divide model.num_attention_heads=4"):
+        TPPlan(CFG, 3, 0)
+    odd = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=50, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="model.intermediate_size"):
+        TPPlan(odd, 4, 0)
+    with pytest.raises(ConfigError, match=r"^tp=2 is invalid.*runtime.backend='torch'"):
+        WorkerConfig(role="target", target_path=None, tp=2, runtime=RuntimeConfig(backend="paddle"))
+    with pytest.raises(ConfigError, match=r"^tp=2 is invalid.*draft"):
+        WorkerConfig(role="draft", target_path=None, tp=2, runtime=RuntimeConfig(backend="torch"))
+    with pytest.raises(ConfigError, match=r"^tp=0 is invalid"):
+        WorkerConfig(role="target", target_path=None, tp=0)
