@@ -44,7 +44,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="sampling-modes bench: the sampling temperatures")
     p.add_argument("--tp", type=int, default=2, help="tp bench: tensor-parallel ranks (one GPU each from --device)")
     p.add_argument("--variants", nargs="*", default=None,
-                   help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive")
+                   help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
+                        "micro, micro+adaptive")
 
 
 def run_bench(args: argparse.Namespace) -> int:

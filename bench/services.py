@@ -1,7 +1,8 @@
 """``specsplit bench services``: speculative vs target-only decoding through the gRPC services.
 
 Owns: for each variant of the target's round loop (``fixed``: k drafts every
-round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``)
+round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``;
+``micro``: two micro-batches overlapped; ``micro+adaptive``)
 one stack (draft, target, orchestrator as separate processes on loopback,
 metrics on), then for each batch size decoding the same held-out prompts
 twice — k=0 (target-only) and k — with that many concurrent clients, side by
@@ -28,7 +29,7 @@ from specsplit.launcher import Stack, StackOptions
 from core.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
-VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive")
+VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive")
 
 
 def round_split(metrics_port: int) -> dict[str, float]:
@@ -66,7 +67,8 @@ def _stack_options(args, model: Path, batches: list[int], variant: str) -> Stack
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
-                        ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant, worker_args=extra)
+                        ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
+                        micro_batches="micro" in variant, worker_args=extra)
 
 
 def main(args) -> int:

@@ -37,8 +37,9 @@ import structlog
 
 from rounds.guards import GuardedDraft, GuardedTarget
 from runtime.adaptive_k import AdaptiveK, RoundCosts
-from runtime.round_driver import DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, run_round
-
+from runtime.micro_batch import run_round_micro
+from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, detach_draft,
+                                  run_round)
 from rounds.scheduler_types import (Event, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
 
 log = structlog.get_logger("rounds.scheduler")
@@ -60,7 +61,8 @@ class Scheduler:
 
     def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
                  eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None,
-                 adaptive_k: bool = False, ahead: bool = False, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 adaptive_k: bool = False, ahead: bool = False, micro_batches: bool = False,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.target, self.draft = target, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_token_id = eos_token_id
@@ -71,6 +73,7 @@ class Scheduler:
         # Adaptive speculation length: per-request policies share the loop's round-cost estimates.
         self.costs: RoundCosts | None = RoundCosts() if adaptive_k else None
         self.ahead = ahead                           # ahead drafting (runtime.round_driver.run_round)
+        self.micro_batches = micro_batches           # two micro-batches overlapped (runtime.micro_batch)
         self.round = 0
         self._cv = threading.Condition()
         self._waiting: list[RequestHandle] = []
@@ -325,7 +328,9 @@ class Scheduler:
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
         t0 = time.perf_counter()
         try:
-            emitted = run_round(target, draft, [x.seq for x in live], self.costs, self.ahead)
+            seqs = [x.seq for x in live]
+            emitted = (run_round_micro(target, draft, seqs, self.costs) if self.micro_batches
+                       else run_round(target, draft, seqs, self.costs, self.ahead))
         except Exception as exc:  # noqa: BLE001
             err = error_of(exc)
             # NOTE: Propose runs before Verify and the round driver changes no sequence
@@ -442,9 +447,7 @@ class Scheduler:
         log.warning("draft_lost", round=self.round, error=err.message, live=len(self._running))
         self.draft = None
         for x in self._running:
-            s = x.seq
-            s.drafting, s.draft_pairs, s.ready_drafts = False, 0, None
-            s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+            detach_draft(x.seq)
         if self.on_draft_lost is not None:
             self.on_draft_lost(err)
 

@@ -183,11 +183,16 @@ class SpecConfig:
                                          # measured round costs (runtime/adaptive_k.py); target round loop only
     ahead_drafting: bool = False         # while the target verifies, the draft drafts past d_k (used when all k are
                                          # accepted and the bonus matches); set on both workers
+    micro_batches: bool = False          # target round loop: two micro-batches, the draft drafting one while the
+                                         # target verifies the other (runtime/micro_batch.py); not with ahead_drafting
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_k, int) and 0 <= self.max_k <= 16, "spec.max_k", "an integer in [0, 16]", self.max_k)
         _check(isinstance(self.default_k, int) and 0 <= self.default_k <= self.max_k, "spec.default_k",
                f"an integer in [0, max_k={self.max_k}]", self.default_k)
+        _check(not (self.micro_batches and self.ahead_drafting), "spec.micro_batches",
+               "off when spec.ahead_drafting is on (both use the draft while the target verifies: choose one)",
+               self.micro_batches)
 
 
 

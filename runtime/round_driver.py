@@ -107,6 +107,8 @@ class Sequence:
     drafting: bool = False             # whether the draft holds this request
     adaptive: AdaptiveK | None = None  # adaptive speculation length (None: always k)
     ready_drafts: np.ndarray | None = None  # drafts for the next round from ahead drafting (int64 [k])
+    next_proposal: Proposal | None = None   # this sequence's next-round proposal, made while the target
+                                            # verified the other micro-batch (runtime.micro_batch)
     eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model (config / generation_config list)
 
     @property
@@ -182,10 +184,49 @@ def admit(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
         if not (resume and s.output):
             emitted[s.request_id] = s.emit([res.first_token])
         set_prompt_pairs(s, req, res)
-        s.draft_pairs, s.drafting, s.ready_drafts = 0, False, None
+        s.draft_pairs, s.drafting = 0, False
+        forget_drafts(s)
     if draft is not None:
         attach_draft(draft, [s for s in seqs if s.k > 0 and s.finish_reason is None])
     return emitted
+
+
+def forget_drafts(s: Sequence) -> None:
+    """Drop drafts made for a next round (ahead, micro-batch): the draft's state they came from
+    is gone (a re-prefill, a lost draft)."""
+    s.ready_drafts, s.next_proposal = None, None
+
+
+def detach_draft(s: Sequence) -> None:
+    """The draft holds nothing of ``s`` any more (it was lost): no pairs, nothing pending."""
+    s.drafting, s.draft_pairs = False, 0
+    s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+    forget_drafts(s)
+
+
+def propose_requests(seqs: list[Sequence], ks: dict[str, int], keep_tail: dict[str, bool] | None = None
+                     ) -> list[ProposeRequest]:
+    """Each sequence's Propose: its pending catch-up pairs, then ``ks`` drafts."""
+    return [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
+                           keep_tail=bool(keep_tail and keep_tail[s.request_id])) for s in seqs]
+
+
+def took_proposal(s: Sequence) -> None:
+    """The draft now holds ``s``'s pending pairs (its Propose answered)."""
+    s.draft_pairs += len(s.pending_tokens)
+    s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+
+
+def commit_result(s: Sequence, k: int, res: VerifyResult) -> list[int]:
+    """Record a verified round of ``s`` (``k`` drafts) and emit its tokens; returns those kept.
+    The committed tokens and their hidden rows become the draft's next catch-up."""
+    s.stats.record(k, res.num_accepted)
+    if s.adaptive is not None:
+        s.adaptive.observe(k, res.num_accepted)
+    out = s.emit(res.tokens)
+    if s.drafting:
+        _append_pending(s, np.asarray(res.tokens, dtype=np.int64), res.hidden)
+    return out
 
 
 def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
@@ -200,7 +241,7 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
         s.drafting = True
 
 
-def _round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | None) -> dict[str, int]:
+def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | None) -> dict[str, int]:
     """Drafts per request this round: its k, or with adaptive k the round's k* (runtime.adaptive_k)."""
     drafting = [s for s in seqs if draft is not None and s.drafting]
     adaptive = [s.adaptive for s in drafting if s.adaptive is not None]
@@ -229,7 +270,7 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     commits, so the output is unchanged (greedy: identical tokens). Greedy
     drafts only.
     """
-    ks = _round_ks(seqs, draft, costs)
+    ks = round_ks(seqs, draft, costs)
     proposals: dict[str, Proposal] = {}
     for s in seqs:
         if s.ready_drafts is not None:
@@ -242,12 +283,9 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
                       for s in seqs} if ahead else {})
     to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
     if to_propose:
-        reqs = [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
-                               keep_tail=ahead and greedy_drafts[s.request_id]) for s in to_propose]
-        for s, p in zip(to_propose, draft.propose(reqs)):
+        for s, p in zip(to_propose, draft.propose(propose_requests(to_propose, ks, greedy_drafts if ahead else None))):
             proposals[s.request_id] = p
-            s.draft_pairs += len(s.pending_tokens)
-            s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+            took_proposal(s)
     # NOTE: the ahead call goes out before the verify so the draft works while the target
     # does. Only right after a catch-up (nothing pending): the next catch-up then carries
     # at most two rounds of pairs, a width the draft has captured.
@@ -264,12 +302,7 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     out: dict[str, list[int]] = {}
     for s, res in zip(seqs, results):
         k = ks[s.request_id]
-        s.stats.record(k, res.num_accepted)
-        if s.adaptive is not None:
-            s.adaptive.observe(k, res.num_accepted)
-        out[s.request_id] = s.emit(res.tokens)
-        if s.drafting:
-            _append_pending(s, np.asarray(res.tokens, dtype=np.int64), res.hidden)
+        out[s.request_id] = commit_result(s, k, res)
         more = ahead_out.get(s.request_id)
         if more is not None and res.num_accepted == k and len(more) == k + 1 and int(more[0]) == res.tokens[-1]:
             s.ready_drafts = np.asarray(more[1:], dtype=np.int64)

@@ -59,6 +59,7 @@ class StackOptions:
     max_len: int = 1024
     admin_token: str | None = None
     ahead_drafting: bool = False             # target: draft past d_k while verifying (spec.ahead_drafting)
+    micro_batches: bool = False              # target: two micro-batches overlapped (spec.micro_batches)
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
     host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
@@ -151,6 +152,7 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
     argv += ["--spec-ahead-drafting" if opts.ahead_drafting else "--no-spec-ahead-drafting"]
     if role == "target":
         argv += ["--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
+        argv += ["--spec-micro-batches" if opts.micro_batches else "--no-spec-micro-batches"]
     return argv + list(opts.worker_args)
 
 

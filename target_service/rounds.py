@@ -111,7 +111,8 @@ class RoundHost:
         self.target = LocalTarget(worker)
         self.scheduler = Scheduler(self.target, None, max_batch=DEFAULT_MAX_BATCH, max_queue=DEFAULT_MAX_QUEUE,
                                    eos_token_id=None, observer=observer or NullObserver(),
-                                   adaptive_k=cfg.spec.adaptive_k, ahead=cfg.spec.ahead_drafting)
+                                   adaptive_k=cfg.spec.adaptive_k, ahead=cfg.spec.ahead_drafting,
+                                   micro_batches=cfg.spec.micro_batches)
         self.draft_link: DraftLink | None = None
         self.draft_timeout_s = 30.0
         self.configured = False

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from orchestrator.round_client import RemoteRounds
-from rounds.scheduler_types import ErrorEvent, FinalEvent, GenerationRequest, TokensEvent
+from rounds.scheduler_types import ErrorEvent, FinalEvent, GenerationRequest, RequestError, TokensEvent
 from rounds.worker_clients import TargetClient
 from core.config import SecurityConfig, ServerConfig
 from core.params import SamplingParams
@@ -136,3 +136,39 @@ def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
         assert isinstance(first.next_event(TIMEOUT), FinalEvent)
     finally:
         rounds.configure("", 4, 8, TIMEOUT)
+
+
+def test_micro_batches_over_grpc_are_exact(stack):
+    """Two micro-batches through the services: the draft drafts one over its persistent stream
+    while the target verifies the other; greedy output equals target-only."""
+    from target_service import server as target_server
+
+    _, draft_address = stack
+    target = target_server.start(_cfg("target", micro_batches=True))
+    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
+                          admin_token=process_token())
+    rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
+    try:
+        prompts = _prompts(4)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        assert rounds.configure(draft_address, 4, 8, TIMEOUT).speculation_available
+        got = _generate(rounds, prompts, 3)
+        for (tokens, final), (ref_tokens, _) in zip(got, ref):
+            assert isinstance(final, FinalEvent) and tokens == ref_tokens and final.stats.drafted > 0
+        assert rounds.status().active_requests == 0
+    finally:
+        rounds.stop()
+        client.close()
+        target.stop(grace=None)
+
+
+def test_drain_needs_a_policy_and_resume_all_reopens_admission(stack):
+    rounds, _ = stack
+    with pytest.raises(RequestError) as info:
+        rounds.control(tpb.ROUNDS_ACTION_DRAIN, TIMEOUT)
+    assert info.value.code == "INVALID_ARGUMENT" and "drain" in info.value.message
+    resp = rounds.drain("wait", 5.0, timeout=TIMEOUT)
+    assert resp.count == 0 and resp.status.admission_paused
+    resp = rounds.resume_all(None, timeout=TIMEOUT)
+    assert not resp.status.admission_paused
