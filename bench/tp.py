@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.graphs import BIG, SMALL
+from bench.graphs import BIG, SMALL, _time
 from runtime.backends import make_ops, make_tp_group
 from runtime.batch_layout import Row, layout_rows
 from runtime.config import CacheConfig, RuntimeConfig
@@ -46,17 +46,6 @@ def _inputs(cfg, k: int, b: int, seed: int = 0) -> dict[str, np.ndarray]:
     lay = layout_rows(rows, k + 1, max(BATCHES), MAX_LEN)
     return {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
             "read_slots": lay.read_slots}
-
-
-def _time(fn, iters: int, sync) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters
 
 
 def _rank(rank: int, tp: int, port: int, device: str, small: bool, k: int, iters: int, out: Any) -> None:

@@ -21,8 +21,9 @@ from core.admin_token import process_token
 from core.config import SecurityConfig, ServerConfig
 from core.params import SamplingParams
 from orchestrator.round_client import RemoteRounds
-from rounds.scheduler_types import FinalEvent, GenerationRequest, TokensEvent
+from rounds.scheduler_types import FinalEvent, GenerationRequest
 from rounds.worker_clients import TargetClient
+from tests.integration.test_round_loop import _drain
 from runtime.checkpoint import index_checkpoint, load_tensors, save_target
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
@@ -67,17 +68,6 @@ def _variant(root: Path) -> Path:
     arrays = {n: (a * (1.0 + 0.05 * rng.standard_normal(a.shape))).astype(np.float32) for n, a in arrays.items()}
     save_target(root, ModelConfig.from_json_file(TINY / "config.json"), arrays, shard_bytes=1 << 21)
     return root
-
-
-def _drain(handle) -> tuple[list[int], object]:
-    tokens: list[int] = []
-    for _ in range(10_000):
-        ev = handle.next_event(TIMEOUT)
-        if isinstance(ev, TokensEvent):
-            tokens.extend(ev.tokens)
-        else:
-            return tokens, ev
-    raise AssertionError("no final event")
 
 
 @pytest.fixture(scope="module")

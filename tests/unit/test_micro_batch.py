@@ -11,15 +11,15 @@ target-only step, the draft is treated as lost, and the output stays exact.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from core.params import SamplingParams
-from rounds.scheduler import FinalEvent, GenerationRequest, Scheduler, TokensEvent, WorkerUnavailable
+from rounds.scheduler import FinalEvent, GenerationRequest, Scheduler, WorkerUnavailable
 from runtime.config import ConfigError, SpecConfig
 from runtime.engine import GenRequest
+from tests.unit.test_ahead import _drain
 from tests.unit.test_engine_bundled import _engine, _prompts
 
 MAX_TOKENS = 40
@@ -52,18 +52,6 @@ class ThreadedDraft:
         else:
             fut = self.pool.submit(self.draft.propose, reqs)
         return lambda: fut.result(timeout=60)
-
-
-def _drain(handle, timeout=120.0):
-    tokens = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ev = handle.next_event(timeout=0.5)
-        if isinstance(ev, TokensEvent):
-            tokens.extend(ev.tokens)
-        elif ev is not None:
-            return tokens, ev
-    raise AssertionError(f"{handle.request_id}: no final event within {timeout}s")
 
 
 def _serve(eng, draft, reqs, **kw):
