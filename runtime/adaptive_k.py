@@ -31,8 +31,20 @@ The acceptance estimate counts trials, not drafts: a round that accepts a of
 k drafts tested a + 1 of them when it rejected one (a < k) and k when it
 accepted all (later drafts were never tested), so a = successes / trials
 over exponentially weighted sums, started at a prior. Rounds at k* = 0
-observe nothing, so every ``PROBE_EVERY`` of them a probe drafts the full k
-for two rounds to see whether drafting pays again.
+observe nothing, so after ``PROBE_EVERY`` of them a probe drafts the full k
+for two rounds to see whether drafting pays again; when probes keep finding
+that it does not, the interval doubles from the third probe on (up to
+``PROBE_BACKOFF_MAX`` times), back to ``PROBE_EVERY`` once a measured
+acceptance (not a new request's prior) makes a round draft.
+
+What a round really costs: the sum above leaves out what happens around the
+parts (the loop's own work between rounds, streaming the chunks, threads
+competing for the interpreter), and that is not the same for both kinds of
+round: measured on an H200 with the bundled model, a target-only round took
+1.17 ms inside but 1.38 ms start to start, a k = 3 round 3.69 vs 3.72 ms.
+So once both kinds have been seen (``MIN_PERIODS`` each), T(0) is the median
+start-to-start period of target-only rounds, and T(k > 0) the median period of
+drafting rounds less their draft time, plus k * t_draft.
 
 Which rounds feed the cost estimates: a drafting round right after rounds
 that did not draft (a probe's first round, the first round of the loop) is
@@ -47,10 +59,13 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass
+from typing import Callable
 
 PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained MTP head's typical first-position rate)
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two probes (two full-k rounds each)
+PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY
+MIN_PERIODS = 3              # measured round periods of each kind before they replace the part sums
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -70,11 +85,15 @@ def best_k(a: float, max_k: int, t_verify: float, t_draft: float, t_exchange: fl
 
 def best_round_k(requests: list[tuple[float, int]], t_verify: float, t_draft: float, t_exchange: float) -> int:
     """argmax_k sum_i E(a_i, min(k, k_i)) / T(k) over k in [0, max k_i]; requests = [(a_i, k_i)]."""
+    return _best(requests, lambda k: round_cost(k, t_verify, t_draft, t_exchange))
+
+
+def _best(requests: list[tuple[float, int]], cost: Callable[[int], float]) -> int:
     top = max((k for _, k in requests), default=0)
     best, best_rate = 0, -1.0
     for k in range(top + 1):
         tokens = sum(expected_tokens(a, min(k, ki)) for a, ki in requests)
-        rate = tokens / max(round_cost(k, t_verify, t_draft, t_exchange), 1e-9)
+        rate = tokens / max(cost(k), 1e-9)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
@@ -96,7 +115,13 @@ class RoundCosts:
         self._exchange: collections.deque[float] = collections.deque([t_exchange], maxlen=self.WINDOW)
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
+        self.probes_in_a_row = 0       # probes since measured acceptance last said drafting pays
         self._drafted_last = False     # did the previous observed round draft?
+        # Start-to-start periods: of target-only rounds, and of drafting rounds less their draft time.
+        self._period0: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self._fixed_spec: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self._last_start: float | None = None
+        self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
 
     @property
     def t_verify(self) -> float:
@@ -112,11 +137,35 @@ class RoundCosts:
         """The draft call's fixed cost (transport, catch-up, host work)."""
         return statistics.median(self._exchange)
 
-    def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
-        """One round: its largest k, draft compute, verify compute and everything else."""
+    @property
+    def probe_every(self) -> int:
+        """Target-only rounds before the next probe (module doc: backoff from the third probe)."""
+        return PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX)
+
+    def cost(self, k: int) -> float:
+        """T(k) in seconds: measured periods once both kinds of round were seen, else the parts' sum."""
+        if len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS:
+            if k == 0:
+                return statistics.median(self._period0)
+            return statistics.median(self._fixed_spec) + k * self.t_draft
+        return round_cost(k, self.t_verify, self.t_draft, self.t_exchange)
+
+    def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
+                started: float | None = None) -> None:
+        """One round: its largest k, draft compute, verify compute and everything else; ``started``:
+        when it started (perf_counter seconds), for the start-to-start period of the round before."""
+        prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
+        self._prev_k = k_max
+        if started is not None and prev_start is not None:
+            period = started - prev_start
+            if prev_k == 0:
+                self._period0.append(period)
+            elif self._prev_steady:
+                self._fixed_spec.append(period - self._prev_draft)
         self._verify.append(verify_s)
         steady = self._drafted_last        # module doc: the first drafting round after none is not
         self._drafted_last = k_max > 0
+        self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
         if k_max > 0 and steady:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps; charge it per
             # draft, and the round's overhead (which includes the exchange) to the exchange.
@@ -140,6 +189,11 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.successes / self.trials
 
+    @property
+    def measured(self) -> bool:
+        """Has drafted at least once (the estimate is no longer the prior alone)."""
+        return self.trials > 2.0
+
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             decay = 1.0 - EMA_WEIGHT
@@ -148,17 +202,18 @@ class AdaptiveK:
 
 
 def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
-    """k* for a round of these requests (module doc), with a two-round full-k probe every
-    PROBE_EVERY rounds that would otherwise not draft."""
-    k = best_round_k([(p.acceptance, p.max_k) for p in policies], costs.t_verify, costs.t_draft, costs.t_exchange)
+    """k* for a round of these requests (module doc), with a two-round full-k probe after
+    ``costs.probe_every`` rounds that would otherwise not draft."""
+    k = _best([(p.acceptance, p.max_k) for p in policies], costs.cost)
     top = max((p.max_k for p in policies), default=0)
     if k == 0 and top > 0:
         if costs.probe_rounds_left > 0:
             costs.probe_rounds_left -= 1
             return top
         costs.target_only_rounds += 1
-        if costs.target_only_rounds >= PROBE_EVERY:
+        if costs.target_only_rounds >= costs.probe_every:
             costs.target_only_rounds = 0
+            costs.probes_in_a_row += 1
             # NOTE: the probe drafts the full k (a k = 1 round's draft time is mostly the
             # exchange's fixed part, which charged per draft made every k look too dear), and
             # for two rounds: the first one's wide eager catch-up is not observed (module doc).
@@ -166,4 +221,8 @@ def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
             return top
     else:
         costs.probe_rounds_left = 0
+        # NOTE: the backoff ends only when measured acceptance says drafting pays, not when a
+        # new request's prior does (it drafts its first rounds whatever the loop has learned).
+        if k > 0 and _best([(p.acceptance, p.max_k) for p in policies if p.measured], costs.cost) > 0:
+            costs.probes_in_a_row = 0
     return k

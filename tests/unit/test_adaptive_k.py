@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.adaptive_k import (PROBE_EVERY, AdaptiveK, RoundCosts, best_k, best_round_k, choose_round_k,
+from runtime.adaptive_k import (PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k, best_round_k, choose_round_k,
                                 expected_tokens, round_cost)
 
 
@@ -102,3 +102,48 @@ def test_an_early_slow_round_does_not_stop_drafting():
         else:
             costs.observe(0, 0.0, 1.44e-3, 2e-5)
     assert choose_round_k([pol], costs) == 3
+
+
+def test_probes_back_off_while_they_keep_failing_and_reset_once_drafting_pays():
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    pol = AdaptiveK(max_k=4)
+    for _ in range(60):
+        pol.observe(4, 0)
+    ks = [choose_round_k([pol], costs) for _ in range(2000)]
+    starts = [i for i in range(1, len(ks)) if ks[i] and not ks[i - 1]]
+    # Rounds from one probe's end to the next probe's start (the start is the interval's last round).
+    gaps = [b - a - 2 + 1 for a, b in zip(starts, starts[1:])]
+    assert starts[0] + 1 == PROBE_EVERY
+    assert gaps[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]   # from the third probe on
+    assert set(gaps[4:]) == {PROBE_BACKOFF_MAX * PROBE_EVERY}        # capped
+    newcomer = AdaptiveK(max_k=4)                                    # its prior says draft: it does, but
+    assert choose_round_k([newcomer], costs) > 0 and costs.probe_every == PROBE_BACKOFF_MAX * PROBE_EVERY
+    for _ in range(60):
+        pol.observe(4, 4)                                            # drafting pays again
+    assert choose_round_k([pol], costs) == 4 and costs.probe_every == PROBE_EVERY
+
+
+def test_measured_round_periods_replace_the_part_sums():
+    """Regression (H200, bundled model, batch 1): a target-only round took 1.17 ms inside but 1.38 ms
+    start to start, a k = 3 round 3.69 vs 3.72 ms; from the parts alone k = 0 looked better at
+    acceptance 0.81 and adaptive k ran at x0.86 of fixed k = 3, which measured 914 vs 725 tok/s."""
+    pol = AdaptiveK(max_k=3, successes=0.81 * 50, trials=50.0)
+    parts = RoundCosts()
+    t = 0.0
+    for _ in range(10):                                   # the parts as measured (no periods given)
+        for _ in range(3):
+            parts.observe(0, 0.0, 1.15e-3, 2e-5)
+        parts.observe(3, 1.28e-3, 1.34e-3, 1.06e-3)
+        parts.observe(3, 1.28e-3, 1.34e-3, 1.06e-3)
+    assert choose_round_k([pol], parts) == 0
+    timed = RoundCosts()
+    for _ in range(10):                                   # the same rounds, with their start times
+        for _ in range(3):
+            timed.observe(0, 0.0, 1.15e-3, 2e-5, started=t)
+            t += 1.38e-3
+        for _ in range(2):
+            timed.observe(3, 1.28e-3, 1.34e-3, 1.06e-3, started=t)
+            t += 3.72e-3
+    assert timed.cost(0) == pytest.approx(1.38e-3) and timed.cost(3) == pytest.approx(3.72e-3, rel=0.03)
+    assert choose_round_k([pol], timed) == 3
+    assert choose_round_k([AdaptiveK(max_k=3, successes=0.3 * 50, trials=50.0)], timed) == 0

@@ -1,0 +1,94 @@
+"""``specsplit bench adaptive``: adaptive k against every fixed k on prompts where drafting pays and where it does not.
+
+Owns: three prompt sets on the bundled model — ``heldout`` (held-out prose and
+code, where the trained MTP head drafts well), ``random`` (random bytes of the
+same lengths, where the drafts are mostly wrong) and ``mix`` (the two
+interleaved) — decoded through the services at batch 1 (one client) on two
+stacks started side by side: one with fixed k (each request asks k = 0, 1, 2 or
+3) and one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
+per round). It prints tokens/s of each, the acceptance, adaptive over the best
+fixed k and over target-only, and whether every output equals target-only.
+
+Issue 10's goal: on the mix, adaptive >= the best fixed k; on prompts where
+drafting never pays, adaptive >= target-only.
+
+Must not know: how adaptive k decides (``runtime.adaptive_k``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench.engine import TINY, heldout_prompts
+from bench.services import _decode
+from core.progress import progress
+from specsplit.launcher import Stack, StackOptions
+
+FIXED_KS = (0, 1, 2, 3)
+
+
+def prompt_sets(n: int, model: Path) -> dict[str, list[str]]:
+    """heldout, random (same lengths, seeded random bytes 32..255) and mix (alternating)."""
+    held = heldout_prompts(n, model)
+    rng = np.random.default_rng(0)
+    rand = ["".join(chr(int(c)) for c in rng.integers(32, 256, len(p))) for p in held]
+    mix = [held[i] if i % 2 == 0 else rand[i] for i in range(len(held))]
+    return {"heldout": held, "random": rand, "mix": mix}
+
+
+def _options(args, model: Path, adaptive: bool) -> StackOptions:
+    draft_device = getattr(args, "draft_device", None) or args.device
+    extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
+    return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
+                        k=max(FIXED_KS), max_batch=1, log_level="WARNING", adaptive_k=adaptive, worker_args=extra)
+
+
+def _cell(address: str, prompts: list[str], max_tokens: int, k: int) -> dict:
+    results, seconds = _decode(address, prompts, max_tokens, k, 1)
+    tokens = sum(len(r.tokens) for r in results)
+    drafted = sum(r.drafted for r in results)
+    return {"tok_s": tokens / seconds, "acceptance": sum(r.accepted for r in results) / drafted if drafted else 0.0,
+            "outputs": [r.tokens for r in results]}
+
+
+def main(args) -> int:
+    model = Path(args.model) if args.model else TINY
+    sets = prompt_sets(args.prompts, model)
+    cells: dict[str, dict[str, dict]] = {name: {} for name in sets}
+    for adaptive in (False, True):
+        with Stack(_options(args, model, adaptive)) as stack:
+            address = stack.orchestrator_address
+            _decode(address, sets["heldout"][:2], 8, max(FIXED_KS), 1)            # warm-up
+            ks = (max(FIXED_KS),) if adaptive else FIXED_KS
+            desc = f"bench adaptive ({'adaptive' if adaptive else 'fixed'})"
+            for name, prompts in progress(list(sets.items()), desc=desc, unit="prompt set"):
+                for k in ks:
+                    cells[name]["adaptive" if adaptive else f"k={k}"] = _cell(address, prompts, args.max_tokens, k)
+    rows = []
+    for name, row in cells.items():
+        ref = row["k=0"]["outputs"]
+        best = max((c for c in row if c != "adaptive"), key=lambda c: row[c]["tok_s"])     # k = 0 is a fixed k too
+        rows.append({"prompts": name, **{c: round(v["tok_s"], 1) for c, v in row.items()},
+                     **{f"accept {c}": round(v["acceptance"], 3) for c, v in row.items() if c != "k=0"},
+                     "best_fixed": best,
+                     "adaptive_over_best_fixed": round(row["adaptive"]["tok_s"] / row[best]["tok_s"], 3),
+                     "adaptive_over_target_only": round(row["adaptive"]["tok_s"] / row["k=0"]["tok_s"], 3),
+                     "identical": all(v["outputs"] == ref for v in row.values())})
+    result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
+              "rows": rows, "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    draft = getattr(args, "draft_device", None) or args.device
+    print(f"bench adaptive: backend={args.backend} target={args.device} draft={draft} batch 1, {args.prompts} "
+          f"prompts x {args.max_tokens} tokens per set, tokens/s (acceptance)")
+    cols = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
+    print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols) + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
+    for r in rows:
+        vals = " ".join(f"{r[c]:8.1f} ({r.get(f'accept {c}', 0):.2f})" if c != "k=0" else f"{r[c]:15.1f}" for c in cols)
+        print(f"{r['prompts']:>8s} {vals} {r['adaptive_over_best_fixed']:10.2f} {r['adaptive_over_target_only']:9.2f} "
+              f"{str(r['identical']):>9s}   (best fixed: {r['best_fixed']})")
+    return 0
