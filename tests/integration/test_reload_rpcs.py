@@ -1,7 +1,7 @@
 """How many RPCs a weight reload costs the orchestrator, and that it needs no extra poll.
 
 A reload is six calls from the orchestrator for two workers (issue: worker-owned
-weight swaps): PrepareWeights on each worker, one ControlRounds DRAIN, one
+weight swaps), with or without a preload: PrepareWeights on each worker, one ControlRounds DRAIN, one
 CommitWeights stream per worker (the worker clears, releases, loads and captures
 inside it) and one ControlRounds RESUME_ALL. The calls are counted at the
 orchestrator's stubs, on the reload's own threads (the background status poller
@@ -49,9 +49,11 @@ def stack(models, tmp_path_factory):
     s.close()
 
 
-@pytest.mark.parametrize("mode,inflight,version", [("recapture", "wait", "B"), ("in_place", "recompute", "A2"),
-                                                   ("recapture", "abort", "B2")])
-def test_a_reload_is_six_rpcs_from_the_orchestrator(stack, models, mode, inflight, version):
+@pytest.mark.parametrize("mode,inflight,version,preload", [("recapture", "wait", "B", False),
+                                                           ("in_place", "recompute", "A2", False),
+                                                           ("recapture", "abort", "B2", True),
+                                                           ("in_place", "wait", "A3", True)])
+def test_a_reload_is_six_rpcs_from_the_orchestrator(stack, models, mode, inflight, version, preload):
     core = stack.server.core
     calls: list[tuple[str, str]] = []
     clients = {"target": core.target, "draft": core.draft}
@@ -61,7 +63,7 @@ def test_a_reload_is_six_rpcs_from_the_orchestrator(stack, models, mode, infligh
     path = models["B" if version.startswith("B") else "A"]    # the stack starts on A
     try:
         with SpecsplitClient(stack.address, timeout=TIMEOUT, token=ADMIN) as client:
-            events = client.reload(str(path), version, mode=mode, inflight=inflight)
+            events = client.reload(str(path), version, mode=mode, inflight=inflight, preload=preload)
     finally:
         for role, c in clients.items():
             c.stub = real[role]
@@ -74,4 +76,6 @@ def test_a_reload_is_six_rpcs_from_the_orchestrator(stack, models, mode, infligh
         ["ControlRounds"], calls
     # The facts the gate opened with came from the reload's own answers (no extra poll).
     assert core.facts.weights_version == version
+    # Nothing stays staged on a worker after its commit (a preload's host copy is gone too).
+    assert stack.target.worker.swaps.staged_version == stack.draft.worker.swaps.staged_version == ""
 
