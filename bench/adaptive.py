@@ -86,7 +86,8 @@ def main(args) -> int:
     print(f"bench adaptive: backend={args.backend} target={args.device} draft={draft} batch 1, {args.prompts} "
           f"prompts x {args.max_tokens} tokens per set, tokens/s (acceptance)")
     cols = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
-    print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols) + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
+    print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols)
+          + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
     for r in rows:
         vals = " ".join(f"{r[c]:8.1f} ({r.get(f'accept {c}', 0):.2f})" if c != "k=0" else f"{r[c]:15.1f}" for c in cols)
         print(f"{r['prompts']:>8s} {vals} {r['adaptive_over_best_fixed']:10.2f} {r['adaptive_over_target_only']:9.2f} "

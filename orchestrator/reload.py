@@ -305,7 +305,8 @@ class _Run:
                 raise ReloadError("FAILED_PRECONDITION", f"mode IN_PLACE refused on {role}: {err.message}; "
                                                          "use mode RECAPTURE") from None
             where = ", ".join(f"{r}: {e.message}" for r, e in failed.failures.items())
-            raise ReloadError(failed.code, f"validation of {spec.version!r} failed, nothing changed ({where})") from None
+            raise ReloadError(failed.code,
+                              f"validation of {spec.version!r} failed, nothing changed ({where})") from None
         self.before = {r: _Before(st.state, st.weights_version if st.state in _SERVING else "", st.state == _READY)
                        for r, st in results.items()}
 

@@ -5,8 +5,8 @@ long for the cache -> RESOURCE_EXHAUSTED), turning scheduler events into the
 Generate stream (TokenChunk per round, then GenerateFinal), holding Generate
 calls while weights reload (bounded, then UNAVAILABLE with RetryInfo), the
 cluster status, the worker poller that keeps model facts (vocab, cache length,
-EOS, slots) and health current, and ``create_server``. The reload RPCs'
-messages are ``orchestrator.reload_rpcs``'.
+EOS, slots) and health current, and ``create_server``. The reload RPCs (ReloadWeights,
+PushWeights) live in ``orchestrator.reload_rpcs``.
 
 Must not know: how rounds run (``scheduler``), how workers are called
 (``worker_clients``), how a reload proceeds (``reload``) or a push is staged

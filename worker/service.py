@@ -3,8 +3,8 @@ lifecycle / status / release RPC handlers, a worker's status as a proto, and sta
 worker service.
 
 Owns: ``bind_health``, ``WorkerServicerMixin`` (LoadWeights, ReleaseWeights, CaptureGraphs,
-ClearGraphs, PrepareWeights / CommitWeights / AbortWeights, GetStatus, Release, the error handling of every worker RPC and the persistent
-batched round stream), per-item decoding and result messages (``decode_items``, ``result_proto``),
+ClearGraphs, PrepareWeights / CommitWeights / AbortWeights, GetStatus, Release, the error
+handling of every worker RPC and the persistent batched round stream), per-item decoding and result messages (``decode_items``, ``result_proto``),
 ``status_to_proto`` / ``state_to_proto``, ``new_worker``, ``WorkerService`` and
 ``start_worker_service``.
 
