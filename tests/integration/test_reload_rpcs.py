@@ -5,7 +5,7 @@ weight swaps), with or without a preload: PrepareWeights on each worker, one Con
 CommitWeights stream per worker (the worker clears, releases, loads and captures
 inside it) and one ControlRounds RESUME_ALL. The calls are counted at the
 orchestrator's stubs, on the reload's own threads (the background status poller
-is not part of a reload).
+is not part of a reload). With no draft configured, the same sequence is four calls.
 """
 
 from __future__ import annotations
@@ -79,3 +79,31 @@ def test_a_reload_is_six_rpcs_from_the_orchestrator(stack, models, mode, infligh
     # Nothing stays staged on a worker after its commit (a preload's host copy is gone too).
     assert stack.target.worker.swaps.staged_version == stack.draft.worker.swaps.staged_version == ""
 
+
+
+def test_a_target_only_stack_reloads_in_four_rpcs(models):
+    """No draft configured: prepare, drain, commit, resume on the target alone; then serving B."""
+    from orchestrator.server import create_server
+    from core.config import SecurityConfig, ServerConfig
+    from orchestrator.config import OrchestratorConfig
+    from target_service.server import start as start_target
+    from tests.integration.inproc_stack import GEN, MAX_LEN, _worker
+
+    target = start_target(_worker("target", models["A"]))
+    server, port = create_server(OrchestratorConfig(
+        draft_address="", target_address=f"127.0.0.1:{target.port}", max_tokens_limit=MAX_LEN - 8, worker_timeout_s=TIMEOUT,
+        reload_call_timeout_s=TIMEOUT, server=ServerConfig(port=0), worker_admin_token=ADMIN,
+        security=SecurityConfig(admin_token=ADMIN, generate_token=GEN)))
+    core = server.core
+    calls: list[tuple[str, str]] = []
+    core.target.stub = _CountingStub(core.target.stub, "target", calls)
+    try:
+        with SpecsplitClient(f"127.0.0.1:{port}", timeout=TIMEOUT, token=ADMIN) as client:
+            events = client.reload(str(models["B"]), "B", mode="recapture", inflight="wait")
+            assert events[-1].done and events[-1].weights_version == "B"
+            assert {e.service for e in events} == {"target", "orchestrator"}
+            assert [m for _, m in calls] == ["PrepareWeights", "ControlRounds", "CommitWeights", "ControlRounds"]
+            assert client.status()["target"]["weights_version"] == "B" and core.facts.weights_version == "B"
+    finally:
+        server.stop(0).wait(5)
+        target.stop(grace=None)
