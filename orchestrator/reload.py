@@ -239,8 +239,7 @@ class _Run:
                 failures[role] = err
                 self._event(phase, role, t0, f"{phase} failed", error=err)
 
-        with ThreadPoolExecutor(len(calls), thread_name_prefix=f"reload-{phase}") as pool:
-            list(pool.map(one, list(calls)))
+        _each(list(calls), one, phase)
         if failures:
             raise _PhaseFailed(phase, failures)
         return results
@@ -338,23 +337,20 @@ class _Run:
         # under live graphs.
         holds = _Holds(len(self.workers), self.timeout) if spec.mode == RECAPTURE else None
         self.touched.update(self.workers)
-        calls = {r: (lambda c, r=r: self._commit_one(r, c, holds)) for r in self.workers}
         results: dict[str, Any] = {}
-        failures: dict[str, tuple[str, RequestError]] = {}
+        failures: dict[str, _WorkerFailed] = {}
 
         def one(role: str) -> None:
             try:
-                results[role] = calls[role](self.workers[role])
+                results[role] = self._commit_one(role, self.workers[role], holds)
             except _WorkerFailed as exc:
-                failures[role] = (exc.phase, exc.error)
+                failures[role] = exc
                 if holds is not None:
                     holds.fail()
 
-        with ThreadPoolExecutor(len(calls), thread_name_prefix="reload-commit") as pool:
-            list(pool.map(one, list(calls)))
+        _each(list(self.workers), one, "commit")
         if failures:
-            phase = next(iter(failures.values()))[0]
-            raise _PhaseFailed(phase, {r: e for r, (_, e) in failures.items()})
+            raise _PhaseFailed(next(iter(failures.values())).phase, {r: e.error for r, e in failures.items()})
         self.known.update({r: st for r, st in results.items() if st is not None})
 
     def _commit_one(self, role: str, client: Any, holds: _Holds | None) -> Any:
@@ -461,6 +457,12 @@ class _Run:
                         raise err from None
                 log.warning("rollback_retry", service=role, attempt=attempt, error=err.message)
                 time.sleep(_RETRY_POLL_S)
+
+
+def _each(roles: list[str], fn: Callable[[str], None], name: str) -> None:
+    """``fn(role)`` for every worker at once (they are separate machines), back when all are."""
+    with ThreadPoolExecutor(len(roles), thread_name_prefix=f"reload-{name}") as pool:
+        list(pool.map(fn, roles))
 
 
 class _WorkerFailed(Exception):
