@@ -24,7 +24,7 @@ import time
 import pytest
 
 from orchestrator.client import SpecsplitClient, SpecsplitError
-from tests.integration.test_reload import Stack, check_segments, models, prompt_of, ref  # noqa: F401 (fixtures)
+from tests.integration.reload_harness import Stack, check_segments, models, prompt_of, ref  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ from orchestrator.server import create_server
 from core.config import ServerConfig
 from orchestrator.config import OrchestratorConfig
 from tests.integration import hardening_utils as hu
-from tests.integration.test_reload import in_thread, models, prompt_of, run_gen, stacks, wait_until  # noqa: F401
+from tests.integration.reload_harness import in_thread, models, prompt_of, run_gen, stacks, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
