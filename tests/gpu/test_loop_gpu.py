@@ -42,27 +42,33 @@ def _run(address: str, prompts: list[str], k: int, concurrency: int, max_tokens:
     return out, time.perf_counter() - t0
 
 
+def _side_by_side(opts: StackOptions, concurrencies: tuple[int, ...], label: str):
+    """On one stack, target-only then speculative decoding of 8 held-out prompts at each
+    concurrency: asserts identical output, prints both tok/s; yields (concurrency, speculative results)."""
+    prompts = _prompts(8)
+    with Stack(opts) as stack:
+        address = stack.orchestrator_address
+        _run(address, prompts[:2], 3, 2, 8)                                          # warm-up
+        for conc in concurrencies:
+            ref, t_ref = _run(address, prompts, 0, conc)
+            spec, t_spec = _run(address, prompts, 3, conc)
+            assert [r.tokens for r in spec] == [r.tokens for r in ref], (label, conc)
+            n = sum(len(r.tokens) for r in spec)
+            print(f"\n[gpu loop draft {DRAFT} target {TARGET}] {label} concurrency={conc}: target-only "
+                  f"{n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), identical")
+            yield conc, spec
+
+
 @pytest.mark.parametrize("ahead,adaptive", [(False, False), (True, False), (False, True), (True, True)])
 def test_round_loop_variants_are_exact_on_gpus(ahead, adaptive):
     opts = StackOptions(model=str(TINY), backend="torch", draft_device=DRAFT, target_device=TARGET, k=3,
                         max_batch=8, capture_graphs=True, log_level="WARNING", ahead_drafting=ahead,
                         adaptive_k=adaptive)
-    prompts = _prompts(8)
-    with Stack(opts) as stack:
-        address = stack.orchestrator_address
-        _run(address, prompts[:2], 3, 2, 8)                                          # warm-up
-        for conc in (1, 4):
-            ref, t_ref = _run(address, prompts, 0, conc)
-            spec, t_spec = _run(address, prompts, 3, conc)
-            assert [r.tokens for r in spec] == [r.tokens for r in ref], (ahead, adaptive, conc)
-            n = sum(len(r.tokens) for r in spec)
-            used = sum(r.ahead_used for r in spec)
-            asked = sum(r.ahead_asked for r in spec)
-            if ahead and not adaptive:                # adaptive k may choose k = 0 (no drafts to go ahead of)
-                assert used > 0, "ahead drafts were never used"
-            print(f"\n[gpu loop draft {DRAFT} target {TARGET}] ahead={ahead} adaptive={adaptive} "
-                  f"concurrency={conc}: target-only {n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), "
-                  f"ahead used {used}/{asked}, identical")
+    for _conc, spec in _side_by_side(opts, (1, 4), f"ahead={ahead} adaptive={adaptive}"):
+        used = sum(r.ahead_used for r in spec)
+        if ahead and not adaptive:                # adaptive k may choose k = 0 (no drafts to go ahead of)
+            assert used > 0, "ahead drafts were never used"
+        print(f"  ahead used {used}/{sum(r.ahead_asked for r in spec)}")
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -72,18 +78,8 @@ def test_micro_batches_are_exact_on_gpus(adaptive):
     opts = StackOptions(model=str(TINY), backend="torch", draft_device=DRAFT, target_device=TARGET, k=3,
                         max_batch=8, capture_graphs=True, log_level="WARNING", micro_batches=True,
                         adaptive_k=adaptive)
-    prompts = _prompts(8)
-    with Stack(opts) as stack:
-        address = stack.orchestrator_address
-        _run(address, prompts[:2], 3, 2, 8)                                          # warm-up
-        for conc in (4, 8):
-            ref, t_ref = _run(address, prompts, 0, conc)
-            spec, t_spec = _run(address, prompts, 3, conc)
-            assert [r.tokens for r in spec] == [r.tokens for r in ref], (adaptive, conc)
-            n = sum(len(r.tokens) for r in spec)
-            print(f"\n[gpu loop draft {DRAFT} target {TARGET}] micro adaptive={adaptive} concurrency={conc}: "
-                  f"target-only {n / t_ref:.0f} tok/s, speculative {n / t_spec:.0f} tok/s (x{t_ref / t_spec:.2f}), "
-                  f"identical")
+    for _ in _side_by_side(opts, (4, 8), f"micro adaptive={adaptive}"):
+        pass
 
 
 def test_recompute_reload_under_traffic_is_exact_on_gpus():
