@@ -141,7 +141,12 @@ def main(args) -> int:
         span = reg.span_for(reg.kinds[name], int(inp["positions"].max()) + 1)
         eager = _time(lambda: reg.run(name, inp), 10 if on_gpu else 3, ops.synchronize)
         floor = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
-        results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3}
+        # The same bare step on the plain ops (the fused kernels' reference), side by side.
+        kernels, ops.kernels = ops.kernels, None
+        plain = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
+        ops.kernels = kernels
+        results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3,
+                                   "plain_floor_ms": plain * 1e3}
     t_reg.capture_all()
     d_reg.capture_all()
     for kind, b, ctx in progress(cases, desc="bench graphs: replays", unit="step"):
@@ -167,14 +172,16 @@ def main(args) -> int:
         return 0
     print(f"bench graphs: torch {device} " + ("bf16, d=2048 L=16" if on_gpu else
           "fp32 small config (CPU smoke run: 'graph' is the eager stand-in)") + f", k={k}, max_len {MAX_LEN}, "
-          f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s)")
+          f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
+          f"fused kernels {'on' if ops.kernels is not None else 'off'} ('plain ms': the bare step on the plain ops)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
-          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s}")
+          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} {'plain ms':>9s} {'plain/floor':>11s}")
     for r in rows:
         wf = r["graph_over_weight_floor"]
         print(f"{r['step']:8s} {r['batch']:5d} {r['context']:5d} {r['span']:5d} {r['eager_ms']:9.3f} "
               f"{r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {r['host_us']:8.1f} {r['graph_speedup_vs_eager']:11.2f} "
-              f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12}")
+              f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12} {r['plain_floor_ms']:9.3f} "
+              f"{r['plain_floor_ms'] / r['floor_ms']:11.2f}")
     print("graph time at context %d / at %d: " % (CONTEXTS[-1], CONTEXTS[0])
           + ", ".join(f"{key} {v:.2f}" for key, v in growth.items()))
     return 0

@@ -237,6 +237,11 @@ class RuntimeConfig:
     # elsewhere). Measured in `bench attention --compile`: the ~1B verify step 2.74 ->
     # 1.43 ms under a graph, same argmax; costs ~45 s of compile at start. Off by default.
     compile: bool = False
+    # The decoder layer's fused Triton kernels (runtime/backends/torch_kernels.py: residual
+    # add + RMSNorm, SiLU*up, RoPE + KV-cache write, attention over the cache in place), for
+    # Torch on CUDA with Triton installed; ignored elsewhere. Same math as the plain ops up
+    # to rounding; off runs the plain ops (the reference).
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.cpu_threads, int) and 1 <= self.cpu_threads <= 1024, "runtime.cpu_threads",

@@ -157,6 +157,7 @@ class AttnMeta:
                 [B, T, La] in the form the backend's attention takes
                 (``Ops.attention_mask``, queries grouped per K/V head)
     cos, sin    [B, T, 1, D] in the compute dtype (sin sign-folded, see ``Rope``)
+    positions   int64 [B, T]  each token's position (the fused attention's causal bound)
     """
 
     write_index: Tensor
@@ -166,6 +167,7 @@ class AttnMeta:
     sin: Tensor
     attend_len: int
     max_len: int
+    positions: Tensor = None
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -185,7 +187,7 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
     # RoPE in the compute dtype (as transformers' Llama computes it): for a bf16 model the
     # tables are cast here once, not in every layer; float32 models keep float32 tables.
     return AttnMeta(write_index, read_slots, ops.attention_mask(mask, groups),
-                    ops.cast(cos, ops.dtype), ops.cast(sin, ops.dtype), attend_len, max_len)
+                    ops.cast(cos, ops.dtype), ops.cast(sin, ops.dtype), attend_len, max_len, positions)
 
 
 # ---------------------------------------------------------------------------
@@ -241,6 +243,10 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     dt = ops.dtype_name(x)
     cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
+    kern = ops.kernels
+    if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
+            and prefix + "self_attn.qkv_proj.weight" in p):
+        return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
         v = qkv[:, :, h + kvh:]
@@ -276,6 +282,36 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         gate_up = _proj(ops, p, prefix + "mlp.gate_up_proj", hn)
         ffn = cfg.intermediate_size
         mlp = ops.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
+    else:
+        mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
+    down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
+    return x + (down if reduce is None else reduce(down))
+
+
+def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, x: Tensor, hn: Tensor,
+                 meta: AttnMeta, cache: tuple[Tensor, Tensor], reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
+    as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33.
+    x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
+    b, t, d = ops.shape(x)
+    h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    k_cache, v_cache = cache
+    qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
+    # NOTE: k/v are written to the cache before attention reads it (the kernels run in
+    # stream order), so tokens of this forward see each other.
+    q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+    if kern.fits_attention(h // kvh, t):
+        attn = kern.cache_attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len,
+                                    meta.max_len)
+    else:                                                                      # long prefills: plain attention
+        k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)
+        v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
+        attn = ops.attention(q, k_all, v_all, meta.mask)
+    o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
+    x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
+                              cfg.rms_norm_eps)
+    if prefix + "mlp.gate_up_proj.weight" in p:
+        mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn), cfg.intermediate_size)
     else:
         mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp)

@@ -23,7 +23,8 @@ def make_ops(cfg: RuntimeConfig) -> Ops:
     if cfg.backend == "torch":
         from runtime.backends.torch_ops import TorchOps
 
-        return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads, compile_steps=cfg.compile)
+        return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads, compile_steps=cfg.compile,
+                        fused_kernels=cfg.fused_kernels)
     raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
 
 

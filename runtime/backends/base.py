@@ -41,6 +41,9 @@ class Ops(Protocol):
     # Batched sampling/acceptance on the device (see torch_sampling.TorchSampler), or
     # None: the engines then run the numpy functions of runtime.sampling/acceptance.
     sampler: Any
+    # The fused decoder-layer kernels (``torch_kernels.Kernels``), or None: the model then
+    # runs its plain ops, which are the reference for the kernels.
+    kernels: Any
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr: np.ndarray, dtype: str | None = None) -> Tensor:

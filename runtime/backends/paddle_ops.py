@@ -61,6 +61,7 @@ class PaddleOps:
         self.device = device
         self.dtype = dtype
         self.sampler = None  # no device sampler: the engines use the numpy path (runtime.sampling)
+        self.kernels = None  # no fused kernels: the model runs its plain ops
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):

@@ -120,10 +120,20 @@ class _PinnedMirror:
         self.i = 1 - i
 
 
+def _triton_kernels():
+    """The fused kernels when Triton is importable, else None (the model's plain ops)."""
+    try:
+        from runtime.backends.torch_kernels import Kernels
+    except ImportError:
+        return None
+    return Kernels()
+
+
 class TorchOps:
     name = "torch"
 
-    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None, compile_steps: bool = False) -> None:
+    def __init__(self, device: str, dtype: str, cpu_threads: int | None = None, compile_steps: bool = False,
+                 fused_kernels: bool = False) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"runtime.device={device!r} but torch sees no CUDA device")
         if cpu_threads is not None:
@@ -136,6 +146,9 @@ class TorchOps:
         self._compile = compile_steps and self._dev.type == "cuda"
         # Batched sampling / acceptance on the device (numpy runtime.sampling is its oracle).
         self.sampler = TorchSampler(self._dev)
+        # Fused decoder-layer kernels (CUDA with Triton); with runtime.compile the compiler
+        # fuses the plain ops itself, so the two are not combined.
+        self.kernels = _triton_kernels() if fused_kernels and self._dev.type == "cuda" and not self._compile else None
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):

@@ -1,0 +1,256 @@
+"""Fused Triton kernels for the Torch backend's decoder layer (CUDA).
+
+Owns: four kernels that each replace a chain of small framework ops of one
+decoder layer, equal to those ops up to rounding (every kernel computes in
+float32 and rounds once where the plain ops round after each op):
+  - ``add_rms_norm``:  the residual add and the RMSNorm that follows it
+  - ``silu_mul``:      SwiGLU's silu(gate) * up over the fused gate/up output
+  - ``rope_write_kv``: RoPE on the q and k heads of the fused q/k/v output, the
+                       k and v heads written into their KV-cache rows, the
+                       rotated q returned
+  - ``cache_attention``: grouped-query attention of a step's new tokens over
+                       each row's slot prefix, read in place from the flat
+                       KV cache (no gather), split over the keys
+                       (flash-decoding) and combined
+Why: the plain layer runs ~33 kernels at decode shapes, most of them a few
+microseconds of elementwise work (see docs/performance.md § Fused kernels);
+this layer runs 11.
+
+Must not know: models, checkpoints, requests. The model (``runtime/model.py``)
+decides where each kernel applies (``Kernels.fits_attention``) and keeps the
+plain path as the reference and for every other case (prefill of long
+prompts, per-head q/k norms, a head dim that is not a power of two, Paddle).
+
+Every launch is shape-static given its inputs' shapes (the split count too),
+so a step using them is captured into a CUDA graph like any other. With
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how CI tests them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Key rows per block of the attention loop, and the programs the split
+# attention aims for (about two waves of an H200's 132 SMs). A step's split
+# count depends only on its shapes (batch, KV heads, span), never on the data.
+_BLOCK_N = 64
+_TARGET_PROGRAMS = 256
+# Query rows one attention program holds (G query heads per K/V head times T
+# new tokens); above this the model keeps the plain attention (long prefills).
+MAX_QUERY_ROWS = 64
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    # s = x + d (rounded to x's dtype, as the plain add), y = s / rms(s) * w.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
+    s = (x + d).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * n + cols, s, mask=m)
+    sf = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + cols, (sf * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr):
+    # out = silu(gate) * up, gate/up = the two halves of one row of the fused output;
+    # silu's result is rounded to the output dtype first, as the plain ops do.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < f
+    g = tl.load(gu_ptr + row * 2 * f + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * f + f + cols, mask=m, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * f + cols, (a * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
+                          H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                          HP: tl.constexpr, KP: tl.constexpr):
+    # One token: its q/k heads rotated, x*cos + [x2, x1]*sin with the sign-folded sin
+    # table (runtime/model.py Rope), q to q_ptr, k and v to cache row widx[token].
+    tok = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D)
+    sw = (d + D // 2) % D
+    c = tl.load(cos_ptr + tok * D + d).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + tok * D + d).to(tl.float32)[None, :]
+    base = qkv_ptr + tok * (H + 2 * KVH) * D
+    hq = tl.arange(0, HP)[:, None]
+    mq = hq < H
+    x = tl.load(base + hq * D + d[None, :], mask=mq, other=0.0).to(tl.float32)
+    xs = tl.load(base + hq * D + sw[None, :], mask=mq, other=0.0).to(tl.float32)
+    tl.store(q_ptr + tok * H * D + hq * D + d[None, :], (x * c + xs * s).to(q_ptr.dtype.element_ty), mask=mq)
+    row = tl.load(widx_ptr + tok)
+    hk = tl.arange(0, KP)[:, None]
+    mk = hk < KVH
+    k = tl.load(base + (H + hk) * D + d[None, :], mask=mk, other=0.0).to(tl.float32)
+    ks = tl.load(base + (H + hk) * D + sw[None, :], mask=mk, other=0.0).to(tl.float32)
+    tl.store(kc_ptr + row * KVH * D + hk * D + d[None, :], (k * c + ks * s).to(kc_ptr.dtype.element_ty), mask=mk)
+    v = tl.load(base + (H + KVH + hk) * D + d[None, :], mask=mk, other=0.0)
+    tl.store(vc_ptr + row * KVH * D + hk * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
+
+
+@triton.jit
+def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
+                            span, max_len, scale,
+                            T: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                            D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            NSPLIT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr):
+    # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
+    # (row r = g*T + t is query head kh*G + g of token t) against keys
+    # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
+    # and j < span. Online softmax (running max m, sum l, unnormalised acc); one split
+    # writes the output, several write (acc, m, l) for _attention_combine_kernel.
+    bk = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = (bk // KVH).to(tl.int64)
+    kh = bk % KVH
+    r = tl.arange(0, M)
+    g = r // T
+    t = r % T
+    live = r < G * T
+    d = tl.arange(0, D)
+    qoff = ((b * T + t) * H + kh * G + g) * D
+    q = tl.load(q_ptr + qoff[:, None] + d[None, :], mask=live[:, None], other=0.0)
+    pos = tl.load(pos_ptr + b * T + t, mask=live, other=-1)
+    first_row = tl.load(slots_ptr + b) * max_len
+    m_i = tl.full([M], -1.0e30, tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    start = sp * KEYS_PER_SPLIT
+    end = tl.minimum(start + KEYS_PER_SPLIT, span)
+    for j0 in range(0, KEYS_PER_SPLIT, BLOCK_N):       # the last split's tail is masked
+        j = start + j0 + tl.arange(0, BLOCK_N)
+        jm = j < end
+        rows = (first_row + j) * KVH + kh
+        k = tl.load(kc_ptr + rows[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        vis = (j[None, :] <= pos[:, None]) & jm[None, :]
+        s = tl.where(vis, s, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + rows[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    if NSPLIT == 1:
+        out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    else:
+        at = (bk * NSPLIT + sp) * M + r
+        tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
+        tl.store(ml_ptr + at * 2, m_i)
+        tl.store(ml_ptr + at * 2 + 1, l_i)
+
+
+@triton.jit
+def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
+                              G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT: tl.constexpr):
+    # out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, m = max_s m_s (splits that
+    # saw no visible key carry m_s = -1e30 and weigh nothing).
+    bk = tl.program_id(0)
+    b = (bk // KVH).to(tl.int64)
+    kh = bk % KVH
+    r = tl.arange(0, M)
+    d = tl.arange(0, D)
+    m = tl.full([M], -1.0e30, tl.float32)
+    for sp in range(NSPLIT):
+        m = tl.maximum(m, tl.load(ml_ptr + ((bk * NSPLIT + sp) * M + r) * 2))
+    num = tl.zeros([M, D], tl.float32)
+    den = tl.zeros([M], tl.float32)
+    for sp in range(NSPLIT):
+        at = (bk * NSPLIT + sp) * M + r
+        w = tl.exp(tl.load(ml_ptr + at * 2) - m)
+        den += w * tl.load(ml_ptr + at * 2 + 1)
+        num += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :])
+    live = r < G * T
+    qoff = ((b * T + r % T) * H + kh * G + r // T) * D
+    out = num / tl.maximum(den, 1.0e-30)[:, None]
+    tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Kernels:
+    """The launch wrappers; ``TorchOps.kernels`` holds one when they are on (CUDA with
+    Triton), None otherwise. Tensor layouts are the model's (``runtime/model.py``)."""
+
+    @staticmethod
+    def fits(head_dim: int) -> bool:
+        """RoPE and attention tiles span the head dim: a power of two from 16."""
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+    @staticmethod
+    def fits_attention(groups: int, tokens: int) -> bool:
+        """Whether one program holds a step's query rows (decode and verify, not long prefills)."""
+        return groups * tokens <= MAX_QUERY_ROWS
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+        """(x + delta, rms_norm(x + delta) * w), both shaped and typed like x."""
+        n = x.shape[-1]
+        x2, d2 = x.reshape(-1, n).contiguous(), delta.reshape(-1, n).contiguous()
+        s, y = torch.empty_like(x2), torch.empty_like(x2)
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, w, s, y, n, eps, BLOCK=_pow2(n))
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
+        """gate_up [..., 2*ffn] -> silu(gate_up[..., :ffn]) * gate_up[..., ffn:]."""
+        gu = gate_up.reshape(-1, 2 * ffn).contiguous()
+        out = torch.empty((gu.shape[0], ffn), dtype=gu.dtype, device=gu.device)
+        block = min(1024, _pow2(ffn))
+        _silu_mul_kernel[(gu.shape[0], triton.cdiv(ffn, block))](gu, out, ffn, BLOCK=block)
+        return out.view(*gate_up.shape[:-1], ffn)
+
+    @staticmethod
+    def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, H+2KVH, D] (the fused projection), cos/sin [B, T, 1, D] -> rotated q
+        [B, T, H, D]; rotated k and v written to cache rows ``write_index`` [B*T]."""
+        b, t, _, d = qkv.shape
+        q = torch.empty((b, t, heads, d), dtype=qkv.dtype, device=qkv.device)
+        _rope_write_kv_kernel[(b * t,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), write_index, q,
+                                        k_cache, v_cache, H=heads, KVH=kv_heads, D=d,
+                                        HP=_pow2(heads), KP=_pow2(kv_heads))
+        return q
+
+    @staticmethod
+    def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
+                        positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
+        """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]."""
+        b, t, h, d = q.shape
+        kvh = k_cache.shape[1]
+        g = h // kvh
+        m = max(16, _pow2(g * t))
+        blocks = triton.cdiv(span, _BLOCK_N)
+        nsplit = min(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, b * kvh)))
+        per_split = triton.cdiv(blocks, nsplit) * _BLOCK_N
+        nsplit = triton.cdiv(span, per_split)
+        out = torch.empty_like(q)
+        if nsplit > 1:
+            acc = torch.empty((b * kvh * nsplit * m, d), dtype=torch.float32, device=q.device)
+            ml = torch.empty((b * kvh * nsplit * m, 2), dtype=torch.float32, device=q.device)
+        else:
+            acc = ml = out                                   # not written when nothing is split
+        q = q.contiguous()
+        _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
+                                                   span, max_len, 1.0 / math.sqrt(d),
+                                                   T=t, H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
+                                                   NSPLIT=nsplit, KEYS_PER_SPLIT=per_split)
+        if nsplit > 1:
+            _attention_combine_kernel[(b * kvh,)](acc, ml, out, T=t, H=h, KVH=kvh, G=g, D=d, M=m, NSPLIT=nsplit)
+        return out

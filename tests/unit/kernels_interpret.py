@@ -1,0 +1,77 @@
+"""Run by ``test_fused_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (Triton reads
+it when the kernels are defined): the fused decoder-layer kernels on CPU tensors, each
+against the plain ops it replaces, then the bundled model's greedy decoding with the
+kernels on against the same engine with them off. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runtime.backends import torch_kernels  # noqa: E402
+from runtime.backends.torch_kernels import Kernels  # noqa: E402
+from runtime.backends.torch_ops import TorchOps  # noqa: E402
+from runtime.model import apply_rope  # noqa: E402
+
+
+def kernel_errors() -> dict[str, float]:
+    """Worst absolute difference of each kernel from the plain ops (float32)."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ops, out = TorchOps("cpu", "float32"), {}
+    x, d, w = rnd(3, 4, 256), rnd(3, 4, 256), torch.rand(256, generator=g)
+    s, y = Kernels.add_rms_norm(x, d, w, 1e-5)
+    out["add_rms_norm"] = max((s - (x + d)).abs().max().item(), (y - ops.rms_norm(x + d, w, 1e-5)).abs().max().item())
+    gu = rnd(3, 4, 2 * 704)
+    out["silu_mul"] = (Kernels.silu_mul(gu, 704) - F.silu(gu[..., :704]) * gu[..., 704:]).abs().max().item()
+
+    b, t, h, kvh, hd, slots, max_len = 2, 4, 4, 2, 64, 3, 128
+    qkv, cos, sin = rnd(b, t, h + 2 * kvh, hd), rnd(b, t, 1, hd), rnd(b, t, 1, hd)
+    rows = torch.tensor([5, 6, 7, 8, 130, 131, 132, 133])
+    kc, vc = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = Kernels.rope_write_kv(qkv, cos, sin, h, kvh, kc, vc, rows)
+    qk = apply_rope(ops, qkv[:, :, :h + kvh], cos, sin)
+    ops.scatter_rows_(kc_ref, rows, qk[:, :, h:].reshape(b * t, kvh, hd))
+    ops.scatter_rows_(vc_ref, rows, qkv[:, :, h + kvh:].reshape(b * t, kvh, hd))
+    out["rope_write_kv"] = max((q - qk[:, :, :h]).abs().max().item(), (kc - kc_ref).abs().max().item(),
+                               (vc - vc_ref).abs().max().item())
+
+    read_slots, positions = torch.tensor([2, 0]), torch.tensor([[60, 61, 62, 63], [10, 11, 12, 13]])
+    worst = 0.0
+    for span in (64, 100, 128):
+        for programs in (256, 2):            # many splits (combine kernel) and one split (direct)
+            torch_kernels._TARGET_PROGRAMS = programs
+            q = rnd(b, t, h, hd)
+            got = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len)
+            mask = ops.attention_mask(torch.arange(span).reshape(1, 1, span) <= positions.reshape(b, t, 1), h // kvh)
+            ref = ops.attention(q, ops.gather_context(kc, read_slots, span, max_len),
+                                ops.gather_context(vc, read_slots, span, max_len), mask)
+            worst = max(worst, (got - ref).abs().max().item())
+    torch_kernels._TARGET_PROGRAMS = 256
+    out["cache_attention"] = worst
+    return out
+
+
+def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
+    """Greedy tokens of the bundled model, target-only and k=3, kernels on vs off."""
+    from tests.unit.test_engine_bundled import _engine, _prompts, _run
+
+    engine = _engine("torch")
+    prompts = [p[:24] for p in _prompts(n_prompts)]     # short: the interpreter is slow
+    plain = {k: _run(engine, prompts, k, 2, max_tokens)[0] for k in (0, 3)}
+    engine.ops.kernels = Kernels()
+    fused = {k: _run(engine, prompts, k, 2, max_tokens)[0] for k in (0, 3)}
+    return {"identical": plain == fused, "tokens": sum(len(x) for x in fused[3]),
+            "target_only_equals_speculative": fused[0] == fused[3]}
+
+
+if __name__ == "__main__":
+    print(json.dumps({"errors": kernel_errors(), "engine": engine_tokens(int(sys.argv[1]), int(sys.argv[2]))}))
