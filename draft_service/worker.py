@@ -31,6 +31,7 @@ PROPOSE = "propose"
 
 class DraftWorker(Worker):
     role, metrics_cls = "draft", DraftMetrics
+    inline_steps = (PROPOSE,)       # on the Propose stream's handler thread when the device is idle
 
     # --- Worker hooks ----------------------------------------------------------
     def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:

@@ -30,6 +30,7 @@ VERIFY = "verify"
 
 class TargetWorker(Worker):
     role, metrics_cls = "target", TargetMetrics
+    inline_steps = (VERIFY,)        # on the round loop's thread when the device is idle
 
     # --- Worker hooks ----------------------------------------------------------
     def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:

@@ -91,6 +91,9 @@ class Worker:
     # The role's metrics adapter (duck-typed): on_transition(...), step(...), graphs(...),
     # slots(...), results(step, items, results) (the role's own counters). None: no metrics.
     metrics_cls: Callable[[], Any] | None = None
+    # Per-round steps that may run on the caller's thread while the device thread is idle
+    # (``DeviceThread.run(inline=True)``): no hop to the device thread and back (issue 10).
+    inline_steps: tuple[str, ...] = ()
 
     def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
         self.cfg = cfg
@@ -358,7 +361,7 @@ class Worker:
                 self.metrics.slots(engine.cache.used_slots, engine.cache.free_slots)
             return out
 
-        out = self.device.run(work)
+        out = self.device.run(work, inline=step in self.inline_steps)
         errors = [(i, e) for i, e in enumerate(out) if isinstance(e, ItemError)]
         if self.metrics is not None:
             self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])
