@@ -82,6 +82,7 @@ def test_engine_with_graphs_decodes_the_same_tokens_with_the_kernels():
                                      spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
                                      graphs=GraphConfig(enabled=True, batch_buckets=(1, 4, 8))))
     assert engine.ops.kernels is not None
+    engine.capture_graphs()
 
     def run(k):
         reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=64, ignore_eos=True), k) for i, p in enumerate(prompts)]
