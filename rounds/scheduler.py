@@ -367,7 +367,7 @@ class Scheduler:
         self.timing.add(timing)
         if self.costs is not None:
             k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
-            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, started=t0)
+            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0, frozenset(x.seq.request_id for x in live))
         ks_acc = []
         for x in live:
             rid = x.seq.request_id

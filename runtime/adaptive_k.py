@@ -162,6 +162,7 @@ class RoundCosts:
         self._period0: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self._fixed_spec: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
         self._last_start: float | None = None
+        self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
 
     @property
@@ -207,12 +208,18 @@ class RoundCosts:
         return round_cost(k, self.t_verify, self.t_draft, self.t_exchange)
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
-                started: float | None = None) -> None:
+                started: float | None = None, batch: frozenset[str] | None = None) -> None:
         """One round: its largest k, draft compute, verify compute and everything else; ``started``:
-        when it started (perf_counter seconds), for the start-to-start period of the round before."""
+        when it started (perf_counter seconds), for the start-to-start period of the round before;
+        ``batch``: its requests' ids."""
         prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
+        prev_batch, self._last_batch = self._last_batch, batch
         self._prev_k = k_max
-        if started is not None and prev_start is not None:
+        # NOTE: no period across a change of the batch: it holds the retiring of the requests
+        # that ended and the prefill of the ones that joined. Regression: at batch 1 a request's
+        # last round is often k = 0 (one token left) and the next starts after the next request's
+        # admission; on CPU those periods made T(0) ~60 ms where a target-only round took ~8.
+        if started is not None and prev_start is not None and (batch is None or batch == prev_batch):
             period = started - prev_start
             if prev_k == 0:
                 self._period0.append(period)

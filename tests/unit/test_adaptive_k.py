@@ -247,3 +247,18 @@ def test_expected_tokens_per_position_follow_where_drafts_fail():
     costs = RoundCosts(t_verify=2e-3, t_draft=2e-4, t_exchange=1e-3)
     assert best_k(pol.acceptance, 3, 2e-3, 2e-4, 1e-3) == 3
     assert choose_round_k([pol], costs) == 2
+
+
+def test_no_round_period_across_a_change_of_the_batch():
+    """Regression (CPU, batch 1): a request's last round is often k = 0 (one token left) and the
+    next round starts after the next request's prefill; those periods made T(0) ~60 ms where a
+    target-only round took ~8 ms. A period is only measured between rounds of the same batch."""
+    costs, t = RoundCosts(), 0.0
+    for r in range(8):                                   # eight requests, one after the other
+        batch = frozenset({f"r{r}"})
+        # Each ends with a k = 0 round (one token left); the first has a target-only stretch.
+        for k in ((3, 0, 0, 0, 0, 3, 3, 3, 0) if r == 0 else (3, 3, 3, 3, 3, 0)):
+            costs.observe(k, 9e-4 if k else 0.0, 1.5e-3, 9e-4, started=t, batch=batch)
+            t += 3.3e-3 if k else 1.5e-3
+        t += 0.06                                        # the next request's admission
+    assert costs.cost(0) == pytest.approx(1.5e-3) and costs.cost(3) == pytest.approx(3.3e-3)
