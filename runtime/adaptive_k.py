@@ -77,7 +77,8 @@ that did not draft (a probe's first round, the first round of the loop) is
 not steady state — its catch-up carries every pair the skipped rounds left
 (wider than any captured width: the draft runs it eagerly) and the first
 exchange on a fresh stream pays its opening. Its verify time counts, its
-draft and exchange times do not.
+draft and exchange times do not. And no start-to-start period spans a change
+of the batch (requests retired and admitted in between).
 """
 
 from __future__ import annotations
