@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 
 from rounds.guards import GuardedDraft, GuardedTarget
-from runtime.adaptive_k import AdaptiveK, RoundCosts
+from runtime.adaptive_k import RoundCosts
 from runtime.micro_batch import run_round_micro
 from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, detach_draft,
                                   run_round)
@@ -261,7 +261,7 @@ class Scheduler:
         seq = Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id,
                        output=list(r.resume_output), eos_token_ids=self.eos_token_ids)
         if self.costs is not None:
-            seq.adaptive = AdaptiveK(r.k)
+            seq.adaptive = self.costs.loop.new_policy(r.k)    # the loop's prior (runtime.adaptive_k)
         return seq
 
     def _admit(self, joining: list[RequestHandle]) -> None:
@@ -367,7 +367,7 @@ class Scheduler:
         self.timing.add(timing)
         if self.costs is not None:
             k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
-            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, started=t0)
+            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0, frozenset(x.seq.request_id for x in live))
         ks_acc = []
         for x in live:
             rid = x.seq.request_id

@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, RoundCosts, choose_round_k
+from runtime.adaptive_k import AdaptiveK, RoundCosts, request_ks
 from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -242,13 +242,15 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
 
 
 def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | None) -> dict[str, int]:
-    """Drafts per request this round: its k, or with adaptive k the round's k* (runtime.adaptive_k)."""
+    """Drafts per request this round: its k, or with adaptive k what ``request_ks`` gives it (the
+    round's k*, or its own k in a newcomer probe; runtime.adaptive_k)."""
     drafting = [s for s in seqs if draft is not None and s.drafting]
-    adaptive = [s.adaptive for s in drafting if s.adaptive is not None]
-    k_star = choose_round_k(adaptive, costs) if (adaptive and costs is not None) else None
+    adaptive = [s for s in drafting if s.adaptive is not None]
+    chosen = ({s.request_id: min(k, s.k) for s, k in zip(adaptive, request_ks([s.adaptive for s in adaptive], costs))}
+              if (adaptive and costs is not None) else {})
     out = {s.request_id: 0 for s in seqs}
     for s in drafting:
-        k = s.k if (k_star is None or s.adaptive is None) else min(k_star, s.k)
+        k = chosen.get(s.request_id, s.k)
         out[s.request_id] = max(0, min(k, s.remaining - 1))
     return out
 

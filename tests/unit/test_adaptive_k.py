@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.adaptive_k import (PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k, best_round_k, choose_round_k,
-                                expected_tokens, round_cost)
+from core.params import SamplingParams
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k,
+                                best_round_k, choose_round_k, expected_tokens, request_ks, round_cost)
+from runtime.round_driver import Sequence, round_ks
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -147,3 +149,116 @@ def test_measured_round_periods_replace_the_part_sums():
     assert timed.cost(0) == pytest.approx(1.38e-3) and timed.cost(3) == pytest.approx(3.72e-3, rel=0.03)
     assert choose_round_k([pol], timed) == 3
     assert choose_round_k([AdaptiveK(max_k=3, successes=0.3 * 50, trials=50.0)], timed) == 0
+
+
+def test_a_new_request_starts_from_the_loops_measured_acceptance():
+    """Regression: every request started at the 0.8 prior, so on prompts where drafting never pays
+    each one drafted its first three or four rounds (x0.91 of target-only on an H200)."""
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    assert costs.loop.new_policy(4).acceptance == PRIOR_ACCEPTANCE      # nothing measured yet
+    first = costs.loop.new_policy(4)
+    for _ in range(60):
+        first.observe(4, 0)                                             # it reports to the loop too
+    assert costs.loop.prior < 0.01
+    new = costs.loop.new_policy(4)
+    assert new.acceptance < 0.01 and not new.measured
+    assert request_ks([new], costs) == [4]                              # the newcomer probe: one round
+    new.observe(4, 0)
+    assert request_ks([new], costs) == [0]                              # (from 0.8 it would still draft)
+    for _ in range(60):
+        first.observe(4, 4)                                             # the loop sees drafting pay again
+    assert costs.loop.new_policy(4).acceptance > 0.9
+
+
+def test_the_newcomer_probe_drafts_only_the_newcomer():
+    """A request that never drafted drafts its first round even where its prior says k = 0 (its
+    catch-up is one pair); the measured requests beside it stay target-only."""
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    old = costs.loop.new_policy(3)
+    for _ in range(60):
+        old.observe(3, 0)
+    new = costs.loop.new_policy(3)
+    assert request_ks([old, new], costs) == [0, 3]
+    new.observe(3, 0)
+    assert request_ks([old, new], costs) == [0, 0]
+    # The round driver hands each request its own k.
+    seqs = [Sequence(rid, np.arange(4), SamplingParams(max_tokens=32), k=3) for rid in "ab"]
+    seqs[0].adaptive, seqs[1].adaptive = old, costs.loop.new_policy(3)
+    for s in seqs:
+        s.drafting = True
+    assert round_ks(seqs, draft=object(), costs=costs) == {"a": 0, "b": 3}
+
+
+def test_newcomer_probes_thin_out_while_probes_keep_failing():
+    """Where no request drafts well, each newcomer probe is a wasted drafting round: once two
+    probes in a row failed, only one newcomer in 2, 4, ... (up to PROBE_BACKOFF_MAX) probes; a
+    newcomer whose probe finds drafting pays brings every newcomer's probe back."""
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    first = costs.loop.new_policy(3)
+    for _ in range(60):
+        first.observe(3, 0)
+    probed = []
+    for _ in range(40):
+        pol = costs.loop.new_policy(3)
+        for r in range(4):                             # its rounds: drafting never pays
+            ks = request_ks([pol], costs)
+            if r == 0:
+                probed.append(ks == [3])
+            pol.observe(ks[0], 0)
+    at = [i for i, p in enumerate(probed) if p]
+    assert [b - a for a, b in zip(at, at[1:])][:6] == [1, 2, 4, PROBE_BACKOFF_MAX, PROBE_BACKOFF_MAX, PROBE_BACKOFF_MAX]
+    good = costs.loop.new_policy(3)
+    while request_ks([good], costs) != [3]:            # a newcomer on its turn, or a periodic probe
+        pass
+    good.observe(3, 3)
+    assert request_ks([good], costs)[0] > 0 and costs.probes_in_a_row == 0
+    for _ in range(30):
+        first.observe(3, 0)                            # the loop's prior is low again
+    other = costs.loop.new_policy(3)
+    assert other.acceptance < 0.1 and request_ks([other], costs) == [3]      # the next newcomer probes
+
+
+def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
+    """The second probe round exists to time a steady drafting round; once the cost model has
+    those, it only repeats what the first round's acceptance already said (a wasted round
+    where drafting does not pay)."""
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    pol = AdaptiveK(max_k=3, successes=0.0, trials=50.0)
+    t = 0.0
+    for k in (3, 3, 3, 3, 3, 0, 0, 0, 0):               # steady drafting rounds, then target-only
+        costs.observe(k, 3e-4 if k else 0.0, 2e-3, 5e-4, started=t)
+        t += 3e-3 if k else 2e-3
+    assert costs.drafting_measured
+    ks = [choose_round_k([pol], costs) for _ in range(3 * PROBE_EVERY)]
+    runs = "".join("x" if k else "." for k in ks).split(".")
+    assert {len(r) for r in runs if r} == {1}
+
+
+def test_expected_tokens_per_position_follow_where_drafts_fail():
+    """A head whose first draft is always right and whose later drafts rarely are: c = (1, 0.3,
+    1/3), E(k) = 2, 2.3, 2.4. The pooled rate (1.4 of 2.3 trials, 0.61) says 1.61, 1.98, 2.21
+    and picks k = 3 below, where k = 2 commits more per second."""
+    pol = AdaptiveK(max_k=3)
+    for _ in range(30):
+        for a in (1, 2, 1, 1, 3, 1, 1, 2, 1, 1):
+            pol.observe(3, a)
+    assert [pol.expected(k) for k in (1, 2, 3)] == pytest.approx([2.0, 2.3, 2.4], abs=0.08)
+    assert expected_tokens(pol.acceptance, 1) < 1.7
+    costs = RoundCosts(t_verify=2e-3, t_draft=2e-4, t_exchange=1e-3)
+    assert best_k(pol.acceptance, 3, 2e-3, 2e-4, 1e-3) == 3
+    assert choose_round_k([pol], costs) == 2
+
+
+def test_no_round_period_across_a_change_of_the_batch():
+    """Regression (CPU, batch 1): a request's last round is often k = 0 (one token left) and the
+    next round starts after the next request's prefill; those periods made T(0) ~60 ms where a
+    target-only round took ~8 ms. A period is only measured between rounds of the same batch."""
+    costs, t = RoundCosts(), 0.0
+    for r in range(8):                                   # eight requests, one after the other
+        batch = frozenset({f"r{r}"})
+        # Each ends with a k = 0 round (one token left); the first has a target-only stretch.
+        for k in ((3, 0, 0, 0, 0, 3, 3, 3, 0) if r == 0 else (3, 3, 3, 3, 3, 0)):
+            costs.observe(k, 9e-4 if k else 0.0, 1.5e-3, 9e-4, started=t, batch=batch)
+            t += 3.3e-3 if k else 1.5e-3
+        t += 0.06                                        # the next request's admission
+    assert costs.cost(0) == pytest.approx(1.5e-3) and costs.cost(3) == pytest.approx(3.3e-3)

@@ -336,10 +336,15 @@ def test_no_draft_runs_target_only(engines, reference):
     assert final.stats.drafted == 0 and not sched.speculation_available
 
 
-def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference):
-    """With adaptive k, each round's k follows the request's acceptance (0..k); greedy output stays exact."""
+@pytest.mark.parametrize("loop_prior", [None, 0.0])
+def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, loop_prior):
+    """With adaptive k, each round's k follows the request's acceptance (0..k); greedy output stays exact.
+    With a loop prior of 0 every request starts with a newcomer probe: it drafts while the others in
+    its batch do not."""
     sched = Scheduler(engines.target, engines.draft, max_batch=3, max_queue=16, eos_token_id=257,
                       weights_version="v0", adaptive_k=True).start()
+    if loop_prior is not None:
+        sched.costs.loop.successes, sched.costs.loop.trials = loop_prior * 100.0, 100.0
     try:
         reqs = [GenerationRequest(f"a{i}", prompt_of(40 + i, 9), SamplingParams(max_tokens=40, ignore_eos=True), 3)
                 for i in range(4)]

@@ -1,0 +1,118 @@
+"""Trace simulation of adaptive k at batch 1 in the H200 regime, against every fixed k.
+
+Owns: a seeded model of ``specsplit bench adaptive`` — the same sets (a
+warm-up, then heldout, random and mix, 8 requests x 64 tokens each, served
+by one loop in that order) — with the round times the bundled model showed on
+an H200 (runtime/adaptive_k.py's doc: a target-only round 1.38 ms start to
+start; a k = 3 round 3.72 ms of which 1.28 ms draft, so T(k) = 2.44 ms +
+0.43 ms * k), a ``--wide`` penalty for a catch-up wider than the captured
+width (a probe after a target-only stretch) and 5 % lognormal noise. Drafts
+are accepted per position at the request's rate times (1 + decl) for the
+first draft and (1 - decl) for the third; held-out requests alternate easy
+(0.75-0.92) and hard (0.4-0.6) stretches, random ones sit at 0.03-0.15.
+
+It drives ``runtime.adaptive_k`` (``--code DIR``: another checkout's, e.g. a
+``git worktree`` of the previous commit) exactly as the round driver does:
+``request_ks`` (or ``choose_round_k`` where a checkout has no
+``request_ks``), ``RoundCosts.observe`` and ``AdaptiveK.observe``. No
+tensors, no services: what it measures is the policy, in a regime this
+machine's CPU cannot show (there drafting almost always pays).
+
+    python scripts/adaptive_sim.py [--code DIR] [--seeds 80] [--wide 1e-3] [--decl 0.1]
+
+Must not know: how the policy decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+
+import numpy as np
+
+T0, FIXED, TD, CAPTURED = 1.38e-3, 2.44e-3, 1.28e-3 / 3, 4
+
+
+def load(code: str):
+    spec = importlib.util.spec_from_file_location("adaptive_k_sim", f"{code}/runtime/adaptive_k.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3) -> dict:
+    """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's)."""
+    rng = np.random.default_rng(seed)
+    costs = mod.RoundCosts() if policy == "adaptive" else None
+    loop = getattr(costs, "loop", None)
+    t, res = 0.0, {}
+    for name, reqs in sets:
+        t_start, toks = t, 0
+        for easy, hard_rate in reqs:
+            pol = None if costs is None else (loop.new_policy(k_req) if loop else mod.AdaptiveK(k_req))
+            out, pending, hard = 1, 1, False
+            while out < max_tokens:
+                if costs is None:
+                    k = policy
+                elif hasattr(mod, "request_ks"):
+                    k = mod.request_ks([pol], costs)[0]
+                else:
+                    k = mod.choose_round_k([pol], costs)
+                k = min(k, max_tokens - out - 1)
+                if hard_rate is not None:
+                    hard = (rng.random() < (0.3 if hard else 0.06)) != hard     # ~20 % of rounds hard
+                a = hard_rate if hard else easy
+                acc = 0
+                while acc < k and rng.random() < min(1.0, a * (1.0 + decl * (1 - acc))):
+                    acc += 1
+                noise = rng.lognormal(0, 0.05)
+                if k == 0:
+                    dur, draft_s, verify_s, over = T0 * noise, 0.0, 1.17e-3, 0.2e-3
+                else:
+                    draft_s = (TD * k + (wide if pending > CAPTURED else 0.0)) * noise
+                    dur = FIXED * noise + draft_s
+                    verify_s, over, pending = 1.34e-3, dur - draft_s - 1.34e-3, 0
+                if costs is not None:
+                    costs.observe(k, draft_s, verify_s, over, started=t)
+                    pol.observe(k, acc)
+                t += dur
+                out += acc + 1
+                pending += acc + 1
+            toks += min(out, max_tokens)
+            t += 0.3e-3                                         # between requests
+        res[name] = toks / (t - t_start)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--code", default=".", help="checkout whose runtime/adaptive_k.py to simulate")
+    ap.add_argument("--seeds", type=int, default=80)
+    ap.add_argument("--wide", type=float, default=1e-3, help="seconds a catch-up wider than captured costs more")
+    ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
+    args = ap.parse_args()
+    mod = load(args.code)
+    rates: dict[str, dict[str, list[float]]] = {}
+    for seed in range(args.seeds):
+        rng = np.random.default_rng(1000 + seed)
+        held = [(rng.uniform(0.75, 0.92), rng.uniform(0.4, 0.6)) for _ in range(8)]
+        rand = [(rng.uniform(0.03, 0.15), None) for _ in range(8)]
+        mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
+        sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
+        for p in (0, 1, 2, 3, "adaptive"):
+            for name, r in run(p, mod, sets, seed, args.wide, args.decl).items():
+                rates.setdefault(name, {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
+    print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
+    for name in ("heldout", "random", "mix"):
+        row = {c: statistics.mean(v) for c, v in rates[name].items()}
+        best = max(v for c, v in row.items() if c != "adaptive")
+        print(f"{name:>8s} " + " ".join(f"{c} {v:6.1f}" for c, v in row.items())
+              + f"  adapt/best {row['adaptive'] / best:.3f} adapt/k=0 {row['adaptive'] / row['k=0']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
