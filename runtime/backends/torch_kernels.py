@@ -100,12 +100,12 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc
     tl.store(vc_ptr + row * KVH * D + hk * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["span", "max_len", "T", "nsplit"])
 def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
-                            span, max_len, scale,
-                            T: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                            span, max_len, scale, T, nsplit,
+                            H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            NSPLIT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr):
+                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr):
     # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
     # (row r = g*T + t is query head kh*G + g of token t) against keys
     # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
@@ -144,19 +144,19 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
         v = tl.load(vc_ptr + rows[:, None] * D + d[None, :], mask=jm[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    if NSPLIT == 1:
+    if DIRECT:
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
         tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
     else:
-        at = (bk * NSPLIT + sp) * M + r
+        at = (bk * nsplit + sp) * M + r
         tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + at * 2, m_i)
         tl.store(ml_ptr + at * 2 + 1, l_i)
 
 
-@triton.jit
-def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
-                              G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "nsplit"])
+def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constexpr, KVH: tl.constexpr,
+                              G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT_P: tl.constexpr):
     # out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, m = max_s m_s (splits that
     # saw no visible key carry m_s = -1e30 and weigh nothing).
     bk = tl.program_id(0)
@@ -165,15 +165,17 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T: tl.constexpr, H: tl.c
     r = tl.arange(0, M)
     d = tl.arange(0, D)
     m = tl.full([M], -1.0e30, tl.float32)
-    for sp in range(NSPLIT):
-        m = tl.maximum(m, tl.load(ml_ptr + ((bk * NSPLIT + sp) * M + r) * 2))
+    for sp in range(NSPLIT_P):                 # NSPLIT_P: nsplit rounded up to a power of two
+        ok = (r * 0 + sp) < nsplit
+        m = tl.maximum(m, tl.load(ml_ptr + ((bk * nsplit + sp) * M + r) * 2, mask=ok, other=-1.0e30))
     num = tl.zeros([M, D], tl.float32)
     den = tl.zeros([M], tl.float32)
-    for sp in range(NSPLIT):
-        at = (bk * NSPLIT + sp) * M + r
-        w = tl.exp(tl.load(ml_ptr + at * 2) - m)
-        den += w * tl.load(ml_ptr + at * 2 + 1)
-        num += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :])
+    for sp in range(NSPLIT_P):
+        ok = (r * 0 + sp) < nsplit
+        at = (bk * nsplit + sp) * M + r
+        w = tl.where(ok, tl.exp(tl.load(ml_ptr + at * 2, mask=ok, other=-1.0e30) - m), 0.0)
+        den += w * tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0)
+        num += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     live = r < G * T
     qoff = ((b * T + r % T) * H + kh * G + r // T) * D
     out = num / tl.maximum(den, 1.0e-30)[:, None]
@@ -182,6 +184,18 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T: tl.constexpr, H: tl.c
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: int) -> tuple[int, int, int]:
+    """(query rows per program M, keys per split, split count) of one attention launch.
+
+    NOTE: M and the keys per split are compile-time constants of the kernel and Triton
+    compiles each new value (~1 s), so both take only powers of two: eager steps with ever
+    new spans and widths reuse the kernels compiled for the captured graphs. The split
+    count is a runtime argument."""
+    blocks = triton.cdiv(span, _BLOCK_N)
+    per_split = _pow2(triton.cdiv(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads)))) * _BLOCK_N
+    return max(16, _pow2(groups * tokens)), per_split, triton.cdiv(span, per_split)
 
 
 class Kernels:
@@ -235,11 +249,7 @@ class Kernels:
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
-        m = max(16, _pow2(g * t))
-        blocks = triton.cdiv(span, _BLOCK_N)
-        nsplit = min(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, b * kvh)))
-        per_split = triton.cdiv(blocks, nsplit) * _BLOCK_N
-        nsplit = triton.cdiv(span, per_split)
+        m, per_split, nsplit = attention_plan(b, kvh, g, t, span)
         out = torch.empty_like(q)
         if nsplit > 1:
             acc = torch.empty((b * kvh * nsplit * m, d), dtype=torch.float32, device=q.device)
@@ -248,9 +258,10 @@ class Kernels:
             acc = ml = out                                   # not written when nothing is split
         q = q.contiguous()
         _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
-                                                   span, max_len, 1.0 / math.sqrt(d),
-                                                   T=t, H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
-                                                   NSPLIT=nsplit, KEYS_PER_SPLIT=per_split)
+                                                   span, max_len, 1.0 / math.sqrt(d), t, nsplit,
+                                                   H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
+                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split)
         if nsplit > 1:
-            _attention_combine_kernel[(b * kvh,)](acc, ml, out, T=t, H=h, KVH=kvh, G=g, D=d, M=m, NSPLIT=nsplit)
+            _attention_combine_kernel[(b * kvh,)](acc, ml, out, t, nsplit, H=h, KVH=kvh, G=g, D=d, M=m,
+                                                  NSPLIT_P=_pow2(nsplit))
         return out

@@ -39,3 +39,19 @@ def test_kernels_are_off_on_cpu_and_when_switched_off():
     assert TorchOps("cpu", "float32", fused_kernels=True).kernels is None
     assert RuntimeConfig().fused_kernels is True
     assert RuntimeConfig(fused_kernels=False).fused_kernels is False
+
+
+def test_attention_compiles_few_variants_for_every_eager_span_and_width():
+    """Eager steps see a new span (64-row aligned) and width almost every time; the
+    kernel's compile-time values must stay few, or each step would wait on Triton's compiler
+    (seen on the GPU: adaptive k's eager catch-ups at 50 tok/s instead of ~1,500)."""
+    from runtime.backends.torch_kernels import MAX_QUERY_ROWS, attention_plan
+
+    variants = set()
+    for batch in (1, 2, 4, 8, 16, 32):
+        for span in range(64, 4096 + 1, 64):
+            for tokens in range(1, MAX_QUERY_ROWS // 4 + 1):
+                m, per_split, nsplit = attention_plan(batch, 4, 4, tokens, span)
+                assert nsplit * per_split >= span and (nsplit - 1) * per_split < span
+                variants.add((m, per_split, nsplit == 1, 1 << max(0, (nsplit - 1).bit_length())))
+    assert len(variants) <= 80, len(variants)     # (one per span and width would be ~25,000)
