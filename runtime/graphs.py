@@ -338,7 +338,10 @@ class GraphRegistry:
                 tensors[s.name] = value
             np_inputs = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
             extra = kind.eager_kwargs(np_inputs) if kind.eager_kwargs is not None else {}
-            with self.ops.no_grad():
+            # NOTE: eager steps (widths and spans outside the captured graphs) run the plain
+            # ops: the fused kernels compile once per new shape class, which only the
+            # captures should pay (runtime/backends/torch_kernels.py attention_plan).
+            with self.ops.no_grad(), self.ops.plain_ops():
                 outputs = kind.fn(**tensors, **extra)
             self.stats.eager_runs += 1
             return tuple(outputs), False

@@ -71,6 +71,8 @@ class Ops(Protocol):
         fill, ``.upload()`` copies it into ``dst`` (asynchronously from pinned memory on CUDA;
         a twin is never handed out while its previous upload may still be reading it)."""
     def data_ptr(self, x: Tensor) -> int: ...
+    def plain_ops(self) -> Any:
+        """A context in which the calling thread's steps run the plain ops (``kernels`` None)."""
     def compile_step(self, fn: Any) -> Any:
         """A step function, compiled when the runtime asked for it (Torch on CUDA), else as is."""
     def fuse_rows(self, xs: list[Tensor]) -> tuple[Tensor, list[Tensor]] | None:

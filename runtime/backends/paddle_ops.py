@@ -10,6 +10,7 @@ Must not know models, requests or gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -212,6 +213,9 @@ class PaddleOps:
 
     def no_grad(self):
         return paddle.no_grad()
+
+    def plain_ops(self):
+        return contextlib.nullcontext()      # the plain ops are all there is here
 
     # --- device graphs (runtime.graphs keeps the buckets and buffers) -------
     @property

@@ -9,6 +9,8 @@ tensors through pinned chunks (``fill_from_files``), and the device sampler
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -148,7 +150,25 @@ class TorchOps:
         self.sampler = TorchSampler(self._dev)
         # Fused decoder-layer kernels (CUDA with Triton); with runtime.compile the compiler
         # fuses the plain ops itself, so the two are not combined.
-        self.kernels = _triton_kernels() if fused_kernels and self._dev.type == "cuda" and not self._compile else None
+        self._kernels = _triton_kernels() if fused_kernels and self._dev.type == "cuda" and not self._compile else None
+        self._local = threading.local()
+
+    @property
+    def kernels(self):
+        return None if getattr(self._local, "plain", False) else self._kernels
+
+    @kernels.setter
+    def kernels(self, value):
+        self._kernels = value
+
+    @contextlib.contextmanager
+    def plain_ops(self):
+        """This thread's steps run the plain ops (``kernels`` is None) inside the block."""
+        before, self._local.plain = getattr(self._local, "plain", False), True
+        try:
+            yield
+        finally:
+            self._local.plain = before
 
     # --- host <-> device ---------------------------------------------------
     def from_numpy(self, arr, dtype=None):

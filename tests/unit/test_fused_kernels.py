@@ -55,3 +55,17 @@ def test_attention_compiles_few_variants_for_every_eager_span_and_width():
                 assert nsplit * per_split >= span and (nsplit - 1) * per_split < span
                 variants.add((m, per_split, nsplit == 1, 1 << max(0, (nsplit - 1).bit_length())))
     assert len(variants) <= 80, len(variants)     # (one per span and width would be ~25,000)
+
+
+def test_plain_ops_switch_is_per_thread_and_restored():
+    import threading
+
+    ops = TorchOps("cpu", "float32")
+    ops.kernels = marker = object()
+    seen = []
+    with ops.plain_ops():
+        assert ops.kernels is None
+        t = threading.Thread(target=lambda: seen.append(ops.kernels))
+        t.start()
+        t.join(timeout=10)
+    assert seen == [marker] and ops.kernels is marker
