@@ -127,7 +127,8 @@ class DraftEngine:
                   "positions": lay.positions, "read_slots": lay.read_slots, "last_index": lay.last_index}
         if kind is None:  # wider than any captured kind (prefill, recovery): eager
             t = {k: self.ops.from_numpy(v, None if k == "prev_hidden" else "int64") for k, v in inputs.items()}
-            with self.ops.no_grad():
+            # NOTE: plain ops outside the captured graphs (runtime/graphs.py GraphRegistry.run).
+            with self.ops.no_grad(), self.ops.plain_ops():
                 return self._step(**t, attend_len=attend_span(lay.positions, self.cache.max_len))
         return self.registry.run(kind, inputs)[0]
 

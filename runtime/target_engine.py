@@ -113,7 +113,8 @@ class TargetEngine:
         """The prefill forward on host int64 arrays (tokens/write_slots/positions [B, T],
         read_slots/last_index [B]); a tensor-parallel engine hands the same arrays to its other ranks."""
         t = lambda a: self.ops.from_numpy(a, "int64")  # noqa: E731
-        with self.ops.no_grad():
+        # NOTE: plain ops outside the captured graphs (runtime/graphs.py GraphRegistry.run).
+        with self.ops.no_grad(), self.ops.plain_ops():
             return self._prefill_step(t(arrays["tokens"]), t(arrays["write_slots"]), t(arrays["positions"]),
                                       t(arrays["read_slots"]), t(arrays["last_index"]), attend_len=attend_len)
 

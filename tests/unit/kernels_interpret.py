@@ -6,6 +6,7 @@ kernels on against the same engine with them off. Prints one JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -67,10 +68,20 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     engine = _engine("torch")
     prompts = [p[:24] for p in _prompts(n_prompts)]     # short: the interpreter is slow
     plain = {k: _run(engine, prompts, k, 2, max_tokens)[0] for k in (0, 3)}
-    engine.ops.kernels = Kernels()
+    # Every step on the kernels, as steps inside captured graphs run on a GPU (CPU has no
+    # graphs: its steps are the eager ones, which run the plain ops), each launch counted.
+    calls: dict[str, int] = {}
+    kernels = Kernels()
+    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention"):
+        def counted(*a, _f=getattr(Kernels, name), _n=name, **kw):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(*a, **kw)
+        setattr(kernels, name, counted)
+    engine.ops.kernels = kernels
+    engine.ops.plain_ops = contextlib.nullcontext
     fused = {k: _run(engine, prompts, k, 2, max_tokens)[0] for k in (0, 3)}
     return {"identical": plain == fused, "tokens": sum(len(x) for x in fused[3]),
-            "target_only_equals_speculative": fused[0] == fused[3]}
+            "target_only_equals_speculative": fused[0] == fused[3], "calls": calls}
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ def test_kernels_equal_the_plain_ops_and_keep_greedy_tokens():
     assert result["engine"]["identical"], result
     assert result["engine"]["target_only_equals_speculative"], result
     assert result["engine"]["tokens"] == 12
+    assert all(result["engine"]["calls"].get(n, 0) > 0
+               for n in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention")), result["engine"]
 
 
 def test_kernels_are_off_on_cpu_and_when_switched_off():
@@ -69,3 +71,21 @@ def test_plain_ops_switch_is_per_thread_and_restored():
         t.start()
         t.join(timeout=10)
     assert seen == [marker] and ops.kernels is marker
+
+
+def test_steps_outside_graphs_run_the_plain_ops():
+    """Eager registry steps, the draft's wide catch-ups and prefills never reach the fused
+    kernels (each new shape there would wait on Triton's compiler on a GPU)."""
+    from tests.unit.test_engine_bundled import _engine, _prompts, _run
+
+    engine = _engine("torch")
+    used = []
+
+    class Spy:
+        def __getattr__(self, name):
+            used.append(name)
+            raise AssertionError(f"fused kernel {name} used outside a captured graph")
+
+    engine.ops.kernels = Spy()
+    out, _ = _run(engine, [p[:40] for p in _prompts(2)], 3, 2, 8)
+    assert used == [] and all(len(x) == 8 for x in out)
