@@ -18,8 +18,10 @@ this layer runs 11.
 
 Must not know: models, checkpoints, requests. The model (``runtime/model.py``)
 decides where each kernel applies (``Kernels.fits_attention``) and keeps the
-plain path as the reference and for every other case (prefill of long
-prompts, per-head q/k norms, a head dim that is not a power of two, Paddle).
+plain path as the reference and for every other case (per-head q/k norms, a
+head dim that is not a power of two, Paddle). The engines run every step
+outside their captured CUDA graphs (prefills, wide catch-ups) on the plain
+ops (``Ops.plain_ops``), so Triton compiles only what the captures use.
 
 Every launch is shape-static given its inputs' shapes (the split count too),
 so a step using them is captured into a CUDA graph like any other. With
