@@ -52,7 +52,8 @@ def _rank(rank: int, tp: int, port: int, device: str, small: bool, k: int, iters
     """One rank: its shard of random weights, TPTargetEngine, capture, time the same steps as the others."""
     cfg = SMALL if small else BIG
     dev = f"cuda:{int(device[5:]) + rank}" if device.startswith("cuda:") else device
-    rt = RuntimeConfig(backend="torch", device=dev, dtype="float32" if small else "bfloat16")
+    # Plain ops on both sides (TP ranks do not run the fused kernels yet: tp_worker.py).
+    rt = RuntimeConfig(backend="torch", device=dev, dtype="float32" if small else "bfloat16", fused_kernels=False)
     ops = make_ops(rt)
     ops.bind_thread()
     group = make_tp_group(rt, Rendezvous(rank, tp, "127.0.0.1", port))
@@ -96,7 +97,7 @@ def main(args) -> int:
     iters = 5 if small else 200
     cfg = SMALL if small else BIG
     # TP=1: the production single-device path.
-    rt = RuntimeConfig(backend="torch", device=device, dtype="float32" if small else "bfloat16")
+    rt = RuntimeConfig(backend="torch", device=device, dtype="float32" if small else "bfloat16", fused_kernels=False)
     ops = make_ops(rt)
     ops.bind_thread()
     reg = GraphRegistry(ops, BATCHES)

@@ -89,6 +89,10 @@ class TPTargetWorker(TargetWorker):
                              f"{rendezvous.world_size if rendezvous else None}")
         self.rank = rendezvous.rank
         super().__init__(rank_config(cfg, self.rank), log)
+        # NOTE: before any step: TP ranks run the plain ops. The fused kernels
+        # (runtime/backends/torch_kernels.py) have not been shown on a TP group on GPUs yet;
+        # the two-GPU TP run (docs/gpu.md) was made with the plain ops.
+        self.ops.kernels = None
         self.log = self.log.bind(tp_rank=self.rank, tp=cfg.tp)
         self._broken = ""
         self._after_close = after_close          # e.g. wait for the ranks this process spawned
