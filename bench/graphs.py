@@ -142,9 +142,8 @@ def main(args) -> int:
         eager = _time(lambda: reg.run(name, inp), 10 if on_gpu else 3, ops.synchronize)
         floor = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
         # The same bare step on the plain ops (the fused kernels' reference), side by side.
-        kernels, ops.kernels = ops.kernels, None
-        plain = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
-        ops.kernels = kernels
+        with ops.plain_ops():
+            plain = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
         results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3,
                                    "plain_floor_ms": plain * 1e3}
     t_reg.capture_all()

@@ -245,7 +245,7 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     kern = ops.kernels
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
-            and prefix + "self_attn.qkv_proj.weight" in p):
+            and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
         return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
@@ -268,11 +268,7 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
         # NOTE: write before read, so tokens of this forward see each other.
         ops.scatter_rows_(k_cache, meta.write_index, ops.reshape(k, (b * t, kvh, hd)))
         ops.scatter_rows_(v_cache, meta.write_index, ops.reshape(v, (b * t, kvh, hd)))
-        # Only the first attend_len rows of each row's slot are read: attention
-        # cost follows the context bucket, not the cache length.
-        k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
-        v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        attn = ops.attention(q, k_all, v_all, meta.mask)
+        attn = _context_attention(ops, q, cache, meta)
     else:
         attn = ops.attention(q, k, v, ops.attention_mask(train_mask, h // kvh))
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
@@ -303,19 +299,22 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     if kern.fits_attention(h // kvh, t):
         attn = kern.cache_attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len,
                                     meta.max_len)
-    else:                                                                      # long prefills: plain attention
-        k_all = ops.gather_context(k_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        v_all = ops.gather_context(v_cache, meta.read_slots, meta.attend_len, meta.max_len)
-        attn = ops.attention(q, k_all, v_all, meta.mask)
+    else:                                                                      # many query rows: plain attention
+        attn = _context_attention(ops, q, cache, meta)
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
     x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
                               cfg.rms_norm_eps)
-    if prefix + "mlp.gate_up_proj.weight" in p:
-        mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn), cfg.intermediate_size)
-    else:
-        mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
+    mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn), cfg.intermediate_size)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
     return x + (down if reduce is None else reduce(down))
+
+
+def _context_attention(ops: Ops, q: Tensor, cache: tuple[Tensor, Tensor], meta: AttnMeta) -> Tensor:
+    """q [B, T, H, D] over the cache: only the first attend_len rows of each row's slot are
+    read, so attention cost follows the context bucket, not the cache length."""
+    k_all = ops.gather_context(cache[0], meta.read_slots, meta.attend_len, meta.max_len)  # [B, La, KVH, D]
+    v_all = ops.gather_context(cache[1], meta.read_slots, meta.attend_len, meta.max_len)
+    return ops.attention(q, k_all, v_all, meta.mask)
 
 
 def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:

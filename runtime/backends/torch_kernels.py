@@ -252,13 +252,13 @@ class Kernels:
         kvh = k_cache.shape[1]
         g = h // kvh
         m, per_split, nsplit = attention_plan(b, kvh, g, t, span)
+        q = q.contiguous()
         out = torch.empty_like(q)
         if nsplit > 1:
             acc = torch.empty((b * kvh * nsplit * m, d), dtype=torch.float32, device=q.device)
             ml = torch.empty((b * kvh * nsplit * m, 2), dtype=torch.float32, device=q.device)
         else:
             acc = ml = out                                   # not written when nothing is split
-        q = q.contiguous()
         _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
                                                    span, max_len, 1.0 / math.sqrt(d), t, nsplit,
                                                    H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
