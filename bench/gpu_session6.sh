@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 6 on the GPU host, one device call per mode:
+#
+#   bash bench/gpu_session6.sh OUT_DIR profile   # before tuning: bench profile (~1B round, top kernels),
+#                                                # bench peer on the bundled model at batch 1, bench adaptive
+#   bash bench/gpu_session6.sh OUT_DIR final     # every gpu test, bench round-parts, bench peer, bench graphs
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-profile}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
+{ date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader; git log --oneline -1; } | tee "$out/env.txt"
+case "$mode" in
+profile)
+  timeout 150 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt"
+  timeout 150 python3 -m specsplit bench peer --device cuda:0 --small --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
+  timeout 150 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 4 --max-tokens 96 2>&1 \
+    | quiet | tee "$out/bench_adaptive.txt" | tail -8
+  ;;
+final)
+  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -45
+  timeout 90 python3 -m specsplit bench round-parts --device cuda:0 2>&1 | quiet | tee "$out/round_parts.txt"
+  timeout 200 python3 -m specsplit bench peer --device cuda:0 --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer.txt" | tail -7
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
