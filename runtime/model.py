@@ -226,7 +226,8 @@ def fuse_projections(ops: Ops, params: Params, prefixes: list[str]) -> Params:
 def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
                   meta: AttnMeta | None, cache: tuple[Tensor, Tensor] | None,
                   train_mask: Tensor | None = None, cos_sin: tuple[Tensor, Tensor] | None = None,
-                  reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                  reduce: Callable[[Tensor], Tensor] | None = None, delta: Tensor | None = None,
+                  defer: bool = False) -> Any:
     """One Llama decoder block. x [B, T, d] -> [B, T, d].
 
     With ``meta``/``cache``: K/V are written into the cache rows then read back
@@ -236,17 +237,26 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     Tensor parallel (``runtime/tp_plan.py``): ``p`` holds one rank's shards, ``cfg`` its
     local head and ffn counts, and ``reduce`` sums the row-split o and down outputs
     over the ranks (None: one device, nothing to sum).
+    Residual deferred across layers (``target_forward``): ``delta`` is the previous layer's
+    last residual term, added here with the input RMSNorm (one fused kernel where the
+    kernels apply); ``defer`` returns ``(x, last residual term)`` instead of their sum.
     """
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     dt = ops.dtype_name(x)
     cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
-    hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     kern = ops.kernels
+    if delta is None:
+        hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
+    elif kern is not None:
+        x, hn = kern.add_rms_norm(x, delta, p[prefix + "input_layernorm.weight"], eps)
+    else:
+        x = x + delta
+        hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
             and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
-        return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce)
+        return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce, defer)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
         v = qkv[:, :, h + kvh:]
@@ -281,11 +291,13 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     else:
         mlp = ops.silu(_proj(ops, p, prefix + "mlp.gate_proj", hn)) * _proj(ops, p, prefix + "mlp.up_proj", hn)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
-    return x + (down if reduce is None else reduce(down))
+    down = down if reduce is None else reduce(down)
+    return (x, down) if defer else x + down
 
 
 def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, x: Tensor, hn: Tensor,
-                 meta: AttnMeta, cache: tuple[Tensor, Tensor], reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+                 meta: AttnMeta, cache: tuple[Tensor, Tensor], reduce: Callable[[Tensor], Tensor] | None,
+                 defer: bool) -> Any:
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
     as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33.
     x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
@@ -306,7 +318,8 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
                               cfg.rms_norm_eps)
     mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn), cfg.intermediate_size)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
-    return x + (down if reduce is None else reduce(down))
+    down = down if reduce is None else reduce(down)
+    return (x, down) if defer else x + down
 
 
 def _context_attention(ops: Ops, q: Tensor, cache: tuple[Tensor, Tensor], meta: AttnMeta) -> Tensor:
@@ -342,9 +355,15 @@ def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: 
     """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer).
     ``reduce``: the tensor-parallel sum of ``decoder_layer`` (the embedding is replicated)."""
     x = ops.embedding(p["model.embed_tokens.weight"], tokens)
-    for i in range(cfg.num_hidden_layers):
-        x = decoder_layer(ops, p, f"model.layers.{i}.", cfg, x, meta,
-                          caches[i] if caches is not None else None, reduce=reduce, **train)
+    # With the fused kernels, each layer's last residual add rides on the next layer's
+    # input RMSNorm (one add_rms_norm kernel instead of an add and a norm).
+    defer = ops.kernels is not None and meta is not None
+    delta = None
+    n = cfg.num_hidden_layers
+    for i in range(n):
+        out = decoder_layer(ops, p, f"model.layers.{i}.", cfg, x, meta, caches[i] if caches is not None else None,
+                            reduce=reduce, delta=delta, defer=defer and i < n - 1, **train)
+        x, delta = out if defer and i < n - 1 else (out, None)
     return x
 
 
