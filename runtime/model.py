@@ -336,14 +336,9 @@ def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor)
             ops.rms_norm(k, p[prefix + "self_attn.k_norm.weight"], eps))
 
 
-def _linear(ops: Ops, x: Tensor, w: Tensor) -> Tensor:
-    kern = ops.kernels
-    return ops.linear(x, w) if kern is None else kern.linear(x, w)
-
-
 def _proj(ops: Ops, p: Params, name: str, x: Tensor) -> Tensor:
     """x @ W^T (+ bias when the checkpoint has ``<name>.bias``: Qwen2 q/k/v, attention_bias, mlp_bias)."""
-    y = _linear(ops, x, p[name + ".weight"])
+    y = ops.linear(x, p[name + ".weight"])
     bias = p.get(name + ".bias")
     return y if bias is None else y + bias
 
@@ -351,7 +346,7 @@ def _proj(ops: Ops, p: Params, name: str, x: Tensor) -> Tensor:
 def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
     """hidden [..., d] (pre-norm) -> logits [..., V] in float32."""
     normed = ops.rms_norm(hidden, p["model.norm.weight"], cfg.rms_norm_eps)
-    return ops.cast(_linear(ops, normed, p[head_weight_name(cfg)]), "float32")
+    return ops.cast(ops.linear(normed, p[head_weight_name(cfg)]), "float32")
 
 
 def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: AttnMeta | None,
@@ -382,7 +377,7 @@ def mtp_forward(ops: Ops, p: Params, cfg: ModelConfig, prev_hidden: Tensor, toke
     e = ops.embedding(p["model.embed_tokens.weight"], tokens)
     h = ops.cast(prev_hidden, ops.dtype_name(e))
     x = ops.cat([ops.rms_norm(h, p["mtp.hnorm.weight"], eps), ops.rms_norm(e, p["mtp.enorm.weight"], eps)], axis=-1)
-    x = _linear(ops, x, p["mtp.eh_proj.weight"])                               # [B, T, d]
+    x = ops.linear(x, p["mtp.eh_proj.weight"])                                 # [B, T, d]
     return decoder_layer(ops, p, MTP_LAYER_PREFIX, cfg, x, meta, cache, **train)
 
 

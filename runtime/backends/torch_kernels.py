@@ -8,8 +8,6 @@ float32 and rounds once where the plain ops round after each op):
   - ``rope_write_kv``: RoPE on the q and k heads of the fused q/k/v output, the
                        k and v heads written into their KV-cache rows, the
                        rotated q returned
-  - ``linear``:       the projections of a few rows (decode / verify), a Triton GEMV
-                       where it times faster than cuBLAS (``torch_gemv.py``)
   - ``cache_attention``: grouped-query attention of a step's new tokens over
                        each row's slot prefix, read in place from the flat
                        KV cache (no gather), split over the keys
@@ -37,8 +35,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from runtime.backends.torch_gemv import SmallGemm
 
 # Key rows per block of the attention loop, and the programs the split
 # attention aims for (about two waves of an H200's 132 SMs). A step's split
@@ -205,14 +201,6 @@ def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: in
 class Kernels:
     """The launch wrappers; ``TorchOps.kernels`` holds one when they are on (CUDA with
     Triton), None otherwise. Tensor layouts are the model's (``runtime/model.py``)."""
-
-    def __init__(self) -> None:
-        self.small_gemm = SmallGemm()
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ w[N, K]^T: a Triton GEMV for a few rows where it times faster than cuBLAS
-        (``runtime/backends/torch_gemv.py``), cuBLAS otherwise."""
-        return self.small_gemm.linear(x, w)
 
     @staticmethod
     def fits(head_dim: int) -> bool:
