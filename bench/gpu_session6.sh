@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_session6.sh OUT_DIR profile   # before tuning: bench profile (~1B round, top kernels),
 #                                                # bench peer on the bundled model at batch 1, bench adaptive
-#   bash bench/gpu_session6.sh OUT_DIR kernels   # fused-kernel GPU tests, bench gemv, bench graphs
+#   bash bench/gpu_session6.sh OUT_DIR kernels   # fused-kernel GPU tests, bench graphs
 #   bash bench/gpu_session6.sh OUT_DIR final     # every gpu test, bench round-parts, bench peer, bench graphs
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
@@ -23,7 +23,6 @@ profile)
 kernels)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py 2>&1 \
     | tee "$out/kernels_tests.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -12
-  timeout 120 python3 -m specsplit bench gemv --device cuda:0 2>&1 | quiet | tee "$out/bench_gemv.txt"
   timeout 200 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt"
   ;;
 final)
