@@ -106,6 +106,7 @@ class DraftEngine:
         self._tail_g = ops.zeros((cache_cfg.max_slots + 1, cfg.hidden_size))          # [S+1, d]
         self._tail_tok = ops.zeros((cache_cfg.max_slots + 1,), "int64")                 # [S+1]
         self._tail_pos: dict[str, int] = {}
+        self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
     def _kind(self, name: str, width: int) -> StepKind:
         scratch = self.cache.scratch_slot
@@ -312,6 +313,7 @@ class DraftEngine:
             inputs["sub_write_slots"], inputs["sub_positions"] = substep_places(
                 slots, pairs, [r.k for r in reqs], kmax, self.cache.scratch_slot)      # [B, kmax-1] each
         (drafts, g, tok), _ = self.registry.run(kind, inputs, need=need)            # [B, kmax], [B, d], [B]
+        self.fused_proposes += 1
         for r, p in zip(reqs, pairs):
             self.cache.get(r.request_id).length = p
         # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
