@@ -16,10 +16,11 @@ Hidden rows come in as float32 or as uint16 bf16 bit patterns (see
 Greedy drafts stay on the device: each substep's argmax is fed to the next
 substep as a device tensor, and one host synchronisation per ``propose``
 brings all k drafts back. With graphs live, a greedy propose whose catch-up
-fits the narrow width replays one ``propose{k}`` graph (catch-up, argmax and
-k-1 substeps); otherwise the catch-up graph and k-1 substep graphs run. Sampled drafts (``draft_sampling``) and coupled
-drafts (``sampling_mode`` "coupled") need q on the host, so that path reads
-the logits back after every substep.
+fits the narrow width and whose steps share one context span replays one
+``propose{k}`` graph (catch-up, argmax and k-1 substeps); otherwise the
+catch-up graph and k-1 substep graphs run. Sampled drafts
+(``draft_sampling``) and coupled drafts (``sampling_mode`` "coupled") need q
+on the host, so that path reads the logits back after every substep.
 
 Randomness (runtime/random_stream.py): the draft at absolute token position
 p uses the draws of (seed, p, purpose): PURPOSE_DRAFT for a sampled draft,
