@@ -21,6 +21,7 @@ BENCHES = {
     "peer": "bench.peer",          # transformers static cache vs engine vs services, bandwidth floor (issue 10)
     "sampling-modes": "bench.sampling_modes",  # rejection vs coupled speculative sampling: acceptance (issue 17)
     "tp": "bench.tp",              # target verify step, one device vs tensor-parallel (issue 14)
+    "propose-host": "bench.propose_host",  # host µs per registry step and per greedy Propose, replays stubbed
     "adaptive": "bench.adaptive",  # adaptive k vs every fixed k on prompts where drafting pays and where not (issue 10)
 }
 

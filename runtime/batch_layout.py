@@ -84,3 +84,16 @@ def context_spans(max_len: int) -> tuple[int, ...]:
         spans += [s for s in (SPAN_MIN << i, (SPAN_MIN * 3 // 2) << i) if s < max_len]
         i += 1
     return tuple(spans) + (max_len,)
+
+
+def single_token_places(places: list[tuple[int, int] | None], scratch_slot: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """One token per row at (slot, position) = places[i], or on the scratch slot at position 0
+    where places[i] is None: what ``layout_rows`` gives at width 1 (tokens aside), without
+    building rows. -> write_slots [B, 1], positions [B, 1], read_slots [B], last_index [B]
+    (int64) and the cache rows the step reads (max position + 1)."""
+    b = len(places)
+    slots = np.fromiter((p[0] if p is not None else scratch_slot for p in places), dtype=np.int64, count=b)
+    pos = np.fromiter((p[1] if p is not None else 0 for p in places), dtype=np.int64, count=b)
+    need = int(max((p[1] for p in places if p is not None), default=0)) + 1
+    return slots.reshape(b, 1), pos.reshape(b, 1), slots, np.arange(b, dtype=np.int64), need

@@ -2,8 +2,9 @@
 
 Owns: the MTP weights plus the draft's own copy of the target's embedding,
 final norm and output head; the draft KV cache; per-request draft state
-(pairs written, sampling params, seed); the two step kinds the graph
-registry captures: ``catchup`` (k+1 padded positions) and ``substep`` (1);
+(pairs written, sampling params, seed); the step kinds the graph registry
+captures: ``catchup`` (k+1 padded positions), ``substep`` (1) and, for a
+whole greedy propose in one graph, ``propose{k}`` (runtime/fused_propose.py);
 what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
 run by the worker before a batch; one bad item never fails the others).
 
@@ -14,9 +15,12 @@ Hidden rows come in as float32 or as uint16 bf16 bit patterns (see
 
 Greedy drafts stay on the device: each substep's argmax is fed to the next
 substep as a device tensor, and one host synchronisation per ``propose``
-brings all k drafts back. Sampled drafts (``draft_sampling``) and coupled
-drafts (``sampling_mode`` "coupled") need q on the host, so that path reads
-the logits back after every substep.
+brings all k drafts back. With graphs live, a greedy propose whose catch-up
+fits the narrow width and whose steps share one context span replays one
+``propose{k}`` graph (catch-up, argmax and k-1 substeps); otherwise the
+catch-up graph and k-1 substep graphs run. Sampled drafts
+(``draft_sampling``) and coupled drafts (``sampling_mode`` "coupled") need q
+on the host, so that path reads the logits back after every substep.
 
 Randomness (runtime/random_stream.py): the draft at absolute token position
 p uses the draws of (seed, p, purpose): PURPOSE_DRAFT for a sampled draft,
@@ -40,9 +44,10 @@ import numpy as np
 
 from runtime import random_stream, sampling
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
+from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows, single_token_places
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
+from runtime.fused_propose import FusedPropose, propose_kind_name, substep_places
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
@@ -66,7 +71,8 @@ class _DraftRequest:
 
 class DraftEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
-                 max_k: int, registry: GraphRegistry, ahead_drafting: bool = False) -> None:
+                 max_k: int, registry: GraphRegistry, ahead_drafting: bool = False,
+                 fused_propose: bool = True) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
         # As the target: checkpoint names as views, plus the fused buffers the forward uses.
         fused = fuse_projections(ops, params, [MTP_LAYER_PREFIX])
@@ -88,11 +94,20 @@ class DraftEngine:
             kinds.insert(1, (self._catchup_wide, 2 * self.catchup_width))
         for name, width in kinds:
             registry.register(self._kind(name, width))
+        # NOTE: registered after catch-up and substep: capture_all captures kinds in this
+        # order per bucket, and the propose kinds' one warm-up relies on those steps
+        # having run at the same shapes first (runtime/fused_propose.py).
+        self._fused = (FusedPropose(ops, self._compiled, cfg.hidden_size, self.catchup_width, max_k,
+                                    self.cache.scratch_slot, cache_cfg.max_len, context_spans(cache_cfg.max_len))
+                       if fused_propose and max_k >= 1 else None)
+        for kind in self._fused.kinds() if self._fused is not None else ():
+            registry.register(kind)
         # Ahead drafting: the end (MTP hidden g, last draft) of each request's last proposal,
         # by cache slot (row max_slots = scratch), and the draft position it continues at.
         self._tail_g = ops.zeros((cache_cfg.max_slots + 1, cfg.hidden_size))          # [S+1, d]
         self._tail_tok = ops.zeros((cache_cfg.max_slots + 1,), "int64")                 # [S+1]
         self._tail_pos: dict[str, int] = {}
+        self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
     def _kind(self, name: str, width: int) -> StepKind:
         scratch = self.cache.scratch_slot
@@ -213,13 +228,17 @@ class DraftEngine:
                        (self._catchup_wide, 2 * self.catchup_width)
                        if self._catchup_wide is not None and longest <= 2 * self.catchup_width else
                        (None, longest))
+        return self._run_rows(kind, *self._catchup_rows(reqs, starts, slots, width), width)
+
+    def _catchup_rows(self, reqs, starts: list[int], slots: list[int], width: int) -> tuple[list[Row], np.ndarray]:
+        """Each request's new pairs as a Row, and their hidden rows padded to [B, width, d]."""
         rows = [Row(slot, start, np.asarray(r.tokens, dtype=np.int64)) for r, start, slot in zip(reqs, starts, slots)]
         # bf16 bits travel to the device as bits when the draft computes in bf16; otherwise float32.
         bits = self.ops.dtype == "bfloat16" and all(np.asarray(r.hidden).dtype == np.uint16 for r in reqs)
         hidden = np.zeros((len(reqs), width, self.cfg.hidden_size), dtype=np.uint16 if bits else np.float32)  # [B, W, d]
         for i, r in enumerate(reqs):
             hidden[i, : len(r.tokens)] = r.hidden if bits else hidden_float32(r.hidden)
-        return self._run_rows(kind, rows, hidden, width)
+        return rows, hidden
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
         """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state.
@@ -244,7 +263,16 @@ class DraftEngine:
                                  f"of width {self.cfg.hidden_size}")
             self.cache.check_fits(r.request_id, state.length + len(r.tokens) + r.k)
             slots.append(state.slot)
-        g, logits = self._catch_up(reqs, [self.cache.get(r.request_id).length for r in reqs], slots)
+        starts = [self.cache.get(r.request_id).length for r in reqs]
+        if self._fused is not None and not any(self.requests[r.request_id].on_host for r in reqs):
+            kind = propose_kind_name(max(r.k for r in reqs))
+            # Cache rows the propose reads: its last substep sits at position start + m + k - 2.
+            need = max(st + len(r.tokens) + r.k - 1 for st, r in zip(starts, reqs))
+            if (max(len(r.tokens) for r in reqs) <= self.catchup_width
+                    and self._fused.one_span(max(st + len(r.tokens) for st, r in zip(starts, reqs)), need)
+                    and self.registry.can_replay(kind, len(reqs), need)):
+                return self._propose_fused(reqs, slots, starts, kind, need)
+        g, logits = self._catch_up(reqs, starts, slots)
         for r in reqs:
             self.cache.get(r.request_id).length += len(r.tokens)
         if not any(self.requests[r.request_id].on_host for r in reqs):
@@ -271,6 +299,31 @@ class DraftEngine:
                              [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
         (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
+        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+
+    def _propose_fused(self, reqs: list[ProposeRequest], slots: list[int], starts: list[int], kind: str,
+                       need: int) -> list[Proposal]:
+        """Every row greedy, graphs live: one ``propose{kmax}`` replay, one host sync."""
+        kmax = max(r.k for r in reqs)
+        rows, hidden = self._catchup_rows(reqs, starts, slots, self.catchup_width)
+        lay = layout_rows(rows, self.catchup_width, self.cache.scratch_slot, self.cache.max_len)
+        pairs = [st + len(r.tokens) for st, r in zip(starts, reqs)]
+        inputs = {"prev_hidden": hidden, "tokens": lay.tokens, "write_slots": lay.write_slots,
+                  "positions": lay.positions, "read_slots": lay.read_slots, "last_index": lay.last_index}
+        if kmax > 1:
+            inputs["sub_write_slots"], inputs["sub_positions"] = substep_places(
+                slots, pairs, [r.k for r in reqs], kmax, self.cache.scratch_slot)      # [B, kmax-1] each
+        (drafts, g, tok), _ = self.registry.run(kind, inputs, need=need)            # [B, kmax], [B, d], [B]
+        self.fused_proposes += 1
+        for r, p in zip(reqs, pairs):
+            self.cache.get(r.request_id).length = p
+        # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
+        keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
+        if keep:
+            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
+                             [pairs[i] + kmax - 1 for i in keep])
+        # NOTE: the only host synchronisation of a fused propose.
+        (all_np,) = self.ops.to_numpy_many([drafts])
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
     # --- ahead drafting ------------------------------------------------------------
@@ -331,13 +384,11 @@ class DraftEngine:
         scratch slot at position 0 and its outputs are dropped: shapes stay fixed, no live KV
         is touched. g [B, d], tok [B] device tensors."""
         b, d = len(places), self.cfg.hidden_size
-        rows = [Row(*p, np.zeros(1, dtype=np.int64)) if p is not None
-                else Row(self.cache.scratch_slot, 0, np.zeros(1, dtype=np.int64)) for p in places]
-        lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
+        write_slots, positions, read_slots, last_index, need = single_token_places(places, self.cache.scratch_slot)
         (g, logits), _ = self.registry.run(SUBSTEP, {
             "prev_hidden": self.ops.reshape(g, (b, 1, d)), "tokens": self.ops.reshape(tok, (b, 1)),
-            "write_slots": lay.write_slots, "positions": lay.positions,
-            "read_slots": lay.read_slots, "last_index": lay.last_index})
+            "write_slots": write_slots, "positions": positions,
+            "read_slots": read_slots, "last_index": last_index}, need=need)
         return g, self.ops.argmax(logits, -1)
 
     def _propose_sampled(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:

@@ -42,7 +42,7 @@ class GenResult:
 
 
 class SpecEngine:
-    def __init__(self, cfg: EngineConfig, use_draft: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, use_draft: bool = True, fused_propose: bool = True) -> None:
         self.cfg = cfg
         self.ops = make_ops(cfg.runtime)
         target_ck = check_target(cfg.target_path)
@@ -55,7 +55,7 @@ class SpecEngine:
             draft_ck = check_draft(target_ck, resolve_draft_path(cfg.target_path, cfg.draft_path))
             self.draft_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
             self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck, bf16_bits=True)),
-                                     cfg.cache, cfg.spec.max_k, self.draft_registry)
+                                     cfg.cache, cfg.spec.max_k, self.draft_registry, fused_propose=fused_propose)
 
     def capture_graphs(self) -> None:
         self.target_registry.capture_all()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,10 +57,14 @@ class StepKind:
     eager_kwargs: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
     # Context-length buckets: with spans, one graph is captured per (batch
     # bucket, span) with ``fn(..., attend_len=span)``, and a run replays the
-    # smallest span >= ``span_of(numpy inputs)`` (the rows a step must read),
-    # so attention cost follows the real context instead of the cache length.
+    # smallest span >= ``span_of(inputs)`` (the rows a step must read; it reads
+    # only numpy inputs), so attention cost follows the real context instead of
+    # the cache length. A caller that knows the need passes ``run(..., need=)``.
     spans: tuple[int, ...] = ()
-    span_of: Callable[[dict[str, np.ndarray]], int] | None = None
+    span_of: Callable[[dict[str, Any]], int] | None = None
+    # Warm-up runs before this kind's captures (None: capture_all's ``warmup``). A kind
+    # built only of steps that other kinds captured first at the same shapes needs fewer.
+    warmup: int | None = None
 
 
 @dataclass
@@ -67,6 +72,26 @@ class _Captured:
     graph: Any                      # framework graph object or _EagerGraph
     inputs: dict[str, Tensor]       # views of the static input buffers, [bucket, ...]
     outputs: tuple                  # static outputs, [bucket, ...]
+    # Views made once and reused (b = the batch's real rows): outputs[:b] by b, and
+    # inputs[name][:b] by (name, b) for device inputs copied in place.
+    out_rows: dict[int, tuple] = field(default_factory=dict)
+    in_rows: dict[tuple[str, int], Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """What ``run`` needs per kind, worked out once at capture (``_allocate_static``).
+
+    ints: (name, offset in the packed buffer, elements per row, row shape, pad) per int64
+    input; floats: (name, row shape, pad) per compute-dtype input; spans: sorted.
+    """
+
+    ints: tuple[tuple[str, int, int, tuple[int, ...], int], ...]
+    floats: tuple[tuple[str, tuple[int, ...], float], ...]
+    spans: tuple[int, ...]
+    mirror: Any                     # host twin of the packed buffer (Ops.host_mirror), None without ints
+    # Host staging of numpy compute inputs, [max_bucket, ...] per (name, numpy dtype).
+    host_rows: dict[tuple[str, Any], np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -104,9 +129,9 @@ class GraphRegistry:
         # kind -> one flat int64 device buffer holding every int64 input (one
         # host->device copy per step instead of one per input).
         self._packed: dict[str, Tensor] = {}
-        # kind -> (host template of the packed buffer, all pad values; name -> (offset, elements per row))
-        self._pack_plan: dict[str, tuple[np.ndarray, dict[str, tuple[int, int]]]] = {}
-        self._mirrors: dict[str, Any] = {}          # kind -> host twin of its packed buffer (Ops.host_mirror)
+        self._plans: dict[str, _Plan] = {}          # kind -> its run plan (while graphs are live)
+        # batch size -> its bucket, for 0..largest bucket (one list index per run)
+        self._bucket_of = [next(x for x in self.buckets if x >= n) for n in range(self.buckets[-1] + 1)]
         self._pool: Any = None
         self.stats = GraphStats()
         self._log = log or (lambda msg: None)
@@ -149,10 +174,16 @@ class GraphRegistry:
 
     def bucket_for(self, batch: int) -> int | None:
         """Smallest bucket >= batch, or None above the largest bucket (run eagerly)."""
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return None
+        return self._bucket_of[batch] if 0 <= batch < len(self._bucket_of) else None
+
+    def can_replay(self, kind_name: str, batch: int, need: int = 0) -> bool:
+        """Whether ``run`` of ``batch`` rows reading ``need`` context rows would replay a graph."""
+        with self._lock:
+            kind, bucket = self.kinds.get(kind_name), self.bucket_for(batch)
+            if kind is None or bucket is None:
+                return False
+            span = self.span_for(kind, need)
+            return span >= need and (bucket, kind_name, span) in self._captured
 
     # --- capture / clear -------------------------------------------------
     def capture_all(self, warmup: int = 2) -> None:
@@ -169,49 +200,43 @@ class GraphRegistry:
                 # graphs' allocations fit inside the pool memory the largest one
                 # already reserved.
                 for bucket in sorted(self.buckets, reverse=True):
+                    # NOTE: kinds in registration order within a bucket: a kind with a
+                    # short warm-up (StepKind.warmup) relies on the kinds registered before
+                    # it having run its inner steps at this bucket's shapes already.
                     for kind in self.kinds.values():
                         for span in sorted(kind.spans or (0,), reverse=True):
-                            self._capture_one(kind, bucket, span, warmup)
+                            self._capture_one(kind, bucket, span, warmup if kind.warmup is None else kind.warmup)
             except Exception:
                 self.clear()
                 raise
 
     def _allocate_static(self, kind: StepKind, max_b: int) -> None:
         """Static inputs at the largest bucket: int64 inputs as views of one flat
-        buffer (see ``_pack``), compute-dtype inputs as their own buffers."""
+        buffer (one upload per step, see ``_replay``), compute-dtype inputs as their own buffers."""
         static: dict[str, Tensor] = {}
         ints = [s for s in kind.inputs if s.dtype == "int64"]
-        template = self._pack(kind, {}, max_b, max_b)
-        packed = self.ops.from_numpy(template, "int64")
+        packed = self.ops.from_numpy(self._pad_template(kind, max_b), "int64")
         self._packed[kind.name] = packed
-        self._mirrors[kind.name] = self.ops.host_mirror(packed)
-        plan, off = {}, 0
+        int_plan, offset = [], 0
         for s in ints:
             n = int(np.prod(s.row_shape, dtype=np.int64))
-            plan[s.name] = (off, n)
-            off += max_b * n
-        self._pack_plan[kind.name] = (template, plan)
-        offset = 0
-        for s in ints:
-            n = max_b * int(np.prod(s.row_shape, dtype=np.int64))
-            static[s.name] = self.ops.reshape(packed[offset: offset + n], (max_b, *s.row_shape))
-            offset += n
+            int_plan.append((s.name, offset, n, tuple(s.row_shape), int(s.pad)))
+            static[s.name] = self.ops.reshape(packed[offset: offset + max_b * n], (max_b, *s.row_shape))
+            offset += max_b * n
+        floats = []
         for s in kind.inputs:
             if s.dtype != "int64":
                 static[s.name] = self.ops.from_numpy(np.full((max_b, *s.row_shape), s.pad, dtype=np.float32))
+                floats.append((s.name, tuple(s.row_shape), s.pad))
         self._static[kind.name] = static
+        self._plans[kind.name] = _Plan(tuple(int_plan), tuple(floats), tuple(sorted(kind.spans)),
+                                       self.ops.host_mirror(packed) if ints else None)
 
     @staticmethod
-    def _pack(kind: StepKind, values: dict[str, np.ndarray], b: int, max_b: int) -> np.ndarray:
-        """Flat int64 host array: each int64 input's [max_b, *row] block, rows >= b padded."""
-        blocks = []
-        for s in kind.inputs:
-            if s.dtype != "int64":
-                continue
-            block = np.full((max_b, *s.row_shape), s.pad, dtype=np.int64)
-            if s.name in values:
-                block[:b] = values[s.name]
-            blocks.append(block.reshape(-1))
+    def _pad_template(kind: StepKind, max_b: int) -> np.ndarray:
+        """Flat int64 host array: each int64 input's [max_b, *row] block, filled with its pad value."""
+        blocks = [np.full(max_b * int(np.prod(s.row_shape, dtype=np.int64)), s.pad, dtype=np.int64)
+                  for s in kind.inputs if s.dtype == "int64"]
         return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
 
     def _capture_one(self, kind: StepKind, bucket: int, span: int, warmup: int) -> None:
@@ -250,8 +275,7 @@ class GraphRegistry:
             self._captured.clear()
             self._static.clear()
             self._packed.clear()
-            self._pack_plan.clear()
-            self._mirrors.clear()
+            self._plans.clear()
             self._pool = None
             gc.collect()
             self.ops.synchronize()
@@ -262,9 +286,11 @@ class GraphRegistry:
                 self._log("graphs cleared")
 
     # --- execution -------------------------------------------------------
-    def run(self, kind_name: str, inputs: dict[str, Any]) -> tuple[tuple, bool]:
+    def run(self, kind_name: str, inputs: dict[str, Any], need: int | None = None) -> tuple[tuple, bool]:
         """Run a step for a batch of B rows. inputs: name -> numpy [B, ...] or a
         device tensor [B, ...] (e.g. a hidden state produced by the previous step).
+        need: the context rows the step reads, when the caller knows it (else
+        ``span_of(inputs)``; kinds without spans ignore it).
 
         Returns (outputs sliced to [B, ...], replayed?). With graphs live and
         B within a bucket, rows are padded to the bucket with each input's pad
@@ -273,78 +299,111 @@ class GraphRegistry:
         """
         kind = self.kinds[kind_name]
         first = next(iter(inputs.values()))
-        b = first.shape[0] if isinstance(first, np.ndarray) else self.ops.shape(first)[0]
+        b = first.shape[0] if type(first) is np.ndarray else self.ops.shape(first)[0]
         with self._lock:
-            bucket = self.bucket_for(b)
-            span = 0
-            if kind.spans and bucket is not None and self._captured:
-                need = kind.span_of({k: v for k, v in inputs.items() if isinstance(v, np.ndarray)})
-                span = self.span_for(kind, need)
-                if span < need:        # longer than the largest span: eager
-                    bucket = None
-            cap = self._captured.get((bucket, kind_name, span)) if bucket is not None else None
+            plan = self._plans.get(kind_name)
+            cap = None
+            if plan is not None and b < len(self._bucket_of):
+                bucket = self._bucket_of[b]
+                span = 0
+                if plan.spans:
+                    if need is None:
+                        need = kind.span_of(inputs)
+                    i = bisect_left(plan.spans, need)
+                    span = plan.spans[i] if i < len(plan.spans) else -1   # -1: longer than every span: eager
+                cap = self._captured.get((bucket, kind_name, span))
             if cap is not None:
-                max_b = self.buckets[-1]
-                int_values = {}
-                device_ints = {}
-                for spec in kind.inputs:
-                    value = inputs[spec.name]
-                    shape = value.shape if isinstance(value, np.ndarray) else self.ops.shape(value)
-                    if tuple(shape[1:]) != spec.row_shape:
-                        raise ValueError(f"{kind_name}.{spec.name}: row shape {tuple(shape[1:])} != {spec.row_shape}")
-                    # NOTE: copy *into* the static buffers; never rebind them. The
-                    # graph reads those addresses: a new tensor would be freed memory.
-                    if spec.dtype == "int64":
-                        if isinstance(value, np.ndarray):
-                            int_values[spec.name] = value
-                        else:            # device ids (e.g. the previous substep's argmax)
-                            device_ints[spec.name] = value
-                    elif isinstance(value, np.ndarray):
-                        # uint16 rows are bf16 bit patterns: padded as bits (0 = 0.0).
-                        padded = np.full((bucket, *spec.row_shape), spec.pad,
-                                         dtype=np.uint16 if value.dtype == np.uint16 else np.float32)
-                        padded[:b] = value
-                        self.ops.copy_from_numpy(cap.inputs[spec.name], padded)
-                    else:
-                        # Device rows: rows past b keep finite values from earlier
-                        # steps; their outputs are sliced away below.
-                        self.ops.copy_(cap.inputs[spec.name][:b], value)
-                if int_values or device_ints:
-                    # The packed buffer's host twin: the pad template with this step's rows
-                    # written in, uploaded in one asynchronous copy.
-                    template, plan = self._pack_plan[kind_name]
-                    mirror = self._mirrors[kind_name]
-                    host = mirror.array()
-                    np.copyto(host, template)
-                    for name, value in int_values.items():
-                        off, n = plan[name]
-                        host[off: off + b * n] = value.reshape(-1)
-                    mirror.upload()
-                # NOTE: device ids go in after the packed upload, which rewrites
-                # the whole packed buffer (their rows included) with pad values.
-                for name, value in device_ints.items():
-                    self.ops.copy_(cap.inputs[name][:b], value)
-                cap.graph.replay()
-                self.stats.replays += 1
-                self.stats.last_span = span
-                if b == bucket:
-                    return cap.outputs, True
-                return tuple(o[:b] for o in cap.outputs), True
-            tensors = {}
-            for s in kind.inputs:
-                value = inputs[s.name]
-                if isinstance(value, np.ndarray):
-                    value = self.ops.from_numpy(value, "int64" if s.dtype == "int64" else None)
-                tensors[s.name] = value
-            np_inputs = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
-            extra = kind.eager_kwargs(np_inputs) if kind.eager_kwargs is not None else {}
-            # NOTE: eager steps (widths and spans outside the captured graphs) run the plain
-            # ops: the fused kernels compile once per new shape class, which only the
-            # captures should pay (runtime/backends/torch_kernels.py attention_plan).
-            with self.ops.no_grad(), self.ops.plain_ops():
-                outputs = kind.fn(**tensors, **extra)
-            self.stats.eager_runs += 1
-            return tuple(outputs), False
+                return self._replay(kind_name, plan, cap, inputs, b, bucket, span), True
+            return self._eager(kind, inputs), False
+
+    def _replay(self, kind_name: str, plan: _Plan, cap: _Captured, inputs: dict[str, Any], b: int,
+                bucket: int, span: int) -> tuple:
+        device_ints = []
+        if plan.mirror is not None:
+            # The packed buffer's host twin, written in place: each int input's rows
+            # [0, b), its pad value on rows [b, bucket). Rows past the bucket are not
+            # read by this graph (it reads [:bucket] views), so they are left as they are.
+            host = plan.mirror.array()
+            for name, off, n, row_shape, pad in plan.ints:
+                value = inputs[name]
+                if type(value) is np.ndarray:
+                    if value.shape[1:] != row_shape:
+                        raise ValueError(f"{kind_name}.{name}: row shape {value.shape[1:]} != {row_shape}")
+                    host[off: off + b * n] = value.reshape(-1)
+                else:                    # device ids (e.g. the previous substep's argmax)
+                    self._check_rows(kind_name, name, value, row_shape)
+                    device_ints.append((name, value))
+                if b < bucket:
+                    host[off + b * n: off + bucket * n] = pad
+            # NOTE: one asynchronous upload of the whole packed buffer, before any device
+            # copy into it below (it rewrites every row of it).
+            plan.mirror.upload()
+        for name, row_shape, pad in plan.floats:
+            value = inputs[name]
+            # NOTE: copy *into* the static buffers; never rebind them. The
+            # graph reads those addresses: a new tensor would be freed memory.
+            if type(value) is np.ndarray:
+                if value.shape[1:] != row_shape:
+                    raise ValueError(f"{kind_name}.{name}: row shape {value.shape[1:]} != {row_shape}")
+                # uint16 rows are bf16 bit patterns: padded as bits (0 = 0.0).
+                dt = np.uint16 if value.dtype == np.uint16 else np.float32
+                rows = plan.host_rows.get((name, dt))
+                if rows is None:
+                    rows = plan.host_rows[(name, dt)] = np.full((self.buckets[-1], *row_shape), pad, dtype=dt)
+                rows[:b] = value
+                if b < bucket:
+                    rows[b:bucket] = pad
+                # NOTE: copy_from_numpy has read the host rows when it returns (CUDA
+                # stages them in its pinned ring first), so they are reused at once.
+                self.ops.copy_from_numpy(cap.inputs[name], rows[:bucket])
+            else:
+                # Device rows: rows past b keep finite values from earlier
+                # steps; their outputs are sliced away below.
+                self._check_rows(kind_name, name, value, row_shape)
+                self.ops.copy_(self._in_rows(cap, name, b), value)
+        # NOTE: device ids go in after the packed upload, which rewrites
+        # the whole packed buffer (their rows included).
+        for name, value in device_ints:
+            self.ops.copy_(self._in_rows(cap, name, b), value)
+        cap.graph.replay()
+        self.stats.replays += 1
+        self.stats.last_span = span
+        if b == bucket:
+            return cap.outputs
+        out = cap.out_rows.get(b)
+        if out is None:
+            out = cap.out_rows[b] = tuple(o[:b] for o in cap.outputs)
+        return out
+
+    def _check_rows(self, kind_name: str, name: str, value: Any, row_shape: tuple[int, ...]) -> None:
+        shape = tuple(self.ops.shape(value)[1:])
+        if shape != row_shape:
+            raise ValueError(f"{kind_name}.{name}: row shape {shape} != {row_shape}")
+
+    @staticmethod
+    def _in_rows(cap: _Captured, name: str, b: int) -> Tensor:
+        """inputs[name][:b] of a captured graph, made once per (name, b)."""
+        view = cap.in_rows.get((name, b))
+        if view is None:
+            view = cap.in_rows[(name, b)] = cap.inputs[name][:b]
+        return view
+
+    def _eager(self, kind: StepKind, inputs: dict[str, Any]) -> tuple:
+        tensors = {}
+        for s in kind.inputs:
+            value = inputs[s.name]
+            if isinstance(value, np.ndarray):
+                value = self.ops.from_numpy(value, "int64" if s.dtype == "int64" else None)
+            tensors[s.name] = value
+        np_inputs = {k: v for k, v in inputs.items() if isinstance(v, np.ndarray)}
+        extra = kind.eager_kwargs(np_inputs) if kind.eager_kwargs is not None else {}
+        # NOTE: eager steps (widths and spans outside the captured graphs) run the plain
+        # ops: the fused kernels compile once per new shape class, which only the
+        # captures should pay (runtime/backends/torch_kernels.py attention_plan).
+        with self.ops.no_grad(), self.ops.plain_ops():
+            outputs = kind.fn(**tensors, **extra)
+        self.stats.eager_runs += 1
+        return tuple(outputs)
 
     def static_addresses(self) -> dict[str, int]:
         """Addresses of every static input buffer and captured output (for leak/rebind tests)."""

@@ -34,10 +34,16 @@ def _drain(handle, timeout=60.0):
     raise AssertionError(f"{handle.request_id}: no final event within {timeout}s")
 
 
-def test_ahead_drafting_is_exact_and_used():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_ahead_drafting_is_exact_and_used(graphs):
+    """graphs: captured (the eager stand-in on CPU), so the proposals whose ends the ahead calls
+    continue come from one fused propose{k} replay (runtime/fused_propose.py)."""
     # Torch only: the ahead path is backend-agnostic code over Ops, and Paddle's CPU steps are the
     # slowest part of the suite (both backends' substeps are covered by test_engine_bundled).
     eng = _engine("torch", max_k=3)
+    if graphs:
+        eng.capture_graphs()
+    fused_before = _fused_replays(eng)
     prompts = _prompts(4)
     ref = {}
     for i, p in enumerate(prompts):
@@ -57,6 +63,12 @@ def test_ahead_drafting_is_exact_and_used():
         used += final.stats.ahead_used
     assert asked > 0 and 0 < used <= asked
     assert eng.target.cache.used_slots == 0 and eng.draft.cache.used_slots == 0
+    assert (_fused_replays(eng) > fused_before) == graphs
+
+
+def _fused_replays(eng):
+    """Propose calls of the draft that took the fused path (one propose{k} replay each)."""
+    return eng.draft.fused_proposes
 
 
 def test_ahead_needs_a_kept_end():

@@ -88,3 +88,26 @@ def test_unrolled_head_reaches_reported_acceptance():
     assert stats.acceptance_rate >= 0.65
     assert stats.mean_accepted_length >= 2.9
     assert stats.mean_accepted_length > naive_stats.mean_accepted_length
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_propose_generation_equals_target_only(batch):
+    """With graphs captured, every greedy Propose replays one propose{k} graph: output equals
+    target-only decoding and the per-substep path token for token, with mixed k in a batch."""
+    prompts = _prompts(6)
+    reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), 1 + i % 3)
+            for i, p in enumerate(prompts)]
+    ref = [r.tokens for r in _engine("torch", 3).generate([GenRequest(r.request_id, r.prompt, r.params, 0)
+                                                          for r in reqs])]
+    out = {}
+    for fused in (True, False):
+        eng = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch"),
+                                      spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512)),
+                         fused_propose=fused)
+        eng.capture_graphs()
+        res = eng.generate(reqs, max_batch=batch) if batch > 1 else [eng.generate([r])[0] for r in reqs]
+        out[fused] = [r.tokens for r in res]
+        assert sum(r.stats.accepted for r in res) > 0
+        kinds = {k for _, k in eng.draft_registry.keys()}
+        assert ({"propose1", "propose2", "propose3"} <= kinds) == fused
+    assert out[True] == out[False] == ref

@@ -95,7 +95,37 @@ def test_engine_with_captured_graphs_matches_eager(model_dir, backend):
     graphed_engine = SpecEngine(cfg)
     graphed_engine.capture_graphs()
     keys = graphed_engine.draft_registry.keys()
-    assert {k for _, k in keys} == {"catchup4", "substep"} and {b for b, _ in keys} == {1, 2, 4}   # no ahead drafting
+    assert {k for _, k in keys} == {"catchup4", "substep", "propose1", "propose2", "propose3"}   # no ahead drafting
+    assert {b for b, _ in keys} == {1, 2, 4}
     graphed = graphed_engine.generate(reqs)
     assert [r.tokens for r in graphed] == [r.tokens for r in eager]
     assert graphed_engine.target_registry.stats.replays > 0 and graphed_engine.draft_registry.stats.replays > 0
+
+
+def test_propose_kinds_bookkeeping(model_dir):
+    """propose1..max_k at every bucket and span, captured after catch-up and substep per bucket
+    (their single warm-up relies on it); one replay per greedy propose; clear drops them all."""
+    cfg = EngineConfig(str(model_dir), runtime=RuntimeConfig(backend="torch"), spec=SpecConfig(max_k=3, default_k=3),
+                       cache=CacheConfig(max_slots=8, max_len=300), graphs=GraphConfig(batch_buckets=(1, 4)))
+    eng = SpecEngine(cfg)
+    reg = eng.draft_registry
+    reg.capture_all()
+    spans = (256, 300)
+    kinds = ("catchup4", "substep", "propose1", "propose2", "propose3")
+    assert reg.span_keys() == sorted([(b, k, s) for b in (1, 4) for k in kinds for s in spans],
+                                     key=lambda x: (x[1], x[0], x[2]))
+    assert reg.stats.captures == 2 * len(kinds) * len(spans)
+    order = [e.split()[1].split("/")[0] for e in reg.stats.events]
+    assert order == [f"{k}@{b}" for b in (4, 1) for k in kinds for _ in spans]
+    assert [reg.can_replay("propose3", b, 10) for b in (1, 3, 4, 5)] == [True, True, True, False]
+    assert not reg.can_replay("propose3", 1, 301) and not reg.can_replay("nope", 1, 1)
+    rng = np.random.default_rng(5)
+    reqs = [GenRequest(f"r{i}", tuple(int(x) for x in rng.integers(0, 48, 6)), SamplingParams(max_tokens=9), k=3)
+            for i in range(3)]
+    calls, propose = [], eng.draft.propose
+    eng.draft.propose = lambda batch: calls.append(len(batch)) or propose(batch)
+    before = reg.stats.replays
+    eng.generate(reqs)
+    assert calls and reg.stats.replays - before == len(calls) and reg.stats.eager_runs == 0   # one replay each
+    reg.clear()
+    assert reg.keys() == [] and not any(reg.can_replay(f"propose{k}", 1, 10) for k in (1, 2, 3))

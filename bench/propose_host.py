@@ -1,0 +1,170 @@
+"""``specsplit bench propose-host``: the host's own time per registry step and per greedy Propose.
+
+Owns: timing, on the bundled tiny model (Torch), with graphs captured,
+  - ``GraphRegistry.run`` per step kind (draft substep, catch-up, propose{k},
+    target verify) at batch 1 and 4,
+  - a whole greedy ``DraftEngine.propose`` at k = max_k: the fused path (one
+    propose{k} replay) and the per-substep path (catch-up + k-1 substeps),
+  - the draft registry's capture time with and without the propose kinds,
+each with every graph replay replaced by a no-op ("stubbed"), so what is left
+is the host's Python, numpy and copies (on CPU the eager stand-in graph would
+otherwise hide it inside a CPU forward pass). On CUDA it also prints the same
+calls with real replays, timed as ``bench graphs`` times host work (queue idle
+before each call, not waited on after) and the propose's wall time.
+The smallest of ``REPEATS`` means of ``ITERS`` calls each (the machines are shared: the
+minimum is the figure least disturbed by other processes).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from bench.graphs import _host_us
+from runtime.batch_layout import Row, layout_rows
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
+from runtime.draft_engine import SUBSTEP
+from runtime.engine import SpecEngine
+from runtime.types import DraftPrefillRequest, ProposeRequest
+from core.params import SamplingParams
+
+ITERS, REPEATS = 400, 7
+BUCKETS = (1, 2, 4, 8)
+CONTEXT = 100            # pairs already in the draft cache
+
+
+class _NoReplay:
+    """A graph whose replay does nothing: what is timed around it is host work only."""
+
+    def __init__(self, graph) -> None:
+        self.graph = graph
+
+    def replay(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+def _stub(reg, on: bool) -> None:
+    # Bench-only reach into the registry's captured graphs (the replay is what is left out).
+    for cap in reg._captured.values():
+        if on and not isinstance(cap.graph, _NoReplay):
+            cap.graph = _NoReplay(cap.graph)
+        elif not on and isinstance(cap.graph, _NoReplay):
+            cap.graph = cap.graph.graph
+
+
+def _us(fn, sync) -> float:
+    """Smallest over REPEATS of the mean host time of ITERS calls (µs), after warm-up."""
+    for _ in range(50):
+        fn()
+    sync()
+    runs = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        for _ in range(ITERS):
+            fn()
+        runs.append((time.perf_counter() - t0) / ITERS * 1e6)
+        sync()
+    return min(runs)
+
+
+def _engine(device: str, k: int, fused: bool) -> SpecEngine:
+    cfg = EngineConfig("models/tiny", runtime=RuntimeConfig(backend="torch", device=device),
+                       spec=SpecConfig(max_k=k, default_k=k), cache=CacheConfig(max_slots=8, max_len=1024),
+                       graphs=GraphConfig(batch_buckets=BUCKETS))
+    return SpecEngine(cfg) if fused else SpecEngine(cfg, fused_propose=False)
+
+
+def main(args) -> int:
+    device, k = args.device, args.k
+    rng = np.random.default_rng(0)
+    engines, capture_s = {}, {}
+    for fused in (True, False):
+        eng = engines[fused] = _engine(device, k, fused)
+        t0 = time.perf_counter()
+        eng.draft_registry.capture_all()
+        capture_s[fused] = time.perf_counter() - t0
+        eng.target_registry.capture_all()
+    eng = engines[True]
+    ops, draft, target = eng.ops, eng.draft, eng.target
+    d, scratch, max_len = eng.model_cfg.hidden_size, draft.cache.scratch_slot, draft.cache.max_len
+    fused_kinds = f"propose{k}" in draft.registry.kinds
+
+    def step_inputs(kind: str, b: int) -> tuple:
+        width = 1 if kind == SUBSTEP else k + 1
+        rows = [Row(i, CONTEXT, rng.integers(0, 256, width)) for i in range(b)]
+        lay = layout_rows(rows, width, scratch, max_len)
+        base = {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                "read_slots": lay.read_slots}
+        if kind == "verify":
+            return target.registry, target._verify_kind, base
+        base["last_index"] = lay.last_index
+        if kind == SUBSTEP:          # as in a propose: g and the argmax come from the previous step
+            base.update(prev_hidden=ops.zeros((b, 1, d)), tokens=ops.zeros((b, 1), "int64"))
+            return draft.registry, SUBSTEP, base
+        base["prev_hidden"] = rng.standard_normal((b, width, d)).astype(np.float32)
+        if kind == "catchup":
+            return draft.registry, draft._catchup_kind, base
+        base["sub_write_slots"] = np.repeat(np.arange(b)[:, None], k - 1, 1)
+        base["sub_positions"] = CONTEXT + width + np.arange(k - 1)[None, :].repeat(b, 0)
+        return draft.registry, f"propose{k}", base
+
+    rows = []
+    kinds = [SUBSTEP, "catchup", "verify"] + (["propose"] if fused_kinds and k > 1 else [])
+    for kind in kinds:
+        for b in (1, 4):
+            reg, name, inp = step_inputs(kind, b)
+            assert reg.run(name, inp)[1], f"{name}@{b} did not replay"
+            _stub(reg, True)
+            stubbed = _us(lambda: reg.run(name, inp), ops.synchronize)
+            _stub(reg, False)
+            real = _host_us(lambda: reg.run(name, inp), 200, ops.synchronize) if device.startswith("cuda") else None
+            rows.append({"what": f"run {name}", "batch": b, "host_us_stubbed": round(stubbed, 1),
+                         "host_us_with_replay": None if real is None else round(real, 1)})
+
+    # Whole greedy proposes at batch 1, k = max_k: each call continues the request by k+1 pairs
+    # and is then rolled back (the draft's pair count), so every call is the same propose.
+    for fused in (True, False):
+        if fused and not fused_kinds:
+            continue
+        dr = engines[fused].draft
+        dr.prefill([DraftPrefillRequest("b0", rng.integers(0, 256, CONTEXT),
+                                        rng.standard_normal((CONTEXT, d)).astype(np.float32), SamplingParams())])
+        state = dr.cache.get("b0")
+        new = ProposeRequest("b0", CONTEXT, rng.integers(0, 256, k + 1),
+                             rng.standard_normal((k + 1, d)).astype(np.float32), k)
+
+        def one(dr=dr, state=state, new=new):
+            dr.propose([new])
+            state.length = CONTEXT
+
+        before = dr.fused_proposes if fused else None
+        one()
+        assert (dr.fused_proposes > before) if fused else True
+        _stub(dr.registry, True)
+        stubbed = _us(one, ops.synchronize)
+        _stub(dr.registry, False)
+        wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
+        rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep"), "batch": 1,
+                     "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+
+    out = {"device": device, "k": k, "buckets": BUCKETS, "context": CONTEXT, "rows": rows,
+           "draft_capture_s": {"with propose kinds": round(capture_s[True], 3),
+                               "catch-up + substep only": round(capture_s[False], 3)},
+           "draft_graphs": {"with propose kinds": len(engines[True].draft_registry.span_keys()),
+                            "catch-up + substep only": len(engines[False].draft_registry.span_keys())}}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"bench propose-host: torch {device}, bundled tiny model, k={k}, buckets {BUCKETS}, context {CONTEXT}; "
+          f"best of {REPEATS} x {ITERS} calls; 'stubbed' = every graph replay a no-op")
+    print(f"{'what':32s} {'batch':>5s} {'host us (stubbed)':>18s} {'with replay':>12s}")
+    for r in rows:
+        other = r.get("host_us_with_replay", r.get("wall_us"))
+        print(f"{r['what']:32s} {r['batch']:5d} {r['host_us_stubbed']:18.1f} {'-' if other is None else other:>12}")
+    print(f"draft capture: {out['draft_capture_s']} s, graphs {out['draft_graphs']}")
+    return 0
