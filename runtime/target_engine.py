@@ -240,6 +240,7 @@ class TargetEngine:
     def verify(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
         """One forward over [t_n, d_1..d_k] per request, then accept (DESIGN step 3-5)."""
         rows = []
+        need = 1                                   # cache rows the step reads: max position + 1
         for r in reqs:
             state = self.cache.get(r.request_id)
             k = len(r.drafts)
@@ -248,10 +249,11 @@ class TargetEngine:
             self.cache.check_fits(r.request_id, state.length + k + 1)
             tokens = np.concatenate([[self.requests[r.request_id].last_token], np.asarray(r.drafts, dtype=np.int64)])
             rows.append(Row(state.slot, state.length, tokens))
+            need = max(need, state.length + k + 1)
         lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
         (hidden, best, logits), _ = self.registry.run(self._verify_kind, {
             "tokens": lay.tokens, "write_slots": lay.write_slots,
-            "positions": lay.positions, "read_slots": lay.read_slots})
+            "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
         states = [self.requests[r.request_id] for r in reqs]
         starts = [self.cache.get(r.request_id).length + 1 for r in reqs]   # position decided by row 0
         sampled = [i for i, st in enumerate(states) if not st.params.greedy and not st.params.coupled]

@@ -61,13 +61,14 @@ class _AnnouncingRegistry(GraphRegistry):
         super().__init__(ops, buckets, log=log)
         self._announce = announce
 
-    def run(self, kind_name: str, inputs: dict[str, Any]) -> tuple[tuple, bool]:
+    def run(self, kind_name: str, inputs: dict[str, Any], need: int | None = None) -> tuple[tuple, bool]:
         if not all(isinstance(v, np.ndarray) for v in inputs.values()):
             raise TypeError(f"{kind_name}: a tensor-parallel step takes host inputs only")
         # NOTE: announce before running: the other ranks must replay the same (bucket, span)
-        # graph, whose collectives pair with this rank's, or the group deadlocks.
+        # graph, whose collectives pair with this rank's, or the group deadlocks. They derive
+        # the span from the same inputs, so ``need`` (a shortcut of rank 0's caller) stays here.
         self._announce((RUN, kind_name, inputs))
-        return super().run(kind_name, inputs)
+        return super().run(kind_name, inputs, need=need)
 
 
 def rank_config(cfg: WorkerConfig, rank: int) -> WorkerConfig:
