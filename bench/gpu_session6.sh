@@ -4,6 +4,7 @@
 #   bash bench/gpu_session6.sh OUT_DIR profile   # before tuning: bench profile (~1B round, top kernels),
 #                                                # bench peer on the bundled model at batch 1, bench adaptive
 #   bash bench/gpu_session6.sh OUT_DIR kernels   # fused-kernel GPU tests, bench graphs
+#   bash bench/gpu_session6.sh OUT_DIR propose   # one-graph Propose: its GPU tests, bench propose-host, bench profile
 #   bash bench/gpu_session6.sh OUT_DIR final     # every gpu test, bench round-parts, bench peer, bench graphs
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
@@ -24,6 +25,12 @@ kernels)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py 2>&1 \
     | tee "$out/kernels_tests.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -12
   timeout 200 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt"
+  ;;
+propose)
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_propose_gpu.py tests/gpu/test_graphs_gpu.py \
+    tests/gpu/test_kernels_gpu.py 2>&1 | tee "$out/propose_tests.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -20
+  timeout 120 python3 -m specsplit bench propose-host --backend torch --device cuda:0 2>&1 | quiet | tee "$out/propose_host.txt"
+  timeout 150 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | head -24
   ;;
 final)
   timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 2>&1 \
