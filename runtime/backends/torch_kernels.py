@@ -250,7 +250,10 @@ class Kernels:
         kvh = k_cache.shape[1]
         g = h // kvh
         m, per_split, nsplit = attention_plan(b, kvh, g, t, span)
-        q = q.contiguous()
+        # NOTE: the kernels index read_slots, positions and q as dense [B], [B, T] and
+        # [B, T, H, D]; a strided view (a substep's column of a fused propose's inputs) would
+        # be read at the wrong rows for every batch row past the first (seen on an H200).
+        q, read_slots, positions = q.contiguous(), read_slots.contiguous(), positions.contiguous()
         out = torch.empty_like(q)
         if nsplit > 1:
             acc = torch.empty((b * kvh * nsplit * m, d), dtype=torch.float32, device=q.device)

@@ -57,6 +57,15 @@ def kernel_errors() -> dict[str, float]:
                                 ops.gather_context(vc, read_slots, span, max_len), mask)
             worst = max(worst, (got - ref).abs().max().item())
     torch_kernels._TARGET_PROGRAMS = 256
+    # Regression (seen on an H200): strided views of read_slots / positions (a fused propose's
+    # substep column) were read as dense arrays, so batch rows past the first read wrong rows.
+    q = rnd(b, t, h, hd)
+    wide_pos = torch.cat([positions, positions + 50], dim=1)[:, :t]             # stride 2t
+    wide_slots = torch.stack([read_slots, read_slots + 1], dim=1)[:, 0]         # stride 2
+    assert not wide_pos.is_contiguous() and not wide_slots.is_contiguous()
+    got = Kernels.cache_attention(q, kc, vc, wide_slots, wide_pos, 128, max_len)
+    ref = Kernels.cache_attention(q, kc, vc, read_slots, positions, 128, max_len)
+    worst = max(worst, (got - ref).abs().max().item())
     out["cache_attention"] = worst
     return out
 
