@@ -43,7 +43,7 @@ class DraftWorker(Worker):
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> DraftEngine:
         return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
-                           ahead_drafting=self.cfg.spec.ahead_drafting)
+                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=self.cfg.graphs.fused_propose)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0) -> list[Proposal | ItemError]:

@@ -215,6 +215,11 @@ class GraphConfig:
 
     enabled: bool = True
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # The draft captures a whole greedy Propose (catch-up + k-1 substeps) as one graph per
+    # k (runtime/fused_propose.py): one replay and one host sync per Propose instead of k.
+    # It multiplies the draft's capture time (a RECAPTURE reload pays it); off keeps the
+    # catch-up and substep graphs only.
+    fused_propose: bool = True
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
