@@ -113,9 +113,11 @@ class DataPlaneServer:
             while True:
                 body = fs.recv()
                 answer = self._handle(body)
-                fs.send(answer)
+                # NOTE: counted before the write: a client that has its answer and then asks
+                # for the status sees this frame counted.
                 with self._lock:
                     self.frames += 1
+                fs.send(answer)
         except frames.PeerClosed:
             pass                                # the client went away (reset_streams, a restart)
         except (frames.FrameTooLarge, UndecodableFrame) as exc:
