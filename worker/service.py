@@ -144,11 +144,7 @@ class WorkerServicerMixin:
             yield answer(msg)
 
     def _status(self) -> pb.WorkerStatus:
-        out = status_to_proto(self.worker.status())
-        dp = self.data_plane
-        if dp is not None:
-            out.data_plane_port, out.data_plane_frames = dp.port, dp.frames
-        return out
+        return status_to_proto(self.worker.status(), self.data_plane)
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.ServicerContext) -> pb.LoadWeightsResponse:
         self._run(context, "LoadWeights", lambda: self.worker.load_weights(
@@ -353,7 +349,8 @@ def state_to_proto(state: State) -> int:
     return _STATES[state]
 
 
-def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
+def status_to_proto(s: WorkerStatus, data_plane: Any = None) -> pb.WorkerStatus:
+    """The worker's status; with ``data_plane`` (its ``DataPlaneServer``), also its port and frame count."""
     out = pb.WorkerStatus(
         role=s.role, state=state_to_proto(s.state), weights_version=s.weights_version,
         graph_keys=list(s.graph_keys), graph_pool_bytes=s.graph_pool_bytes, graphs_mode=s.graphs_mode,
@@ -364,4 +361,6 @@ def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
         max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
     if s.eos_token_id is not None:
         out.eos_token_id = s.eos_token_id
+    if data_plane is not None:
+        out.data_plane_port, out.data_plane_frames = data_plane.port, data_plane.frames
     return out
