@@ -2,9 +2,9 @@
 
 Owns: on the bundled model, batch 1, k=3, graphs captured, the median time of
   - the draft engine's propose on its device thread (no gRPC),
-  - the same propose through the draft service (DraftClient over the
-    persistent stream), split into the draft's reported compute and the rest
-    (transport, encode/decode, thread hand-offs),
+  - the same propose through the draft service (DraftClient), over the data
+    plane and over the persistent gRPC stream, each split into the draft's
+    reported compute and the rest (transport, encode/decode, thread hand-offs),
   - the target engine's verify, and the same verify through the target
     worker (validation, device-thread hop, metrics) as the round loop calls it,
 side by side in one run. It names what the round loop's overhead is made of.
@@ -59,7 +59,16 @@ def main(args) -> int:
                             server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
 
     draft = draft_server.start(cfg("draft", draft_dev))
-    client = DraftClient(f"127.0.0.1:{draft.port}", timeout_s=60, max_message_bytes=1 << 26)
+    address = f"127.0.0.1:{draft.port}"
+    # NOTE: both clients talk to the same draft service; GetStatus tells the first where the
+    # data plane listens, the second keeps Propose on the gRPC stream.
+    clients = {"data plane": DraftClient(address, timeout_s=60, max_message_bytes=1 << 26),
+               "gRPC stream": DraftClient(address, timeout_s=60, max_message_bytes=1 << 26, data_plane=False)}
+    for c in clients.values():
+        c.get_status()
+    if not clients["data plane"].uses_data_plane:
+        raise SystemExit("specsplit: bench round-parts: the draft service advertises no data plane")
+    client = clients["gRPC stream"]
     target = TargetWorker(cfg("target", dev))
     target.load_weights(str(model), "", "v1")
     target.capture_graphs()
@@ -73,18 +82,27 @@ def main(args) -> int:
 
     # NOTE: every call starts from the same draft context (the cache is set back after it),
     # so the engine and the service are timed on equal work.
-    def propose_grpc():
-        client.propose([ProposeRequest("x", pairs, np.array([7]), hid, 3)])
-        draft_cache.length = pairs
-
     def propose_engine():
         eng.device.run(lambda: eng.engine.propose([ProposeRequest("x", pairs, np.array([7]), hid, 3)]))
         draft_cache.length = pairs
-    comp = []
 
-    def propose_grpc_split():
-        propose_grpc()
-        comp.append(client.last_compute_seconds)
+    def through(c):
+        comp: list[float] = []
+
+        def propose():
+            c.propose([ProposeRequest("x", pairs, np.array([7]), hid, 3)])
+            draft_cache.length = pairs
+            comp.append(c.last_compute_seconds)
+        return propose, comp
+
+    rows = [("draft propose, engine on its device thread", _median_ms(propose_engine))]
+    for name, c in clients.items():
+        fn, comp = through(c)
+        total = _median_ms(fn)
+        compute = float(np.median(comp[10:]) * 1e3)
+        rows += [(f"draft propose through the service, {name}", total),
+                 ("  of which the draft's reported compute", compute),
+                 ("  of which transport + encode/decode + hand-offs", total - compute)]
     local = LocalTarget(target)
 
     start = target.engine.cache.get("x").length
@@ -96,16 +114,13 @@ def main(args) -> int:
     def verify_worker():
         local.verify([VerifyRequest("x", np.array([1, 2, 3]), None)])
         target.engine.cache.get("x").length = start
-    rows = [("draft propose, engine on its device thread", _median_ms(propose_engine)),
-            ("draft propose through the service (DraftClient)", _median_ms(propose_grpc_split))]
-    rows.append(("  of which the draft's reported compute", float(np.median(comp[10:]) * 1e3)))
-    rows.append(("  of which transport + encode/decode + hand-offs", rows[1][1] - rows[2][1]))
     rows += [("target verify, engine on its device thread", _median_ms(verify_engine)),
              ("target verify through the worker (LocalTarget)", _median_ms(verify_worker))]
     print(f"bench round-parts: bundled model, batch 1, k=3, target {dev}, draft {draft_dev}, graphs, median of {N}")
     for name, ms in rows:
         print(f"{name:52s} {ms:8.3f} ms")
-    client.close()
+    for c in clients.values():
+        c.close()
     draft.stop(grace=None)
     target.close()
     return 0

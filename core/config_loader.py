@@ -56,6 +56,9 @@ HELP: dict[str, str] = {
     "draft_client_cert": "target: client certificate shown to an mTLS draft (default with mTLS serving: "
                          "security.tls_cert)",
     "draft_client_key": "target: key of draft_client_cert",
+    "data_plane_port": "draft: TCP port of the per-round data plane beside gRPC, on server.host, with gRPC's TLS "
+                       "settings (0 = pick a free one, advertised in GetStatus; -1 = off: rounds use the gRPC "
+                       "stream)",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
     "cache.max_len": "KV-cache positions per request (prompt + output + k)",
     "graphs.enabled": "allow CUDA-graph capture",

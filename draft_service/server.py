@@ -1,10 +1,14 @@
-"""DraftService over gRPC: Prefill and the persistent Propose stream, and ``start``.
+"""DraftService over gRPC: Prefill and the persistent Propose stream, the same Propose over the
+data plane, and ``start``.
 
 Owns: the draft's messages only: decoding Prefill / Propose items into
-``runtime.types`` records (hidden rows stay bf16 bits when sent as bf16) and
-encoding a proposal (drafts, and q when the draft samples). The plumbing both
-workers share (per-item errors, the round stream, lifecycle / status / release
-RPCs, start-up) is ``worker.service``; the work is ``DraftWorker``'s.
+``runtime.types`` records (hidden rows stay bf16 bits when sent as bf16),
+encoding a proposal (drafts, and q when the draft samples), and answering one
+Propose message the same way whether the gRPC stream or the data plane
+(``propose_frame``: serialized ProposeRequest in, ProposeResponse out) carried
+it. The plumbing both workers share (per-item errors, the round answer,
+lifecycle / status / release RPCs, start-up, the data plane's listener) is
+``worker.service`` / ``worker.data_plane``; the work is ``DraftWorker``'s.
 
 Must not know: models, frameworks, the target, scheduling.
 """
@@ -15,6 +19,7 @@ from typing import Any, Iterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from draft_service.worker import DraftWorker
 from worker.config import WorkerConfig
@@ -24,6 +29,7 @@ from worker.service import (WorkerService, WorkerServicerMixin, decode_items, ne
                             start_worker_service)
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc
+from worker.data_plane import UndecodableFrame
 
 SERVICE_NAME = dpb.DESCRIPTOR.services_by_name["DraftService"].full_name   # "specsplit.v1.DraftService"
 
@@ -76,26 +82,39 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
         return dpb.DraftPrefillResponse(results=[result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {})
                                                  for it, res in zip(request.items, results)])
 
-    def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
-                context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:
-        """One response per request message, in order; the stream ends when the client ends it."""
+    def _answer_propose(self, msg: dpb.ProposeRequest) -> dpb.ProposeResponse:
+        """One Propose message -> its response: the one handling of both transports (the
+        Propose stream and the data plane). Releases ride on the message and run first."""
         def release(msg: dpb.ProposeRequest) -> None:
             if msg.release_request_ids:
                 ids = list(msg.release_request_ids)
                 self._round_results("release", lambda: self.worker.release(ids), 0, msg.round)
 
-        return self._round_stream(request_iterator, "propose",
-                                  lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
+        return self._round_answer(msg, "propose", lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
                                   lambda items, round_: self.worker.propose(items, round_),
                                   lambda rid, res: result_proto(dpb.ProposeResult, rid, res, _proposal),
                                   dpb.ProposeResponse, before=release)
+
+    def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
+                context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:
+        """One response per request message, in order; the stream ends when the client ends it."""
+        return self._round_stream(request_iterator, self._answer_propose)
+
+    def propose_frame(self, body: bytes) -> bytes:
+        """The data plane's handler: a serialized ProposeRequest -> its serialized response."""
+        try:
+            msg = dpb.ProposeRequest.FromString(body)
+        except DecodeError as exc:
+            raise UndecodableFrame(f"not a ProposeRequest: {exc}") from None
+        return self._answer_propose(msg).SerializeToString()
 
 
 def start(cfg: WorkerConfig) -> WorkerService:
     """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving."""
     worker, log = new_worker(cfg, "draft", DraftWorker)
-    return start_worker_service(cfg, worker, DraftServicer(worker, log),
-                                draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME, log)
+    servicer = DraftServicer(worker, log)
+    return start_worker_service(cfg, worker, servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server,
+                                SERVICE_NAME, log, data_plane=servicer.propose_frame)
 
 
 def create_server(cfg: WorkerConfig) -> tuple[grpc.Server, int]:

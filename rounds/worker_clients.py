@@ -4,7 +4,9 @@ Owns: channels (message-size limits, optional TLS, admin-token metadata on
 lifecycle calls), unary Prefill/Release/GetStatus/lifecycle calls with
 deadlines, and the per-round Propose/Verify exchanges over ONE persistent
 bidirectional stream per worker: a round puts one batched request on the
-stream and reads exactly one response within a bounded wait. A timeout or a
+stream and reads exactly one response within a bounded wait. The draft's
+Propose goes over its data plane instead (``rounds.data_plane``, same
+contract, no threads) when its status advertises one. A timeout or a
 stream error cancels the stream and raises ``WorkerUnavailable``; the next
 round opens a fresh stream (lazy reconnect). Per-item ``ItemError``s become
 ``ItemFailures`` so only those requests end.
@@ -27,6 +29,7 @@ from typing import Any, Callable, Iterator
 import grpc
 import numpy as np
 
+from rounds.data_plane import DataPlaneLink, address_host, tls_context
 from rounds.scheduler import ItemFailures, RequestError, WorkerUnavailable
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -398,14 +401,34 @@ class TargetClient(_WorkerClient):
 
 
 class DraftClient(_WorkerClient):
-    """``DraftPort`` over gRPC: Prefill (unary), Propose (persistent stream), Release."""
+    """``DraftPort`` over gRPC: Prefill (unary), Release, and Propose over the draft's data plane
+    when its status advertises one (``rounds.data_plane``), else over the persistent gRPC stream.
+
+    The data plane's port is learnt from every GetStatus answer (the draft link probes it before
+    each attach, ``rounds.draft_health``); ``data_plane=False`` keeps Propose on the gRPC stream.
+    """
 
     role = "draft"
 
-    def __init__(self, address: str, **kw: Any) -> None:
+    def __init__(self, address: str, *, data_plane: bool = True, **kw: Any) -> None:
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, **kw)
         self._propose = _RoundStream("draft", lambda it: self.stub.Propose(it), self.timeout_s)
+        self._data = DataPlaneLink("draft", address_host(address) if data_plane else None,
+                                   draft_pb2.ProposeResponse.FromString, timeout_s=self.timeout_s,
+                                   max_frame_bytes=kw["max_message_bytes"],
+                                   ssl_context=tls_context(kw.get("tls_ca"), kw.get("client_cert"),
+                                                           kw.get("client_key")))
         self._pending_release: list[str] = []   # released ids not yet sent (ride on the next message)
+
+    @property
+    def uses_data_plane(self) -> bool:
+        """Whether the next Propose goes over the data plane (else the gRPC stream)."""
+        return self._data.usable
+
+    def get_status(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
+        st = super().get_status(timeout)
+        self._data.advertised(st.data_plane_port)
+        return st
 
     # --- port: release (deferred) ------------------------------------------------
     def release(self, request_id: str) -> bool:
@@ -443,8 +466,9 @@ class DraftClient(_WorkerClient):
                                        keep_tail=r.keep_tail)
                  for r in reqs]
         self.last_compute_seconds = None
-        receive = self._propose.send(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
-                                                              release_request_ids=self._take_releases()))
+        plane = self._data if self._data.usable else self._propose
+        receive = plane.send(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
+                                                      release_request_ids=self._take_releases()))
 
         def collect() -> list[Proposal]:
             resp = receive("Propose")
@@ -456,9 +480,12 @@ class DraftClient(_WorkerClient):
         return collect
 
     def reset_streams(self) -> None:
-        """Drop the Propose stream (scheduler thread); the next round opens a fresh one."""
+        """Drop the Propose stream and the data-plane connection (scheduler thread); the next
+        round opens a fresh one."""
         self._propose.reset()
+        self._data.reset()
 
     def close(self) -> None:
         self._propose.close()
+        self._data.close()
         super().close()

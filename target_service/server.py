@@ -189,11 +189,10 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
     def Verify(self, request_iterator: Iterator[tpb.VerifyRequest],
                context: grpc.ServicerContext) -> Iterator[tpb.VerifyResponse]:
         """One response per request message, in order; the stream ends when the client ends it."""
-        return self._round_stream(request_iterator, "verify",
-                                  lambda i, it: _decode_verify(i, it, self.max_tensor_bytes),
-                                  lambda items, round_: self.worker.verify(items, round_),
-                                  lambda rid, res: result_proto(tpb.VerifyResult, rid, res, _verify_output),
-                                  tpb.VerifyResponse)
+        return self._round_stream(request_iterator, lambda msg: self._round_answer(
+            msg, "verify", lambda i, it: _decode_verify(i, it, self.max_tensor_bytes),
+            lambda items, round_: self.worker.verify(items, round_),
+            lambda rid, res: result_proto(tpb.VerifyResult, rid, res, _verify_output), tpb.VerifyResponse))
 
 
 def start(cfg: WorkerConfig, rendezvous: Any = None) -> WorkerService:

@@ -1,7 +1,7 @@
 """The configuration of a model worker service (draft or target).
 
 Owns: ``WorkerConfig``: the role, the weights to load at start, and the runtime, cache,
-graph, server and security settings of one worker process.
+graph, server, data-plane and security settings of one worker process.
 Must not know: how values are read (``core.config_loader``) or the orchestrator's settings.
 """
 
@@ -30,6 +30,8 @@ class WorkerConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    # --- draft only: the per-round data plane beside gRPC (worker/data_plane.py), on server.host ---
+    data_plane_port: int = 0             # 0 = pick a free port (advertised in GetStatus), -1 = off (gRPC stream only)
     # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
     draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
                                          # mTLS serving: security.tls_client_ca, showing security.tls_cert
@@ -39,6 +41,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
         _check(isinstance(self.tp, int) and 1 <= self.tp <= 64, "tp", "an integer in [1, 64]", self.tp)
+        _check(isinstance(self.data_plane_port, int) and -1 <= self.data_plane_port <= 65535, "data_plane_port",
+               "an integer in [-1, 65535] (0 = pick a free port, -1 = off)", self.data_plane_port)
         _check(self.tp == 1 or self.role == "target", "tp",
                "1 for the draft (the draft runs on one device; only the target is tensor-parallel)", self.tp)
         _check(self.tp == 1 or self.runtime.backend == "torch", "tp",

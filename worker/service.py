@@ -4,9 +4,11 @@ worker service.
 
 Owns: ``bind_health``, ``WorkerServicerMixin`` (LoadWeights, ReleaseWeights, CaptureGraphs,
 ClearGraphs, PrepareWeights / CommitWeights / AbortWeights, GetStatus, Release, the error
-handling of every worker RPC and the persistent batched round stream), per-item decoding and result messages (``decode_items``, ``result_proto``),
-``status_to_proto`` / ``state_to_proto``, ``new_worker``, ``WorkerService`` and
-``start_worker_service``.
+handling of every worker RPC, and the answer to one round message (``_round_answer``, the
+same whether the persistent gRPC stream or the data plane carried it)), per-item decoding and
+result messages (``decode_items``, ``result_proto``), ``status_to_proto`` / ``state_to_proto``,
+``new_worker``, ``WorkerService`` and ``start_worker_service`` (with the data plane beside the
+gRPC server when the role has one: ``worker.data_plane``).
 
 Must not know: which engine the worker runs (draft or target), scheduling, frameworks.
 Errors become status codes through ``core.wire`` (the one map).
@@ -24,7 +26,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2
 
-from core import wire
+from core import frames, wire
 from core.observability import redact, start_metrics_server
 from core.serving import build_server, refuse_insecure_bind
 from core.startup import StartupError
@@ -32,6 +34,7 @@ from runtime.lifecycle import State
 from specsplit.v1 import common_pb2 as pb
 from worker.base import Worker, WorkerStatus
 from worker.config import WorkerConfig
+from worker.data_plane import DataPlaneServer
 from worker.swap import IN_PLACE, RECAPTURE
 
 
@@ -87,6 +90,7 @@ class WorkerServicerMixin:
 
     worker: Worker
     log: Any
+    data_plane: Any = None      # the worker's DataPlaneServer when it has one (its port is in the status)
 
     def _run(self, context: grpc.ServicerContext, rpc: str, fn: Callable[[], Any]) -> Any:
         """fn(), or abort the call with the status code its exception maps to."""
@@ -120,22 +124,27 @@ class WorkerServicerMixin:
             results = [err] * n_items
         return results, time.perf_counter() - t0
 
-    def _round_stream(self, request_iterator: Iterable[Any], step: str, decode: Callable[[int, Any], Any],
+    def _round_answer(self, msg: Any, step: str, decode: Callable[[int, Any], Any],
                       run: Callable[[list[Any], int], list[Any]], encode: Callable[[str, Any], Any],
-                      response: Callable[..., Any], before: Callable[[Any], None] | None = None) -> Iterator[Any]:
-        """A persistent batched stream (Propose, Verify): per request message, decode its items
-        (``decode_items``), run ``before(msg)`` (e.g. releases), run the batch, and answer with one
-        ``response(round, compute_seconds, results)`` in order; the stream ends when the client ends it."""
+                      response: Callable[..., Any], before: Callable[[Any], None] | None = None) -> Any:
+        """One round message (Propose, Verify) -> its answer, whichever transport carried it (the
+        gRPC stream or the data plane): decode its items (``decode_items``), run ``before(msg)``
+        (e.g. releases), run the batch, and return ``response(round, compute_seconds, results)``."""
+        items = decode_items(msg.items, decode)
+        if before is not None:
+            before(msg)
+        results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
+        return response(round=msg.round, compute_seconds=seconds, results=[
+            encode(it.request_id, res) for it, res in zip(msg.items, results)])
+
+    def _round_stream(self, request_iterator: Iterable[Any], answer: Callable[[Any], Any]) -> Iterator[Any]:
+        """A persistent batched stream (Propose, Verify): one ``answer(msg)`` per request message,
+        in order; the stream ends when the client ends it."""
         for msg in request_iterator:
-            items = decode_items(msg.items, decode)
-            if before is not None:
-                before(msg)
-            results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
-            yield response(round=msg.round, compute_seconds=seconds, results=[
-                encode(it.request_id, res) for it, res in zip(msg.items, results)])
+            yield answer(msg)
 
     def _status(self) -> pb.WorkerStatus:
-        return status_to_proto(self.worker.status())
+        return status_to_proto(self.worker.status(), self.data_plane)
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.ServicerContext) -> pb.LoadWeightsResponse:
         self._run(context, "LoadWeights", lambda: self.worker.load_weights(
@@ -259,10 +268,15 @@ class WorkerService:
     health: health.HealthServicer
     metrics_port: int | None = None
     before_close: list[Callable[[], None]] = field(default_factory=list)   # run after the server stops
+    data_plane: DataPlaneServer | None = None
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         stopped = self.server.stop(grace)
+        # NOTE: the data plane closes with the gRPC server, before the worker tears down: a
+        # round in flight on it ends (its client falls back) while the weights are still there.
+        if self.data_plane is not None:
+            self.data_plane.stop()
         # NOTE: hosted loops end first (their streams get their status while the server
         # drains), then the worker's ordered teardown (graphs, then weights).
         for fn in self.before_close:
@@ -282,8 +296,10 @@ def new_worker(cfg: WorkerConfig, role: str, worker_cls: Callable[..., Worker]) 
 
 def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
                          add_servicer: Callable[[Any, grpc.Server], None], service_name: str,
-                         log: Any) -> WorkerService:
-    """Load at start if configured (and capture if asked), bind, start, serve metrics."""
+                         log: Any, data_plane: Callable[[bytes], bytes] | None = None) -> WorkerService:
+    """Load at start if configured (and capture if asked), bind, start, serve metrics. With
+    ``data_plane`` (a round frame -> its answer) and ``cfg.data_plane_port`` >= 0, also listen on
+    the data plane (``worker.data_plane``); its port is in the status (``servicer.data_plane``)."""
     # NOTE: the bind policy is checked before the (slow) start-up load, so a refused start is quick.
     refuse_insecure_bind(cfg.server, cfg.security, service_name)
     if cfg.target_path:
@@ -297,14 +313,30 @@ def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
     bind_health(worker, health_servicer, service_name)
     server, port = build_server(cfg.server, cfg.security, [lambda s: add_servicer(servicer, s)],
                                 [service_name], health_servicer)
+    dp = _start_data_plane(cfg, data_plane, log) if data_plane is not None and cfg.data_plane_port >= 0 else None
+    # NOTE: the data plane is up before the server: the first GetStatus already advertises it.
+    servicer.data_plane = dp
     server.start()
     metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)
     log.info("serving", service=service_name, address=f"{cfg.server.host}:{port}", metrics_port=metrics_port,
              state=worker.lifecycle.state.value, weights_version=worker.weights_version,
              backend=worker.ops.name, device=worker.ops.device, graphs_mode=worker.graphs_mode,
              tls=bool(cfg.security.tls_cert), mtls=bool(cfg.security.tls_client_ca),
-             admin_token=bool(cfg.security.admin_token))
-    return WorkerService(server, port, worker, health_servicer, metrics_port)
+             admin_token=bool(cfg.security.admin_token), data_plane_port=dp.port if dp is not None else None)
+    return WorkerService(server, port, worker, health_servicer, metrics_port, data_plane=dp)
+
+
+def _start_data_plane(cfg: WorkerConfig, handle: Callable[[bytes], bytes], log: Any) -> DataPlaneServer:
+    """The data plane on the gRPC host, with the gRPC server's TLS (and mTLS) settings."""
+    sec = cfg.security
+    try:
+        ctx = frames.server_context(sec.tls_cert, sec.tls_key, sec.tls_client_ca) if sec.tls_cert else None
+        return DataPlaneServer(cfg.server.host, cfg.data_plane_port, handle,
+                               max_frame_bytes=cfg.server.max_message_bytes, ssl_context=ctx, log=log,
+                               name=f"{cfg.role}-data-plane").start()
+    except OSError as exc:      # ssl.SSLError is an OSError too
+        raise StartupError("data plane", f"cannot listen on {cfg.server.host}:{cfg.data_plane_port}: "
+                           f"{exc.strerror or exc}") from None
 
 
 # --- status as a proto ------------------------------------------------------------------------
@@ -317,7 +349,8 @@ def state_to_proto(state: State) -> int:
     return _STATES[state]
 
 
-def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
+def status_to_proto(s: WorkerStatus, data_plane: Any = None) -> pb.WorkerStatus:
+    """The worker's status; with ``data_plane`` (its ``DataPlaneServer``), also its port and frame count."""
     out = pb.WorkerStatus(
         role=s.role, state=state_to_proto(s.state), weights_version=s.weights_version,
         graph_keys=list(s.graph_keys), graph_pool_bytes=s.graph_pool_bytes, graphs_mode=s.graphs_mode,
@@ -328,4 +361,6 @@ def status_to_proto(s: WorkerStatus) -> pb.WorkerStatus:
         max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
     if s.eos_token_id is not None:
         out.eos_token_id = s.eos_token_id
+    if data_plane is not None:
+        out.data_plane_port, out.data_plane_frames = data_plane.port, data_plane.frames
     return out

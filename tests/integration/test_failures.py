@@ -125,6 +125,9 @@ def test_draft_killed_mid_stream_falls_back_then_reconnects_and_resumes(procs, o
     assert b.final.tokens == reference(prompt_of(2, 30), 400)
     d = client.generate_text(prompt_of(4, 9), 80, k=3, ignore_eos=True)
     assert d.tokens == reference(prompt_of(4, 9), 80) and d.drafted > 0
+    # The restarted draft (its data plane on a new free port) was found through its status and
+    # served the rounds over the data plane.
+    assert int(client.status(timeout=10)["draft"]["data_plane_frames"]) > 0
     # The restarted draft holds nothing once its requests are gone (shadow ids included).
     wait_until(lambda: client.status(timeout=10)["draft"]["used_slots"] == 0 and
                client.status(timeout=10)["target"]["used_slots"] == 0, "all slots free")

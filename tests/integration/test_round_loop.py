@@ -1,10 +1,12 @@
 """The round loop in the target service (target_service/rounds.py) over real gRPC, bundled model, CPU.
 
 Covers what the orchestrator-level tests do not see directly: ahead drafting
-over the draft's persistent stream (regression: ahead items asked for k+1
-drafts, which the draft refused as out of range, so ahead drafts were never
-used), Decode and ControlRounds refusing bad input with the field named,
-and a target that decodes with no draft configured.
+over the draft's data plane (regression: ahead items asked for k+1 drafts,
+which the draft refused as out of range, so ahead drafts were never used),
+that the rounds really go over the data plane (the draft's frame count) and
+over the gRPC Propose stream when the draft has none, Decode and
+ControlRounds refusing bad input with the field named, and a target that
+decodes with no draft configured.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
 TIMEOUT = 60.0
 
 
-def _cfg(role: str, **spec) -> WorkerConfig:
-    return WorkerConfig(role=role, target_path=str(TINY), weights_version="v1",
+def _cfg(role: str, data_plane_port: int = 0, **spec) -> WorkerConfig:
+    return WorkerConfig(role=role, target_path=str(TINY), weights_version="v1", data_plane_port=data_plane_port,
                         runtime=RuntimeConfig(backend="torch", device="cpu"),
                         spec=SpecConfig(max_k=3, default_k=3, **spec), cache=CacheConfig(max_slots=4, max_len=512),
                         graphs=GraphConfig(batch_buckets=(1, 2, 4)), server=ServerConfig(host="127.0.0.1", port=0),
@@ -72,6 +74,13 @@ def stack():
     draft.stop(grace=None)
 
 
+def _draft_status(draft_address: str):
+    from specsplit.v1 import common_pb2, draft_pb2_grpc
+
+    with grpc.insecure_channel(draft_address) as ch:
+        return draft_pb2_grpc.DraftServiceStub(ch).GetStatus(common_pb2.GetStatusRequest(), timeout=TIMEOUT).status
+
+
 def _generate(rounds, prompts, k, max_tokens=48):
     handles = [rounds.submit(GenerationRequest(f"r{k}-{i}", p, SamplingParams(max_tokens=max_tokens,
                                                                               ignore_eos=True), k))
@@ -87,9 +96,14 @@ def test_ahead_drafting_over_grpc_is_exact_and_used(stack):
     assert all(isinstance(f, FinalEvent) and f.stats.drafted == 0 for _, f in ref)
     st = rounds.configure(draft_address, 4, 8, TIMEOUT)
     assert st.speculation_available and st.configured and st.draft_address == draft_address
+    before = _draft_status(draft_address)
+    assert before.data_plane_port > 0
     got = _generate(rounds, prompts, 3)
     for (tokens, final), (ref_tokens, _) in zip(got, ref):
         assert isinstance(final, FinalEvent) and tokens == ref_tokens
+    # The rounds' Propose messages went over the data plane (the gRPC stream carries no frames).
+    frames = _draft_status(draft_address).data_plane_frames - before.data_plane_frames
+    assert frames > 0
     asked = sum(f.stats.ahead_asked for _, f in got)
     used = sum(f.stats.ahead_used for _, f in got)
     assert asked > 0 and 0 < used <= asked
@@ -153,14 +167,40 @@ def test_micro_batches_over_grpc_are_exact(stack):
         rounds.configure("", 4, 8, TIMEOUT)
         ref = _generate(rounds, prompts, 3)
         assert rounds.configure(draft_address, 4, 8, TIMEOUT).speculation_available
+        frames = _draft_status(draft_address).data_plane_frames
         got = _generate(rounds, prompts, 3)
         for (tokens, final), (ref_tokens, _) in zip(got, ref):
             assert isinstance(final, FinalEvent) and tokens == ref_tokens and final.stats.drafted > 0
         assert rounds.status().active_requests == 0
+        assert _draft_status(draft_address).data_plane_frames > frames
     finally:
         rounds.stop()
         client.close()
         target.stop(grace=None)
+
+
+def test_a_draft_without_a_data_plane_serves_the_rounds_over_the_grpc_stream(stack):
+    """data_plane_port=-1: the draft advertises no data plane (port 0 in its status), the round
+    loop keeps Propose on the gRPC stream, and greedy output still equals target-only."""
+    from draft_service import server as draft_server
+
+    rounds, _ = stack
+    draft = draft_server.start(_cfg("draft", data_plane_port=-1))
+    address = f"127.0.0.1:{draft.port}"
+    try:
+        assert _draft_status(address).data_plane_port == 0
+        prompts = _prompts(2)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        assert rounds.configure(address, 4, 8, TIMEOUT).speculation_available
+        got = _generate(rounds, prompts, 3)
+        for (tokens, final), (ref_tokens, _) in zip(got, ref):
+            assert isinstance(final, FinalEvent) and tokens == ref_tokens and final.stats.drafted > 0
+        st = _draft_status(address)
+        assert st.data_plane_port == 0 and st.data_plane_frames == 0
+    finally:
+        rounds.configure("", 4, 8, TIMEOUT)
+        draft.stop(grace=None)
 
 
 def test_drain_needs_a_policy_and_resume_all_reopens_admission(stack):

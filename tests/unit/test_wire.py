@@ -186,7 +186,10 @@ def test_status_to_proto_fills_every_field():
                      active_request_ids=("a", "b"), vocab_size=64, hidden_size=32, max_len=128, eos_token_id=0,
                      lifecycle_events=("load_weights", "capture_graphs"), max_position_embeddings=2048,
                      eos_token_ids=(0, 7))
-    p = status_to_proto(s)
+    data_plane = type("DataPlane", (), {"port": 4321, "frames": 17})()     # what a draft's DataPlaneServer shows
+    p = status_to_proto(s, data_plane)
+    assert (p.data_plane_port, p.data_plane_frames) == (4321, 17)
+    assert status_to_proto(s).data_plane_port == 0                          # none: the Propose stream only
     for field in pb.WorkerStatus.DESCRIPTOR.fields:
         assert p.HasField(field.name) if field.has_presence else bool(getattr(p, field.name)), field.name
     assert p.state == pb.LIFECYCLE_STATE_READY and p.eos_token_id == 0 and list(p.graph_keys) == list(s.graph_keys)

@@ -1,0 +1,132 @@
+"""The round loop's side of a worker's per-round data plane (DESIGN § Topology).
+
+Owns: ``DataPlaneLink``: one TCP (or TLS) connection to the port a worker
+advertises in its status, opened lazily on the first round and after every
+failure; one frame out and one back per round, written and read on the
+calling thread itself (the round loop: no threads, no queues), the read
+bounded by ``timeout_s``; the same contract as the gRPC round stream
+(``send`` now, read later; a response for another round, a connection that
+fails, closes, stalls or answers an undecodable frame closes the connection
+and raises ``WorkerUnavailable``, so the draft's fallback and re-attach work
+unchanged). ``address_host`` / ``tls_context`` turn the worker's gRPC address
+and the client's CA / certificate into where and how to connect.
+
+Must not know: scheduling, which messages are framed (``parse`` decodes the
+answer), gRPC.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from typing import Any, Callable
+
+from google.protobuf.message import DecodeError
+
+from core import frames
+from rounds.scheduler_types import WorkerUnavailable
+
+
+def address_host(address: str) -> str | None:
+    """The host part of a gRPC ``host:port`` address (``[v6]:port`` too); None for a unix socket."""
+    if address.startswith("unix:"):
+        return None
+    if address.startswith("dns:///"):
+        address = address[len("dns:///"):]
+    host = address.rpartition(":")[0] if ":" in address else address
+    return host.strip("[]") or None
+
+
+def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The data plane's TLS as the gRPC channel has it: None (plaintext) without a CA."""
+    return frames.client_context(ca, cert, key) if ca is not None else None
+
+
+class DataPlaneLink:
+    """One worker's data-plane connection; ``port`` 0 = the worker advertises none."""
+
+    def __init__(self, role: str, host: str | None, parse: Callable[[bytes], Any], *, timeout_s: float,
+                 max_frame_bytes: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.role, self.host, self._parse = role, host, parse
+        self.timeout_s, self.max_frame_bytes, self._ssl = timeout_s, max_frame_bytes, ssl_context
+        self.port = 0
+        self._conn: frames.FrameSocket | None = None
+        self._conn_port = 0
+
+    @property
+    def usable(self) -> bool:
+        """The worker advertised a data plane and we know where it is."""
+        return self.port > 0 and self.host is not None
+
+    def advertised(self, port: int) -> None:
+        """The port from the worker's latest status (any thread; a new port is used from the next send)."""
+        self.port = int(port)
+
+    def _connect(self) -> frames.FrameSocket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+        try:
+            frames.tune(sock)
+            if self._ssl is not None:
+                # NOTE: the name checked is the host of the worker's gRPC address, as gRPC checks it.
+                sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
+        self._conn_port = self.port
+        return frames.FrameSocket(sock, self.max_frame_bytes)
+
+    def reset(self) -> None:
+        """Close the connection; the next send opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    close = reset
+
+    def _fail(self, what: str, why: str) -> WorkerUnavailable:
+        self.reset()
+        return WorkerUnavailable(f"{self.role} {what} (data plane {self.host}:{self._conn_port}): {why}")
+
+    def exchange(self, request: Any, what: str) -> Any:
+        return self.send(request)(what)
+
+    def send(self, request: Any) -> Callable[[str], Any]:
+        """Write the round's frame now; the returned function reads its answer (the round may
+        do other work in between, e.g. verify while the draft drafts ahead)."""
+        body = request.SerializeToString()
+        if len(body) > self.max_frame_bytes:
+            raise WorkerUnavailable(f"{self.role}: a round message of {len(body)} bytes is above the "
+                                    f"limit of {self.max_frame_bytes} bytes")
+        if self._conn is not None and self._conn_port != self.port:
+            self.reset()                         # the worker restarted on another port
+        try:
+            if self._conn is None:
+                self._conn = self._connect()
+            conn = self._conn
+            conn.send(body, self.timeout_s)
+        except OSError as exc:                   # refused, reset, TLS refused, timed out (TimeoutError)
+            err = self._fail("send", str(exc) or type(exc).__name__)
+            return lambda what: _raise(err)
+        return lambda what: self._receive(conn, request, what)
+
+    def _receive(self, conn: frames.FrameSocket, request: Any, what: str) -> Any:
+        if conn is not self._conn:               # reset since the send
+            raise WorkerUnavailable(f"{self.role} {what}: the data plane was reset before the response")
+        try:
+            body = conn.recv(time.monotonic() + self.timeout_s)
+        except TimeoutError:
+            raise self._fail(what, f"no response within {self.timeout_s:g}s") from None
+        except (OSError, frames.FrameTooLarge) as exc:   # PeerClosed is a ConnectionError
+            raise self._fail(what, str(exc) or type(exc).__name__) from None
+        try:
+            response = self._parse(body)
+        except DecodeError as exc:
+            raise self._fail(what, f"undecodable response: {exc}") from None
+        if response.round != request.round:
+            raise self._fail(what, f"response for round {response.round}, expected {request.round}")
+        return response
+
+
+def _raise(err: Exception) -> Any:
+    raise err
