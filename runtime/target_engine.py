@@ -38,6 +38,7 @@ from runtime.backends.base import Ops
 from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
+from runtime.decode_ahead import AheadStats, PendingStep
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, fuse_projections, lm_head, target_forward
@@ -60,8 +61,13 @@ def request_seed(params: SamplingParams) -> int:
 
 class TargetEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
-                 max_k: int, registry: GraphRegistry) -> None:
+                 max_k: int, registry: GraphRegistry, decode_ahead: bool | None = None) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
+        # Target-only greedy rounds queue their next step ahead (runtime/decode_ahead.py).
+        # None: on CUDA only (on a CPU the "graph" is the step itself, nothing overlaps).
+        self.decode_ahead = ops.device.startswith("cuda") if decode_ahead is None else decode_ahead
+        self._pending: PendingStep | None = None
+        self.ahead_stats = AheadStats()
         # Checkpoint names (views after fusing: in-place updates go through them)
         # plus the fused q/k/v and gate/up buffers the forward uses.
         fused = fuse_projections(ops, params, [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)])
@@ -165,6 +171,7 @@ class TargetEngine:
 
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         """Run each prompt t_0..t_{n-1}; sample t_n (or take ``resume_token``)."""
+        self.drop_pending()
         for r in reqs:
             if self.cache.has(r.request_id):
                 raise ValueError(f"request_id {r.request_id!r} is already active")
@@ -250,10 +257,20 @@ class TargetEngine:
             tokens = np.concatenate([[self.requests[r.request_id].last_token], np.asarray(r.drafts, dtype=np.int64)])
             rows.append(Row(state.slot, state.length, tokens))
             need = max(need, state.length + k + 1)
-        lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
-        (hidden, best, logits), _ = self.registry.run(self._verify_kind, {
-            "tokens": lay.tokens, "write_slots": lay.write_slots,
-            "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
+        ids = tuple(r.request_id for r in reqs)
+        drafted = any(len(r.drafts) for r in reqs)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
+            hidden, best, logits = pending.outputs         # queued by the previous verify
+            replayed = True
+            self.ahead_stats.used += 1
+        else:
+            if pending is not None:
+                self.ahead_stats.dropped += 1
+            lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
+            (hidden, best, logits), replayed = self.registry.run(self._verify_kind, {
+                "tokens": lay.tokens, "write_slots": lay.write_slots,
+                "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
         states = [self.requests[r.request_id] for r in reqs]
         starts = [self.cache.get(r.request_id).length + 1 for r in reqs]   # position decided by row 0
         sampled = [i for i, st in enumerate(states) if not st.params.greedy and not st.params.coupled]
@@ -269,8 +286,12 @@ class TargetEngine:
         # NOTE: one synchronisation per verify, after everything is enqueued:
         # hidden [B, k+1, d] (bf16 as bits), argmax [B, k+1], and the sampled
         # rows' (a, token) and the coupled rows' choices [C, k+1] from the
-        # device sampler, or the logits for numpy.
-        hidden_np, best_np, *rest = self.ops.to_numpy_many([hidden, best, *extra], bf16_bits=True)
+        # device sampler, or the logits for numpy. A target-only greedy batch
+        # queues its next step after these copies and before the wait.
+        fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True)
+        if replayed and not drafted and not sampled and not coupled and self.decode_ahead:
+            self._pending = self._queue_next(reqs, rows, best)
+        hidden_np, best_np, *rest = fetch()
         if on_device:
             if sampled:
                 device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
@@ -308,6 +329,34 @@ class TargetEngine:
             req.last_token = acc.tokens[-1]
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens), hidden_np[i, : a + 1].copy()))
         return out
+
+    def _queue_next(self, reqs: list[VerifyRequest], rows: list[Row], best) -> PendingStep | None:
+        """Queue the next target-only step of these rows (runtime/decode_ahead.py): each row's
+        token is this step's argmax at its first position (k = 0: no draft, the bonus is it),
+        written one position further. None when that step would not replay a graph or would
+        not fit a row's cache. best: argmax int64 [B, W] (device) of the step just queued."""
+        b, width = len(rows), self.max_k + 1
+        nxt = [Row(r.slot, r.start + 1, r.tokens[:1]) for r in rows]
+        need = max(r.start + 1 for r in nxt)
+        if need > self.cache.max_len or not self.registry.can_replay(self._verify_kind, b, need):
+            return None
+        lay = layout_rows(nxt, width, self.cache.scratch_slot, self.cache.max_len)
+        # NOTE: the token columns are built on the device before the replay below
+        # overwrites ``best`` (stream order), and after the host copies of this step.
+        tokens = self.ops.cat([best[:, :1], self.ops.zeros((b, width - 1), "int64")], 1)     # [B, W]
+        outputs, replayed = self.registry.run(self._verify_kind, {
+            "tokens": tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+            "read_slots": lay.read_slots}, need=need)
+        if not replayed:
+            return None
+        self.ahead_stats.launched += 1
+        return PendingStep(tuple(r.request_id for r in reqs), tuple(r.start for r in nxt), tuple(outputs))
+
+    def drop_pending(self) -> None:
+        """Forget a step queued ahead: the engine's state changes (prefill, release, new weights)."""
+        if self._pending is not None:
+            self._pending = None
+            self.ahead_stats.dropped += 1
 
     def _verify_on_device(self, reqs, states, starts: list[int], sampled: list[int], logits):
         """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.
@@ -348,6 +397,7 @@ class TargetEngine:
         return self.ops.reshape(choices, (c, width))
 
     def release(self, request_id: str) -> bool:
+        self.drop_pending()
         self.requests.pop(request_id, None)
         return self.cache.free(request_id)
 

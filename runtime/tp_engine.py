@@ -41,7 +41,9 @@ class TPTargetEngine(TargetEngine):
         # NOTE: the local config (this rank's heads and ffn rows) builds the KV cache and the
         # fused q/k/v, gate/up buffers; vocabulary and width stay whole, so request checks
         # and the logits the host sees are the full model's.
-        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry)
+        # NOTE: no decode-ahead on a TP group: a step queued ahead reads its token on the device,
+        # and the other ranks take host inputs only (target_service/tp_worker.py).
+        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry, decode_ahead=False)
         self.full_cfg: ModelConfig = plan.cfg
         a, b = plan.vocab_rows
         if plan.head_is_embedding_view():

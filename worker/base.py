@@ -236,6 +236,7 @@ class Worker:
         # NOTE: copy_ into the existing parameter tensors (addresses unchanged), so
         # live graphs stay valid; copy_in_place checks every name and shape before
         # the first copy, so a mismatch changes nothing.
+        self._drop_pending()
         copy_in_place(self.ops, self.engine.params, arrays)
         self.weights_version = version
 
@@ -292,8 +293,17 @@ class Worker:
         return self.device.run(lambda: self.lifecycle.apply(CLEAR_GRAPHS, self._clear))
 
     def _clear(self) -> None:
+        # NOTE: a step the engine queued ahead (runtime/decode_ahead.py) holds views of the
+        # graphs' static outputs, and after an in-place copy it read the old weights: both
+        # drop it before the change.
+        self._drop_pending()
         self.registry.clear()
         self._pool_bytes = 0
+
+    def _drop_pending(self) -> None:
+        drop = getattr(self.engine, "drop_pending", None)
+        if drop is not None:
+            drop()
 
     def close(self) -> None:
         """Shutdown teardown: graphs first, then weights."""

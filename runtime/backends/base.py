@@ -54,6 +54,10 @@ class Ops(Protocol):
     def to_numpy_many(self, xs: list[Tensor], bf16_bits: bool = False) -> list[np.ndarray]:
         """Several tensors to the host with one synchronisation. Floating tensors come back
         as float32, or (bf16 tensors, ``bf16_bits``) as uint16 bf16 bit patterns."""
+    def to_numpy_many_async(self, xs: list[Tensor], bf16_bits: bool = False) -> Any:
+        """``to_numpy_many`` split in two: the copies are queued now (the values are those
+        of this point in the stream), the returned function waits for them and returns the
+        arrays; device work queued in between may run on."""
     def zeros(self, shape: tuple[int, ...], dtype: str | None = None) -> Tensor: ...
     def arange(self, n: int) -> Tensor:
         """int64 [n] = 0..n-1"""

@@ -87,6 +87,10 @@ class PaddleOps:
         # bf16 comes back widened to float32 (bf16 -> float32 is exact); no bit-pattern path here.
         return [self.to_numpy(x) for x in xs]
 
+    def to_numpy_many_async(self, xs, bf16_bits=False):
+        arrays = self.to_numpy_many(xs, bf16_bits)        # synchronous here: nothing to overlap
+        return lambda: arrays
+
     def zeros(self, shape, dtype=None):
         return paddle.zeros(list(shape), dtype=_DTYPES[dtype or self.dtype])
 

@@ -238,6 +238,12 @@ class TorchOps:
 
         Floating tensors come back as float32, except bf16 ones with ``bf16_bits``:
         those come back as their uint16 bit patterns (half the bytes, exact)."""
+        return self.to_numpy_many_async(xs, bf16_bits)()
+
+    def to_numpy_many_async(self, xs, bf16_bits=False):
+        """``to_numpy_many`` in two halves: the copies are queued now; the returned function
+        waits for them (an event, not the whole stream: work queued after the copies may
+        still run) and returns the arrays."""
         staged = []
         for x in xs:
             x = x.detach()
@@ -251,9 +257,17 @@ class TorchOps:
                 host.copy_(x, non_blocking=True)
                 x = host
             staged.append((x, bits))
-        if self._dev.type == "cuda":
-            torch.cuda.current_stream(self._dev).synchronize()
-        return [x.numpy().view(np.uint16) if bits else x.numpy() for x, bits in staged]
+        if self._dev.type != "cuda":
+            # NOTE: copied now: a CPU tensor's numpy view would see later writes into it.
+            arrays = [x.numpy().copy().view(np.uint16) if bits else x.numpy().copy() for x, bits in staged]
+            return lambda: arrays
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._dev))
+
+        def wait():
+            done.synchronize()
+            return [x.numpy().view(np.uint16) if bits else x.numpy() for x, bits in staged]
+        return wait
 
     def compile_step(self, fn):
         """``fn`` through torch.compile when the worker asked for it (CUDA only), else ``fn``.

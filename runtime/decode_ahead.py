@@ -1,0 +1,55 @@
+"""Target-only decoding one step ahead: the next greedy step is queued on the device
+before the host has read this one's tokens.
+
+Owns: the pending step of a target-only greedy batch — which requests it continues,
+the committed lengths it assumes, the device outputs its graph replay writes — and
+the rule that decides whether a verify may take it (``PendingStep.matches``).
+
+Why: a target-only round is one verify graph plus host work on both sides of it
+(layout and upload before, the D2H copy, acceptance, the scheduler and the token
+stream after). At batch 1 that host work is 0.2–0.5 ms against a ~1 ms step of the
+~1B config on an H200, and the GPU idles through it. With a step pending, the
+next round's verify finds its outputs already computed (or computing) while the
+host did the rest of the round, so host work hides behind the device.
+
+How (``TargetEngine.verify``): after the replay of step r, its outputs' copies to the
+host are queued, then step r+1 is queued with the same rows one position further
+and its token read on the device from step r's argmax (stream order: the copies
+run before the replay that overwrites the static outputs). The host then waits
+for step r's copies only. The next verify takes step r+1 when it asks for the same
+requests, in the same order, with no drafts, at exactly those lengths, and no
+other engine call came between (prefill, release, an in-place weight copy and any
+verify that does not match drop it; ``TargetEngine.drop_pending``).
+
+Exactness: the pending step is the very graph, inputs and weights the next verify
+would run; greedy tokens are identical. A dropped step only wrote KV rows past its
+rows' committed lengths (stale rows, overwritten later) or the scratch slot.
+
+Must not know: gRPC, scheduling, frameworks, the model (the engine hands in its
+registry call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A target-only greedy step queued ahead: rows ``ids`` at committed ``lengths``."""
+
+    ids: tuple[str, ...]
+    lengths: tuple[int, ...]     # each row's committed length (= the position its token is written at)
+    outputs: tuple[Any, ...]     # (hidden [B, W, d], argmax [B, W], logits [B, W, V]) device views
+
+    def matches(self, ids: tuple[str, ...], lengths: tuple[int, ...], drafted: bool) -> bool:
+        """Whether a verify of ``ids`` at ``lengths`` (``drafted``: any row has drafts) is this step."""
+        return not drafted and ids == self.ids and lengths == self.lengths
+
+
+@dataclass
+class AheadStats:
+    launched: int = 0            # steps queued ahead
+    used: int = 0                # taken by the next verify
+    dropped: int = 0             # discarded (batch changed, drafts, prefill / release / reload between)

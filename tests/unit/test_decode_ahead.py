@@ -1,0 +1,107 @@
+"""Target-only decoding one step ahead (runtime/decode_ahead.py) on CPU.
+
+On CPU the registry's graphs are the eager stand-in, so a step queued ahead runs at
+once; the bookkeeping (which verify may take it, what drops it) and the tokens are
+the same code as on a GPU. Off by default on CPU; these tests switch it on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core.params import SamplingParams
+from runtime.engine import GenRequest
+from runtime.types import PrefillRequest, VerifyRequest
+from tests.unit.test_engine_bundled import _engine, _prompts
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = _engine("torch", max_k=3)
+    eng.capture_graphs()                 # CPU: the eager stand-in, so steps "replay"
+    return eng
+
+
+def _generate(engine, prompts, ks, max_batch, ahead, max_tokens=24):
+    engine.target.decode_ahead = ahead
+    before = (engine.target.ahead_stats.used, engine.target.ahead_stats.launched)
+    reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+            for i, (p, k) in enumerate(zip(prompts, ks))]
+    out = [r.tokens for r in engine.generate(reqs, max_batch=max_batch)]
+    st = engine.target.ahead_stats
+    return out, st.used - before[0], st.launched - before[1]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_target_only_tokens_equal_with_steps_queued_ahead(engine, max_batch):
+    prompts = [p[:40] for p in _prompts(4)]
+    plain, used0, launched0 = _generate(engine, prompts, [0] * 4, max_batch, ahead=False)
+    ahead, used, launched = _generate(engine, prompts, [0] * 4, max_batch, ahead=True)
+    assert ahead == plain
+    assert (used0, launched0) == (0, 0)
+    # Every round but each batch's first takes the step its predecessor queued, except where
+    # the batch changed (a request finished or joined) in between.
+    assert used > 0.7 * 24 * 4 / max_batch and launched >= used
+
+
+def test_drafting_rounds_queue_nothing_and_mixed_batches_stay_exact(engine):
+    prompts = [p[:40] for p in _prompts(3)]
+    plain, _, _ = _generate(engine, prompts, [0, 3, 0], 3, ahead=False)
+    ahead, used, launched = _generate(engine, prompts, [0, 3, 0], 3, ahead=True)
+    assert ahead == plain
+    # The k=3 request finishes first (more tokens a round); the other two go ahead after it.
+    assert 0 < used <= launched
+    tgt = engine.target
+    _prefill(tgt, "d", prompts[0])
+    tgt.verify([VerifyRequest("d", np.asarray([5, 6], dtype=np.int64), None)])
+    assert tgt._pending is None                 # a verify with drafts queues nothing
+    tgt.release("d")
+
+
+def _prefill(tgt, rid, prompt):
+    return tgt.prefill([PrefillRequest(rid, np.asarray(prompt, dtype=np.int64), SamplingParams())])[0]
+
+
+def test_prefill_release_and_weight_changes_drop_the_pending_step(engine):
+    tgt = engine.target
+    tgt.decode_ahead = True
+    prompt = _prompts(1)[0][:30]
+    _prefill(tgt, "a", prompt)
+    tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
+    assert tgt._pending is not None
+    dropped = tgt.ahead_stats.dropped
+    _prefill(tgt, "b", prompt)                                   # another request joins
+    assert tgt._pending is None and tgt.ahead_stats.dropped == dropped + 1
+    tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
+    tgt.drop_pending()                                           # what the worker does before new weights
+    assert tgt._pending is None
+    used = tgt.ahead_stats.used
+    res = tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
+    assert tgt.ahead_stats.used == used                          # ran afresh, not the dropped step
+    assert len(res[0].tokens) == 1
+    tgt.release("a")
+    tgt.release("b")
+    assert tgt._pending is None
+
+
+def test_a_verify_with_other_rows_or_lengths_does_not_take_the_step(engine):
+    tgt = engine.target
+    tgt.decode_ahead = True
+    prompt = _prompts(1)[0][:30]
+    for rid in ("x", "y"):
+        _prefill(tgt, rid, prompt)
+    none = np.zeros(0, dtype=np.int64)
+    tgt.verify([VerifyRequest("x", none, None), VerifyRequest("y", none, None)])
+    used, dropped = tgt.ahead_stats.used, tgt.ahead_stats.dropped
+    # The same rows in another order: not the queued step (its rows are in the old order).
+    swapped = tgt.verify([VerifyRequest("y", none, None), VerifyRequest("x", none, None)])
+    assert tgt.ahead_stats.used == used and tgt.ahead_stats.dropped == dropped + 1
+    # Both requests have the same prompt and so the same next token either way.
+    assert swapped[0].tokens == swapped[1].tokens
+    again = tgt.verify([VerifyRequest("y", none, None), VerifyRequest("x", none, None)])
+    assert tgt.ahead_stats.used == used + 1 and again[0].tokens == again[1].tokens
+    for rid in ("x", "y"):
+        tgt.release(rid)
