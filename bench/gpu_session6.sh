@@ -5,7 +5,8 @@
 #                                                # bench peer on the bundled model at batch 1, bench adaptive
 #   bash bench/gpu_session6.sh OUT_DIR kernels   # fused-kernel GPU tests, bench graphs
 #   bash bench/gpu_session6.sh OUT_DIR propose   # one-graph Propose: its GPU tests, bench propose-host, bench profile
-#   bash bench/gpu_session6.sh OUT_DIR final     # every gpu test, bench round-parts, bench peer, bench graphs
+#   bash bench/gpu_session6.sh OUT_DIR tests     # every gpu test (two-GPU ones skip on one GPU)
+#   bash bench/gpu_session6.sh OUT_DIR bench     # bench round-parts (data plane vs gRPC stream), bench peer
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -32,12 +33,14 @@ propose)
   timeout 120 python3 -m specsplit bench propose-host --backend torch --device cuda:0 2>&1 | quiet | tee "$out/propose_host.txt"
   timeout 150 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | head -24
   ;;
-final)
-  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 2>&1 \
-    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -45
-  timeout 90 python3 -m specsplit bench round-parts --device cuda:0 2>&1 | quiet | tee "$out/round_parts.txt"
-  timeout 200 python3 -m specsplit bench peer --device cuda:0 --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
-    | quiet | tee "$out/bench_peer.txt" | tail -7
+tests)
+  timeout 560 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -60
   ;;
+bench)
+  timeout 80 python3 -m specsplit bench round-parts --device cuda:0 2>&1 | quiet | tee "$out/round_parts.txt"
+  timeout 450 python3 -m specsplit bench peer --device cuda:0 --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer.txt" | tail -7
+;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

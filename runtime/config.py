@@ -220,6 +220,10 @@ class GraphConfig:
     # It multiplies the draft's capture time (a RECAPTURE reload pays it); off keeps the
     # catch-up and substep graphs only.
     fused_propose: bool = True
+    # Target-only greedy rounds queue their next step on the device before the host reads
+    # this one's tokens (runtime/decode_ahead.py); on CUDA only (no effect on a CPU, where
+    # nothing would overlap) and never on a tensor-parallel target.
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         b = self.batch_buckets

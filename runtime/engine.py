@@ -49,7 +49,8 @@ class SpecEngine:
         self.model_cfg: ModelConfig = target_ck.cfg
         self.target_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
         self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
-                                   cfg.cache, cfg.spec.max_k, self.target_registry)
+                                   cfg.cache, cfg.spec.max_k, self.target_registry,
+                                   decode_ahead=None if cfg.graphs.decode_ahead else False)
         self.draft: DraftEngine | None = None
         if use_draft and cfg.spec.max_k > 0:
             draft_ck = check_draft(target_ck, resolve_draft_path(cfg.target_path, cfg.draft_path))

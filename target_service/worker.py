@@ -37,7 +37,8 @@ class TargetWorker(Worker):
         return check_target(target, running)             # draft_path is the draft's business
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> TargetEngine:
-        return TargetEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry)
+        return TargetEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
+                            decode_ahead=None if self.cfg.graphs.decode_ahead else False)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def verify(self, items: list[VerifyRequest | ItemError], round_: int = 0) -> list[VerifyResult | ItemError]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from core import frames
 
 HANDSHAKE_TIMEOUT_S = 10.0          # a TLS client that does not finish its handshake in this long is dropped
+MAX_CONNECTIONS = 16                # open connections (threads) at most; more are closed at once
 _STOP_JOIN_S = 5.0
 
 
@@ -73,6 +74,13 @@ class DataPlaneServer:
                 if self._stopping:
                     conn.close()
                     return
+                busy = len(self._threads) - self._idle
+                if busy >= MAX_CONNECTIONS:
+                    # NOTE: bounded: one thread per connection, and the worker has one client
+                    # (its target; a few during a restart). Refused here, never queued.
+                    self.log.warning("data_plane_connection_refused", peer=str(peer), open=busy)
+                    conn.close()
+                    continue
                 # NOTE: an idle thread is claimed before the put, so each queued connection
                 # has exactly one thread that will pick it up (a reused one or a new one).
                 if self._idle:

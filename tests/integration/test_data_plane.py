@@ -160,6 +160,44 @@ def test_a_stalled_draft_raises_worker_unavailable_within_the_timeout_then_recon
         server.stop()
 
 
+def test_connections_past_the_cap_are_closed_and_the_open_ones_keep_serving():
+    from worker import data_plane
+
+    server = DataPlaneServer("127.0.0.1", 0, _echo, max_frame_bytes=MAX_BYTES, ssl_context=None,
+                             log=structlog.get_logger("test")).start()
+    held = []
+    try:
+        for i in range(data_plane.MAX_CONNECTIONS):      # each answered once: its thread is busy with it
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT)
+            s.sendall(frames.encode(draft_pb2.ProposeRequest(round=i + 1).SerializeToString()))
+            held.append(s)
+        wait_until(lambda: server.frames == data_plane.MAX_CONNECTIONS, "every held connection answered")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as extra:
+            assert _closed_by_peer(extra)
+        held[0].sendall(frames.encode(draft_pb2.ProposeRequest(round=99).SerializeToString()))
+        wait_until(lambda: server.frames == data_plane.MAX_CONNECTIONS + 1, "a held connection still served")
+        held.pop().close()                               # a slot frees: a new connection is served again
+        link = DataPlaneLink("draft", "127.0.0.1", draft_pb2.ProposeResponse.FromString, timeout_s=TIMEOUT,
+                             max_frame_bytes=MAX_BYTES)
+        link.advertised(server.port)
+        try:
+            got = wait_until(lambda: _try_exchange(link), "a new connection once a slot is free")
+            assert got.round == 7
+        finally:
+            link.close()
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
+
+
+def _try_exchange(link: DataPlaneLink):
+    try:
+        return link.exchange(draft_pb2.ProposeRequest(round=7), "Propose")
+    except WorkerUnavailable:
+        return None
+
+
 def test_a_response_for_another_round_or_a_closed_connection_is_worker_unavailable():
     stale = lambda body: draft_pb2.ProposeResponse(round=99).SerializeToString()    # noqa: E731
     server = DataPlaneServer("127.0.0.1", 0, stale, max_frame_bytes=MAX_BYTES, ssl_context=None,
