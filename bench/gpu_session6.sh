@@ -6,7 +6,8 @@
 #   bash bench/gpu_session6.sh OUT_DIR kernels   # fused-kernel GPU tests, bench graphs
 #   bash bench/gpu_session6.sh OUT_DIR propose   # one-graph Propose: its GPU tests, bench propose-host, bench profile
 #   bash bench/gpu_session6.sh OUT_DIR tests     # every gpu test (two-GPU ones skip on one GPU)
-#   bash bench/gpu_session6.sh OUT_DIR bench     # bench round-parts (data plane vs gRPC stream), bench peer
+#   bash bench/gpu_session6.sh OUT_DIR bench     # RECAPTURE phases A/B, bench round-parts (data plane vs
+#                                                # gRPC stream), bench peer (batch 1; bundled model at 8)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -38,9 +39,12 @@ tests)
     | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -60
   ;;
 bench)
-  timeout 80 python3 -m specsplit bench round-parts --device cuda:0 2>&1 | quiet | tee "$out/round_parts.txt"
-  timeout 450 python3 -m specsplit bench peer --device cuda:0 --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
-    | quiet | tee "$out/bench_peer.txt" | tail -7
+  timeout 80 python3 scripts/recapture_ab.py --device cuda:0 --cycles 3 2>&1 | quiet | tee "$out/recapture_ab.txt"
+  timeout 70 python3 -m specsplit bench round-parts --device cuda:0 2>&1 | quiet | tee "$out/round_parts.txt"
+  timeout 220 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer.txt" | tail -5
+  timeout 100 python3 -m specsplit bench peer --device cuda:0 --small --batch 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_b8.txt" | tail -3
 ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
