@@ -8,6 +8,7 @@
 #   bash bench/gpu_session6.sh OUT_DIR tests     # every gpu test (two-GPU ones skip on one GPU)
 #   bash bench/gpu_session6.sh OUT_DIR bench     # RECAPTURE phases A/B, bench round-parts (data plane vs
 #                                                # gRPC stream), bench peer (batch 1; bundled model at 8)
+#   bash bench/gpu_session6.sh OUT_DIR probe     # test_reload_gpu (4 cycles) with bench.reload_probe; test_stack_gpu
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -46,5 +47,11 @@ bench)
   timeout 100 python3 -m specsplit bench peer --device cuda:0 --small --batch 8 --prompts 8 --max-tokens 128 2>&1 \
     | quiet | tee "$out/bench_peer_b8.txt" | tail -3
 ;;
+probe)
+  SPECSPLIT_RELOAD_CYCLES=4 timeout 200 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
+    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe|^  [A-Za-z]" | tail -14
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_stack_gpu.py 2>&1 \
+    | tee "$out/stack.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -8
+  ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

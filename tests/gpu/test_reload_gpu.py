@@ -19,6 +19,7 @@ loopback; every reload goes through ``ReloadWeights``. What is shown:
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import numpy as np
@@ -40,7 +41,7 @@ from target_service.server import start as start_target  # noqa: E402
 
 CFG = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024)
-CYCLES = 20
+CYCLES = int(os.environ.get("SPECSPLIT_RELOAD_CYCLES", "20"))   # fewer for a quick probe
 IN_PLACE_CYCLES = 6
 MIB = 1 << 20
 EMPTY_TOLERANCE = 1 * MIB    # both workers EMPTY, cuBLAS workspaces dropped: vs the first cycle's level
