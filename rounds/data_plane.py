@@ -8,8 +8,13 @@ bounded by ``timeout_s``; the same contract as the gRPC round stream
 (``send`` now, read later; a response for another round, a connection that
 fails, closes, stalls or answers an undecodable frame closes the connection
 and raises ``WorkerUnavailable``, so the draft's fallback and re-attach work
-unchanged). ``address_host`` / ``tls_context`` turn the worker's gRPC address
-and the client's CA / certificate into where and how to connect.
+unchanged). A connection that cannot be opened at all (refused, filtered, TLS
+refused) raises ``ConnectFailed`` at once and the link stays unusable for that
+port for ``RETRY_AFTER_S``: the caller sends that round, and the next ones, over
+its gRPC stream instead (a firewall that lets gRPC through but not the data
+plane costs speed, not service). ``address_host`` / ``tls_context`` turn the
+worker's gRPC address and the client's CA / certificate into where and how to
+connect.
 
 Must not know: scheduling, which messages are framed (``parse`` decodes the
 answer), gRPC.
@@ -26,6 +31,14 @@ from google.protobuf.message import DecodeError
 
 from core import frames
 from rounds.scheduler_types import WorkerUnavailable
+
+
+CONNECT_TIMEOUT_S = 3.0      # opening the connection (one host or one cluster: milliseconds)
+RETRY_AFTER_S = 60.0         # after a failed open, the gRPC stream carries the rounds this long
+
+
+class ConnectFailed(WorkerUnavailable):
+    """The data plane could not be opened; the worker may still answer over gRPC."""
 
 
 def address_host(address: str) -> str | None:
@@ -53,18 +66,23 @@ class DataPlaneLink:
         self.port = 0
         self._conn: frames.FrameSocket | None = None
         self._conn_port = 0
+        self._refused: tuple[int, float] | None = None      # (port, when) of the last failed open
 
     @property
     def usable(self) -> bool:
-        """The worker advertised a data plane and we know where it is."""
-        return self.port > 0 and self.host is not None
+        """The worker advertised a data plane, we know where it is, and it was not found
+        unreachable on this port within the last ``RETRY_AFTER_S``."""
+        if self.port <= 0 or self.host is None:
+            return False
+        refused = self._refused
+        return refused is None or refused[0] != self.port or time.monotonic() - refused[1] > RETRY_AFTER_S
 
     def advertised(self, port: int) -> None:
         """The port from the worker's latest status (any thread; a new port is used from the next send)."""
         self.port = int(port)
 
     def _connect(self) -> frames.FrameSocket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+        sock = socket.create_connection((self.host, self.port), timeout=min(self.timeout_s, CONNECT_TIMEOUT_S))
         try:
             frames.tune(sock)
             if self._ssl is not None:
@@ -100,9 +118,15 @@ class DataPlaneLink:
                                     f"limit of {self.max_frame_bytes} bytes")
         if self._conn is not None and self._conn_port != self.port:
             self.reset()                         # the worker restarted on another port
-        try:
-            if self._conn is None:
+        if self._conn is None:
+            try:
                 self._conn = self._connect()
+            except OSError as exc:               # refused, unreachable, timed out, TLS refused (SSLError)
+                self._refused = (self.port, time.monotonic())
+                raise ConnectFailed(f"{self.role}: data plane {self.host}:{self.port} could not be opened: "
+                                    f"{str(exc) or type(exc).__name__}") from None
+            self._refused = None
+        try:
             conn = self._conn
             conn.send(body, self.timeout_s)
         except OSError as exc:                   # refused, reset, TLS refused, timed out (TimeoutError)

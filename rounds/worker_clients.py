@@ -28,8 +28,10 @@ from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
+import structlog
 
-from rounds.data_plane import DataPlaneLink, address_host, tls_context
+from rounds import data_plane
+from rounds.data_plane import ConnectFailed, DataPlaneLink, address_host, tls_context
 from rounds.scheduler import ItemFailures, RequestError, WorkerUnavailable
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -38,6 +40,8 @@ from core.serving import admin_metadata
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 # Codes meaning "the worker (or the path to it) is gone", not "this request is bad".
+log = structlog.get_logger("rounds.clients")
+
 _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -466,9 +470,18 @@ class DraftClient(_WorkerClient):
                                        keep_tail=r.keep_tail)
                  for r in reqs]
         self.last_compute_seconds = None
-        plane = self._data if self._data.usable else self._propose
-        receive = plane.send(draft_pb2.ProposeRequest(round=self._next_round(), items=items,
-                                                      release_request_ids=self._take_releases()))
+        msg = draft_pb2.ProposeRequest(round=self._next_round(), items=items, release_request_ids=self._take_releases())
+        receive = None
+        if self._data.usable:
+            try:
+                receive = self._data.send(msg)
+            except ConnectFailed as exc:
+                # NOTE: the same message goes on the gRPC stream: its releases and round number
+                # are sent once, whichever way carries them.
+                log.warning("data_plane_unreachable", address=self.address, error=exc.message,
+                            retry_after_s=data_plane.RETRY_AFTER_S)
+        if receive is None:
+            receive = self._propose.send(msg)
 
         def collect() -> list[Proposal]:
             resp = receive("Propose")

@@ -270,6 +270,40 @@ def test_data_plane_off_keeps_propose_on_the_grpc_stream(draft):
         svc.stop(grace=None)
 
 
+def test_an_unreachable_data_plane_falls_back_to_the_grpc_stream(draft, monkeypatch):
+    """A draft whose gRPC port is reachable but whose data plane is not (a firewall, a wrong
+    port): Propose goes over the gRPC stream in the same round, and again until the retry
+    interval has passed; then the data plane is tried again."""
+    from rounds import data_plane as link_mod
+
+    client, reference = _client(draft), _client(draft)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_port = closed.getsockname()[1]
+    closed.close()                                          # nothing listens there now
+    try:
+        hidden = client.get_status(timeout=TIMEOUT).hidden_size
+        want = _propose(reference, "u", hidden).tolist()
+        frames_before = client.get_status(timeout=TIMEOUT).data_plane_frames
+        client._data.advertised(dead_port)                  # as a status from a draft behind a firewall
+        assert _propose(client, "v", hidden).tolist() == want
+        assert not client.uses_data_plane                   # refused: the stream carries the next rounds
+        assert _propose(client, "w", hidden).tolist() == want
+        st = client.get_status(timeout=TIMEOUT)             # the draft's real port again
+        assert st.data_plane_frames == frames_before        # none of the three went over the data plane
+        monkeypatch.setattr(link_mod, "RETRY_AFTER_S", 0.0)
+        client._data.advertised(dead_port)
+        assert client.uses_data_plane                       # the interval is over: tried again ...
+        assert _propose(client, "x", hidden).tolist() == want   # ... refused again, the stream answers
+        client._data.advertised(st.data_plane_port)         # reachable: used from the next round
+        assert client.uses_data_plane
+        assert _propose(client, "y", hidden).tolist() == want
+        assert client.get_status(timeout=TIMEOUT).data_plane_frames > frames_before
+    finally:
+        client.close()
+        reference.close()
+
+
 def test_the_service_stops_its_data_plane():
     svc = draft_server.start(_cfg())
     client = _client(svc)
