@@ -21,6 +21,9 @@ requests, in the same order, with no drafts, at exactly those lengths, and no
 other engine call came between (prefill, release, an in-place weight copy and any
 verify that does not match drop it; ``TargetEngine.drop_pending``).
 
+When more than half of the recent queued steps were dropped, ``AheadGate`` stops
+queuing for a while: a dropped step is a whole step of device time spent for nothing.
+
 Exactness: the pending step is the very graph, inputs and weights the next verify
 would run; greedy tokens are identical. A dropped step only wrote KV rows past its
 rows' committed lengths (stale rows, overwritten later) or the scratch slot.
@@ -31,8 +34,12 @@ registry call).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+WINDOW = 16      # the last queued steps whose fate the gate looks at
+PAUSE = 64       # eligible rounds without queuing ahead after the window saw mostly drops
 
 
 @dataclass(frozen=True)
@@ -53,3 +60,32 @@ class AheadStats:
     launched: int = 0            # steps queued ahead
     used: int = 0                # taken by the next verify
     dropped: int = 0             # discarded (batch changed, drafts, prefill / release / reload between)
+
+
+class AheadGate:
+    """Whether to queue the next step ahead, from how the recent queued steps ended.
+
+    A dropped step cost one step of device time that the next call's work waits
+    behind (stream order). When more than half of the last ``WINDOW`` queued steps
+    were dropped (a churning batch, adaptive k switching between drafting and
+    target-only, rounds alternating with prefills), queuing pauses for ``PAUSE``
+    eligible rounds, then starts again with a fresh window.
+    """
+
+    def __init__(self) -> None:
+        self._outcomes: deque[bool] = deque(maxlen=WINDOW)
+        self._paused = 0
+        self.pauses = 0
+
+    def allow(self) -> bool:
+        """Called once per eligible round (target-only, greedy, replayed)."""
+        if self._paused:
+            self._paused -= 1
+            return False
+        return True
+
+    def record(self, used: bool) -> None:
+        self._outcomes.append(used)
+        if len(self._outcomes) == WINDOW and sum(not u for u in self._outcomes) > WINDOW // 2:
+            self._paused, self.pauses = PAUSE, self.pauses + 1
+            self._outcomes.clear()

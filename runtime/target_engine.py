@@ -38,7 +38,7 @@ from runtime.backends.base import Ops
 from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
-from runtime.decode_ahead import AheadStats, PendingStep
+from runtime.decode_ahead import AheadGate, AheadStats, PendingStep
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, fuse_projections, lm_head, target_forward
@@ -68,6 +68,7 @@ class TargetEngine:
         self.decode_ahead = ops.device.startswith("cuda") if decode_ahead is None else decode_ahead
         self._pending: PendingStep | None = None
         self.ahead_stats = AheadStats()
+        self._ahead_gate = AheadGate()
         # Checkpoint names (views after fusing: in-place updates go through them)
         # plus the fused q/k/v and gate/up buffers the forward uses.
         fused = fuse_projections(ops, params, [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)])
@@ -264,9 +265,11 @@ class TargetEngine:
             hidden, best, logits = pending.outputs         # queued by the previous verify
             replayed = True
             self.ahead_stats.used += 1
+            self._ahead_gate.record(True)
         else:
             if pending is not None:
                 self.ahead_stats.dropped += 1
+                self._ahead_gate.record(False)
             lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
             (hidden, best, logits), replayed = self.registry.run(self._verify_kind, {
                 "tokens": lay.tokens, "write_slots": lay.write_slots,
@@ -289,7 +292,7 @@ class TargetEngine:
         # device sampler, or the logits for numpy. A target-only greedy batch
         # queues its next step after these copies and before the wait.
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True)
-        if replayed and not drafted and not sampled and not coupled and self.decode_ahead:
+        if replayed and not drafted and not sampled and not coupled and self.decode_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
         hidden_np, best_np, *rest = fetch()
         if on_device:
@@ -357,6 +360,7 @@ class TargetEngine:
         if self._pending is not None:
             self._pending = None
             self.ahead_stats.dropped += 1
+            self._ahead_gate.record(False)
 
     def _verify_on_device(self, reqs, states, starts: list[int], sampled: list[int], logits):
         """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.

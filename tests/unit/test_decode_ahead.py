@@ -105,3 +105,39 @@ def test_a_verify_with_other_rows_or_lengths_does_not_take_the_step(engine):
     assert tgt.ahead_stats.used == used + 1 and again[0].tokens == again[1].tokens
     for rid in ("x", "y"):
         tgt.release(rid)
+
+
+def test_gate_pauses_after_mostly_dropped_steps_then_tries_again():
+    from runtime import decode_ahead as da
+
+    gate = da.AheadGate()
+    for i in range(da.WINDOW):                       # alternating: half used, half dropped -> goes on
+        assert gate.allow()
+        gate.record(i % 2 == 0)
+    assert gate.pauses == 0
+    assert gate.allow()
+    gate.record(False)                               # 9 of the last 16 dropped: more than half
+    assert gate.pauses == 1
+    assert [gate.allow() for _ in range(da.PAUSE)] == [False] * da.PAUSE
+    assert gate.allow()                              # the pause is over: queuing again
+
+
+def test_rounds_that_alternate_with_drafting_stop_queuing_ahead(engine):
+    """A target-only round followed by a drafting one drops its queued step every time; after a
+    window of mostly drops the engine stops queuing (each drop was a wasted device step)."""
+    from runtime import decode_ahead as da
+
+    tgt = engine.target
+    tgt.decode_ahead = True
+    tgt._ahead_gate = da.AheadGate()                 # no history from the other tests
+    _prefill(tgt, "alt", _prompts(1)[0][:20])
+    launched = tgt.ahead_stats.launched
+    none, two = np.zeros(0, dtype=np.int64), np.asarray([3, 4], dtype=np.int64)
+    for _ in range(da.WINDOW + 4):
+        tgt.verify([VerifyRequest("alt", none, None)])
+        tgt.verify([VerifyRequest("alt", two, None)])
+    # Queued on the first window's target-only rounds (each dropped by the drafting round after
+    # it), then paused: fewer launches than target-only rounds.
+    assert tgt.ahead_stats.launched - launched == da.WINDOW
+    assert tgt._ahead_gate.pauses == 1
+    tgt.release("alt")
