@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 WINDOW = 16      # the last queued steps whose fate the gate looks at
-PAUSE = 64       # eligible rounds without queuing ahead after the window saw mostly drops
+PAUSE = 64       # eligible rounds without queuing ahead after the window saw mostly drops ...
+MAX_PAUSE = 4096  # ... doubled after each such window in a row, up to this
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,17 @@ class AheadGate:
     A dropped step cost one step of device time that the next call's work waits
     behind (stream order). When more than half of the last ``WINDOW`` queued steps
     were dropped (a churning batch, adaptive k switching between drafting and
-    target-only, rounds alternating with prefills), queuing pauses for ``PAUSE``
-    eligible rounds, then starts again with a fresh window.
+    target-only, two micro-batches alternating), queuing pauses for ``PAUSE``
+    eligible rounds, then starts again with a fresh window; each such window in a
+    row doubles the pause (up to ``MAX_PAUSE``: two alternating micro-batches then
+    waste under 1 % of their steps), and a window with at most a quarter dropped
+    resets it.
     """
 
     def __init__(self) -> None:
         self._outcomes: deque[bool] = deque(maxlen=WINDOW)
         self._paused = 0
+        self._next_pause = PAUSE
         self.pauses = 0
 
     def allow(self) -> bool:
@@ -86,6 +91,12 @@ class AheadGate:
 
     def record(self, used: bool) -> None:
         self._outcomes.append(used)
-        if len(self._outcomes) == WINDOW and sum(not u for u in self._outcomes) > WINDOW // 2:
-            self._paused, self.pauses = PAUSE, self.pauses + 1
+        if len(self._outcomes) < WINDOW:
+            return
+        dropped = sum(not u for u in self._outcomes)
+        if dropped > WINDOW // 2:
+            self._paused, self.pauses = self._next_pause, self.pauses + 1
+            self._next_pause = min(2 * self._next_pause, MAX_PAUSE)
             self._outcomes.clear()
+        elif dropped <= WINDOW // 4:
+            self._next_pause = PAUSE

@@ -120,6 +120,16 @@ def test_gate_pauses_after_mostly_dropped_steps_then_tries_again():
     assert gate.pauses == 1
     assert [gate.allow() for _ in range(da.PAUSE)] == [False] * da.PAUSE
     assert gate.allow()                              # the pause is over: queuing again
+    for _ in range(da.WINDOW):                       # still mostly dropped: twice the pause
+        gate.record(False)
+    assert gate.pauses == 2
+    assert [gate.allow() for _ in range(2 * da.PAUSE)] == [False] * (2 * da.PAUSE) and gate.allow()
+    for _ in range(da.WINDOW):                       # a window of used steps resets the backoff
+        gate.record(True)
+    for _ in range(da.WINDOW // 2 + 1):
+        gate.record(False)
+    assert gate.pauses == 3
+    assert [gate.allow() for _ in range(da.PAUSE)] == [False] * da.PAUSE and gate.allow()
 
 
 def test_rounds_that_alternate_with_drafting_stop_queuing_ahead(engine):
