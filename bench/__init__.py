@@ -22,6 +22,7 @@ BENCHES = {
     "sampling-modes": "bench.sampling_modes",  # rejection vs coupled speculative sampling: acceptance (issue 17)
     "tp": "bench.tp",              # target verify step, one device vs tensor-parallel (issue 14)
     "propose-host": "bench.propose_host",  # host µs per registry step and per greedy Propose, replays stubbed
+    "gemm": "bench.gemm",          # the ~1B projections at decode shapes: cuBLAS layouts / libraries (issue 10)
     "adaptive": "bench.adaptive",  # adaptive k vs every fixed k on prompts where drafting pays and where not (issue 10)
 }
 

@@ -8,6 +8,7 @@
 #   bash bench/gpu_session6.sh OUT_DIR tests     # every gpu test but reload and stack (two-GPU ones skip on one)
 #   bash bench/gpu_session6.sh OUT_DIR bench     # RECAPTURE phases A/B, bench round-parts (data plane vs
 #                                                # gRPC stream), bench peer (batch 1; bundled model at 8)
+#   bash bench/gpu_session6.sh OUT_DIR gemm      # bench gemm: cuBLAS layouts / libraries for the ~1B projections
 #   bash bench/gpu_session6.sh OUT_DIR x2        # two GPUs: bench peer, loop variants, two-GPU tests
 #   bash bench/gpu_session6.sh OUT_DIR probe     # test_reload_gpu (20 cycles) with bench.reload_probe; test_stack_gpu
 #
@@ -61,6 +62,9 @@ x2)
     --variants fixed ahead micro --batch 1 8 --prompts 8 --max-tokens 128 2>&1 | quiet | tee "$out/variants_x2.txt" | tail -8
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_stack_gpu.py tests/gpu/test_tp_gpu.py 2>&1 \
     | tee "$out/x2_tests.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -12
+  ;;
+gemm)
+  timeout 80 python3 -m specsplit bench gemm --device cuda:0 2>&1 | quiet | tee "$out/bench_gemm.txt"
   ;;
 probe)
   SPECSPLIT_RELOAD_CYCLES=20 timeout 300 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \

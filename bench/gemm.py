@@ -1,0 +1,89 @@
+"""``specsplit bench gemm``: the ~1B projections at decode shapes, cuBLAS variants side by side (GPU).
+
+Owns: for each projection of ``bench graphs``' ~1B config (q/k/v, o, gate/up, down, output
+head) at 1, 4 and 16 rows, bf16, the time of one call of each variant, every variant replayed
+inside a CUDA graph over enough copies of the weight that none is still in the L2 cache
+when it is read again (an H200's L2 holds 50 MB; a weight replayed alone stays there and
+every variant then looks faster than it is in a step), with the share of the measured
+copy rate each reaches. Variants: ``F.linear(x, W)`` as the model runs it (W [N, K]),
+``x @ Wt`` with the weight stored transposed (Wt [K, N] contiguous), and both again with
+``torch.backends.cuda.preferred_blas_library("cublaslt")``.
+
+Why: the verify step is ~0.8 ms of projections out of ~1.0, at 45-65 % of the copy
+rate for all but gate/up and the head (docs/performance.md, session 6); a Triton GEMV
+did not beat cuBLAS there. Which layout or library cuBLAS is fastest with is a
+measurement, and this is it.
+
+Must not know: models, engines, services.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+COPIES_BYTES = 256 << 20        # rotate through at least this many bytes of weight copies
+
+
+def _graph_us(torch, fns) -> float:
+    """Median microseconds of one call, from one CUDA graph replaying every fn of ``fns`` once."""
+    for fn in fns:
+        fn()                                    # warm (and let cuBLAS pick its kernels) outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for fn in fns:
+            fn()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def main(args) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from bench.graphs import BIG
+
+    if not args.device.startswith("cuda"):
+        print("bench gemm: needs a CUDA device (--device cuda:N)")
+        return 2
+    torch.cuda.set_device(torch.device(args.device))
+    dev = torch.device(args.device)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    rate = 2 * src.numel() / (_graph_us(torch, [lambda: dst.copy_(src)]) * 1e-6)      # read + write bytes/s
+    del src, dst
+    d, f, v = BIG.hidden_size, BIG.intermediate_size, BIG.vocab_size
+    kv = BIG.num_key_value_heads * BIG.head_dim
+    shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "head": (v, d)}
+    libs = ["default", "cublaslt"]
+    print(f"bench gemm: {args.device} bf16, one call replayed in a CUDA graph over weight copies "
+          f"(>= {COPIES_BYTES >> 20} MiB, no L2 reuse); copy rate {rate / 1e12:.2f} TB/s; "
+          "us per call (share of the copy rate)")
+    print(f"{'proj':8s} {'rows':>4s} " + " ".join(f"{name:>22s}" for name in
+          [f"{lay} {lib}" for lib in libs for lay in ("linear", "x@Wt")]))
+    for name, (n, k) in shapes.items():
+        copies = max(1, COPIES_BYTES // (n * k * 2))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        wts = [w.t().contiguous() for w in ws]
+        byte_us = n * k * 2 / rate * 1e6
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cells = []
+            for lib in libs:
+                if lib != "default":
+                    torch.backends.cuda.preferred_blas_library(lib)
+                for fns in ([lambda w=w: F.linear(x, w) for w in ws], [lambda wt=wt: x @ wt for wt in wts]):
+                    us = _graph_us(torch, fns)
+                    cells.append(f"{us:8.2f} ({100 * byte_us / us:3.0f} %)")
+                torch.backends.cuda.preferred_blas_library("cublas")
+            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>22s}" for c in cells))
+        del ws, wts
+    return 0
