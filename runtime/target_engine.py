@@ -292,7 +292,8 @@ class TargetEngine:
         # device sampler, or the logits for numpy. A target-only greedy batch
         # queues its next step after these copies and before the wait.
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True)
-        if replayed and not drafted and not sampled and not coupled and self.decode_ahead and self._ahead_gate.allow():
+        go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
+        if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
         hidden_np, best_np, *rest = fetch()
         if on_device:
