@@ -24,7 +24,8 @@ import ssl
 import time
 
 HEADER_BYTES = 4
-_CHUNK = 1 << 16                    # bytes asked of one recv (a frame may need several)
+_CHUNK = 1 << 16                    # bytes asked of one recv at least (a frame may need several) ...
+_MAX_RECV = 1 << 22                 # ... and at most
 
 
 class FrameTooLarge(ValueError):
@@ -78,7 +79,9 @@ class FrameSocket:
                 if left <= 0:
                     raise TimeoutError("no frame before the deadline")
                 self.sock.settimeout(left)
-            chunk = self.sock.recv(max(_CHUNK, n - len(buf)))
+            # NOTE: at most _MAX_RECV per call: recv allocates what it is asked for, and a
+            # length prefix alone (up to max_frame_bytes) must not make every read that big.
+            chunk = self.sock.recv(min(max(_CHUNK, n - len(buf)), _MAX_RECV))
             if not chunk:
                 raise PeerClosed(f"connection closed with {len(buf)} of {n} bytes read")
             buf += chunk
