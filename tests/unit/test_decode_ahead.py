@@ -151,3 +151,41 @@ def test_rounds_that_alternate_with_drafting_stop_queuing_ahead(engine):
     assert tgt.ahead_stats.launched - launched == da.WINDOW
     assert tgt._ahead_gate.pauses == 1
     tgt.release("alt")
+
+
+def test_the_worker_drops_a_queued_step_before_new_weights_and_before_clearing_graphs(tmp_path):
+    """The worker's ordering (worker/base.py): an in-place weight copy and ClearGraphs drop the
+    step the engine queued ahead first. Regression guard: a step queued before an in-place
+    copy read the old weights; taken afterwards, it would serve tokens of the old version."""
+    from pathlib import Path
+
+    from core.config import SecurityConfig, ServerConfig
+    from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+    from target_service.worker import TargetWorker
+    from worker.config import WorkerConfig
+
+    tiny = Path(__file__).resolve().parents[2] / "models" / "tiny"
+    cfg = WorkerConfig(role="target", target_path=str(tiny), weights_version="v1",
+                       runtime=RuntimeConfig(backend="torch", device="cpu"), spec=SpecConfig(max_k=3, default_k=3),
+                       cache=CacheConfig(max_slots=4, max_len=256), graphs=GraphConfig(batch_buckets=(1, 2)),
+                       server=ServerConfig(port=0), security=SecurityConfig())
+    w = TargetWorker(cfg)
+    w.load_weights(str(tiny), "", "v1")
+    w.capture_graphs()
+    w.engine.decode_ahead = True                   # CPU: off by default (nothing would overlap)
+    prompt = np.asarray(_prompts(1)[0][:20], dtype=np.int64)
+    w.prefill([PrefillRequest("q", prompt, SamplingParams())])
+    none = np.zeros(0, dtype=np.int64)
+
+    def queued_after_verify():
+        w.verify([VerifyRequest("q", none, None)])
+        return w.engine._pending is not None
+
+    assert queued_after_verify()
+    w.load_weights(str(tiny), "", "v2", in_place=True)
+    assert w.engine._pending is None
+    assert queued_after_verify()
+    w.clear_graphs()
+    assert w.engine._pending is None
+    w.release(["q"])
+    w.release_weights()
