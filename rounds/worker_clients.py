@@ -39,9 +39,9 @@ from core import wire
 from core.serving import admin_metadata
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-# Codes meaning "the worker (or the path to it) is gone", not "this request is bad".
 log = structlog.get_logger("rounds.clients")
 
+# Codes meaning "the worker (or the path to it) is gone", not "this request is bad".
 _UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}

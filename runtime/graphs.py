@@ -179,11 +179,21 @@ class GraphRegistry:
     def can_replay(self, kind_name: str, batch: int, need: int = 0) -> bool:
         """Whether ``run`` of ``batch`` rows reading ``need`` context rows would replay a graph."""
         with self._lock:
-            kind, bucket = self.kinds.get(kind_name), self.bucket_for(batch)
-            if kind is None or bucket is None:
-                return False
-            span = self.span_for(kind, need)
-            return span >= need and (bucket, kind_name, span) in self._captured
+            plan = self._plans.get(kind_name)
+            return plan is not None and self._graph_key(plan, kind_name, batch, need) in self._captured
+
+    def _graph_key(self, plan: "_Plan", kind_name: str, batch: int, need: int) -> tuple[int, str, int] | None:
+        """(bucket, kind, span) a run of ``batch`` rows reading ``need`` rows replays; None when
+        the batch is above the largest bucket or the need above the largest span (eager)."""
+        if batch >= len(self._bucket_of):
+            return None
+        span = 0
+        if plan.spans:
+            i = bisect_left(plan.spans, need)
+            if i == len(plan.spans):
+                return None
+            span = plan.spans[i]
+        return self._bucket_of[batch], kind_name, span
 
     # --- capture / clear -------------------------------------------------
     def capture_all(self, warmup: int = 2) -> None:
@@ -302,18 +312,14 @@ class GraphRegistry:
         b = first.shape[0] if type(first) is np.ndarray else self.ops.shape(first)[0]
         with self._lock:
             plan = self._plans.get(kind_name)
-            cap = None
-            if plan is not None and b < len(self._bucket_of):
-                bucket = self._bucket_of[b]
-                span = 0
-                if plan.spans:
-                    if need is None:
-                        need = kind.span_of(inputs)
-                    i = bisect_left(plan.spans, need)
-                    span = plan.spans[i] if i < len(plan.spans) else -1   # -1: longer than every span: eager
-                cap = self._captured.get((bucket, kind_name, span))
+            key = cap = None
+            if plan is not None:
+                if need is None and plan.spans:
+                    need = kind.span_of(inputs)
+                key = self._graph_key(plan, kind_name, b, need or 0)
+                cap = self._captured.get(key) if key is not None else None
             if cap is not None:
-                return self._replay(kind_name, plan, cap, inputs, b, bucket, span), True
+                return self._replay(kind_name, plan, cap, inputs, b, key[0], key[2]), True
             return self._eager(kind, inputs), False
 
     def _replay(self, kind_name: str, plan: _Plan, cap: _Captured, inputs: dict[str, Any], b: int,

@@ -260,16 +260,15 @@ class TargetEngine:
             need = max(need, state.length + k + 1)
         ids = tuple(r.request_id for r in reqs)
         drafted = any(len(r.drafts) for r in reqs)
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
+            self._pending = None
             hidden, best, logits = pending.outputs         # queued by the previous verify
             replayed = True
             self.ahead_stats.used += 1
             self._ahead_gate.record(True)
         else:
-            if pending is not None:
-                self.ahead_stats.dropped += 1
-                self._ahead_gate.record(False)
+            self.drop_pending()
             lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
             (hidden, best, logits), replayed = self.registry.run(self._verify_kind, {
                 "tokens": lay.tokens, "write_slots": lay.write_slots,
