@@ -162,7 +162,9 @@ def test_greedy_through_services_equals_target_only_paddle(client, reference):
     check_greedy(client, reference)
     res = client.generate_text("Hi", 12, k=3, ignore_eos=True)
     assert res.text == ByteTokenizer().decode(list(res.tokens))
-    assert slots_free(client)
+    # NOTE: the final chunk can reach the client before the round loop's Release reaches the draft
+    # (CI saw used_slots=1 there under 2-core contention): the release is waited for, bounded.
+    wait_until(lambda: slots_free(client), "the last request's slots to be released")
 
 
 TORCH_WORKERS = r"""
