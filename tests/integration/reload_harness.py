@@ -188,8 +188,9 @@ def acceptance_pattern(client, prompt, n) -> list[tuple]:
 
 
 def assert_serving(stack: Stack, version: str, graphs: dict[str, bool] | None = None) -> None:
-    # NOTE: a request's final event can reach the client before the round loop has released its
-    # slot on the draft (seen under CPU contention): the slots are waited for (bounded), then checked.
+    # NOTE: the last request's slots are free before its final event (rounds.scheduler._end), but
+    # a stream that ended while others still ran frees its draft slot a round later: the slots
+    # are waited for (bounded), then checked.
     wait_until(lambda: all(stack.status()[r]["used_slots"] == 0 for r in ("target", "draft")),
                f"every slot to be released (serving {version})")
     st = stack.status()

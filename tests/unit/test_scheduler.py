@@ -182,6 +182,57 @@ def test_cancel_frees_slots_on_both_engines(engines, reference):
     assert slots_free(engines)
 
 
+class DeferredReleases:
+    """A draft port that frees caches the way ``DraftClient`` does: a release waits for the next
+    Prefill/Propose (or ``flush_releases``); ``log`` records the flushes, in order with outcomes."""
+
+    def __init__(self, inner, log: list[str]) -> None:
+        self.inner, self.log, self.pending = inner, log, []
+
+    def _send_releases(self) -> None:
+        ids, self.pending = self.pending, []
+        for rid in ids:
+            self.inner.release(rid)
+
+    def prefill(self, reqs):
+        self._send_releases()
+        return self.inner.prefill(reqs)
+
+    def propose(self, reqs):
+        self._send_releases()
+        return self.inner.propose(reqs)
+
+    def release(self, request_id: str) -> bool:
+        self.pending.append(request_id)
+        return True
+
+    def flush_releases(self) -> list[str]:
+        self.log.append(f"flush {len(self.pending)}")
+        ids = list(self.pending)
+        self._send_releases()
+        return ids
+
+
+def test_the_last_request_ending_frees_its_deferred_draft_release_before_the_client_is_told(engines, reference):
+    log: list[str] = []
+
+    class Outcomes(Recorder):
+        def on_outcome(self, finish_reason, code) -> None:
+            log.append(f"outcome {code}")
+
+    sched = make_scheduler(engines.target, DeferredReleases(engines.draft, log), max_batch=2, observer=Outcomes())
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for rid in ("first", "second"):          # batch 1: each one is the last running when it ends
+            tokens, final, _ = drain(sched.submit(GenerationRequest(rid, prompt_of(7, 6), params, 3)))
+            assert isinstance(final, FinalEvent) and tuple(tokens) == reference(prompt_of(7, 6), params)
+            assert slots_free(engines), rid      # no wait: the slots are free when the stream ends
+    finally:
+        sched.stop()
+    # Regression: the flush came after the client was told (CI saw a draft slot still held).
+    assert [e for e in log if e != "flush 0"] == ["flush 1", "outcome OK"] * 2, log
+
+
 # --- failures ----------------------------------------------------------------------------------------
 class FailingItem:
     """Wraps an engine port; ``method`` fails for ``victim`` on its ``after``-th call
