@@ -6,7 +6,8 @@ same lengths, where the drafts are mostly wrong) and ``mix`` (the two
 interleaved) — decoded through the services at batch 1 (one client) on two
 stacks started side by side: one with fixed k (each request asks k = 0, 1, 2 or
 3) and one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
-per round). It prints tokens/s of each, the acceptance, adaptive over the best
+per round), both up at once, every cell in turn for ``--repeats`` rounds. It
+prints each cell's median tokens/s, the acceptance, adaptive over the best
 fixed k and over target-only, and whether every output equals target-only.
 
 Issue 10's goal: on the mix, adaptive >= the best fixed k; on prompts where
@@ -48,27 +49,42 @@ def _options(args, model: Path, adaptive: bool) -> StackOptions:
 
 def _cell(address: str, prompts: list[str], max_tokens: int, k: int) -> dict:
     results, seconds = _decode(address, prompts, max_tokens, k, 1)
-    tokens = sum(len(r.tokens) for r in results)
-    drafted = sum(r.drafted for r in results)
-    return {"tok_s": tokens / seconds, "acceptance": sum(r.accepted for r in results) / drafted if drafted else 0.0,
+    return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds,
+            "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted for r in results),
             "outputs": [r.tokens for r in results]}
+
+
+def _merge(runs: list[dict]) -> dict:
+    """One cell over its repeats: the median tokens/s, the pooled acceptance, and its outputs if
+    every repeat gave the same ones (else None)."""
+    drafted = sum(r["drafted"] for r in runs)
+    outputs = runs[0]["outputs"] if all(r["outputs"] == runs[0]["outputs"] for r in runs) else None
+    return {"tok_s": float(np.median([r["tokens"] / r["seconds"] for r in runs])),
+            "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else 0.0, "outputs": outputs}
 
 
 def main(args) -> int:
     model = Path(args.model) if args.model else TINY
     sets = prompt_sets(args.prompts, model)
-    cells: dict[str, dict[str, dict]] = {name: {} for name in sets}
-    for adaptive in (False, True):
-        with Stack(_options(args, model, adaptive)) as stack:
-            address = stack.orchestrator_address
-            _decode(address, sets["heldout"][:2], 8, max(FIXED_KS), 1)            # warm-up
-            ks = (max(FIXED_KS),) if adaptive else FIXED_KS
-            desc = f"bench adaptive ({'adaptive' if adaptive else 'fixed'})"
-            for name, prompts in progress(list(sets.items()), desc=desc, unit="prompt set"):
-                for k in ks:
-                    cells[name]["adaptive" if adaptive else f"k={k}"] = _cell(address, prompts, args.max_tokens, k)
+    repeats = max(1, getattr(args, "repeats", 1) or 1)
+    columns = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
+    runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in columns} for name in sets}
+    # NOTE: both stacks up at once and every cell in turn, repeat after repeat, so that a slow
+    # stretch of a shared machine falls on every column alike (cells of one run moved by up to
+    # 15 % between stacks run one after the other).
+    with Stack(_options(args, model, False)) as fixed, Stack(_options(args, model, True)) as adaptive:
+        address = {c: (adaptive if c == "adaptive" else fixed).orchestrator_address for c in columns}
+        for stack in (fixed, adaptive):
+            _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)          # warm-up
+        order = [(name, c) for name in sets for c in columns]
+        for rep in progress(range(repeats), desc="bench adaptive", unit="repeat"):
+            shift = rep % len(columns)                       # each repeat starts at another column
+            for name, c in order[shift:] + order[:shift]:
+                k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
+                runs[name][c].append(_cell(address[c], sets[name], args.max_tokens, k))
     rows = []
-    for name, row in cells.items():
+    for name, by_col in runs.items():
+        row = {c: _merge(v) for c, v in by_col.items()}
         ref = row["k=0"]["outputs"]
         best = max((c for c in row if c != "adaptive"), key=lambda c: row[c]["tok_s"])     # k = 0 is a fixed k too
         rows.append({"prompts": name, **{c: round(v["tok_s"], 1) for c, v in row.items()},
@@ -76,16 +92,17 @@ def main(args) -> int:
                      "best_fixed": best,
                      "adaptive_over_best_fixed": round(row["adaptive"]["tok_s"] / row[best]["tok_s"], 3),
                      "adaptive_over_target_only": round(row["adaptive"]["tok_s"] / row["k=0"]["tok_s"], 3),
-                     "identical": all(v["outputs"] == ref for v in row.values())})
+                     "identical": ref is not None and all(v["outputs"] == ref for v in row.values())})
     result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
-              "rows": rows, "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
+              "repeats": repeats, "rows": rows,
+              "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
     if args.json:
         print(json.dumps(result))
         return 0
     draft = getattr(args, "draft_device", None) or args.device
     print(f"bench adaptive: backend={args.backend} target={args.device} draft={draft} batch 1, {args.prompts} "
-          f"prompts x {args.max_tokens} tokens per set, tokens/s (acceptance)")
-    cols = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
+          f"prompts x {args.max_tokens} tokens per set, median tokens/s of {repeats} interleaved repeats (acceptance)")
+    cols = columns
     print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols)
           + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
     for r in rows:

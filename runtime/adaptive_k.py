@@ -41,6 +41,17 @@ under-counts E when the first drafts are accepted more often than the later
 ones (an MTP head's usual shape) or when easy and hard stretches alternate
 (E is convex in a).
 
+Positions a request stopped testing: a drafting round whose k does not
+reach position j adds (1 - decay) ``PRIOR_TRIALS`` trials at the request's
+pooled rate to that position's sums (which decay as every position's do), so
+in a long stretch at a smaller k the position drifts back to the pooled rate,
+``PRIOR_TRIALS`` trials' worth, instead of keeping the estimate it had when it
+was last tested. (A position a round's k reached but an earlier rejection kept
+untested is left alone: that is how its rate is measured.) Regression it fixes: a request on held-out prose whose first rounds rejected
+drafts 2 and 3 fell to k = 1, and with those two estimates frozen it stayed
+there for the rest of the request (44 rounds, c_1 at 0.99) where k = 3 ran
+about x1.4 faster.
+
 Where a new request's estimate starts (``LoopAcceptance``): the acceptance of
 the loop's recent request-rounds, counted as ``PRIOR_TRIALS`` trials at each
 position; ``PRIOR_ACCEPTANCE`` only until the loop has measured anything.
@@ -70,7 +81,17 @@ round: measured on an H200 with the bundled model, a target-only round took
 1.17 ms inside but 1.38 ms start to start, a k = 3 round 3.69 vs 3.72 ms.
 So once both kinds have been seen (``MIN_PERIODS`` each), T(0) is the median
 start-to-start period of target-only rounds, and T(k > 0) the median period of
-drafting rounds less their draft time, plus k * t_draft.
+drafting rounds less their draft time, plus the draft time of k drafts.
+
+The draft time of k drafts (``RoundCosts.draft_time``) is one catch-up pass
+(the pending pairs, giving draft 1) plus k - 1 substeps: a + b k, not k times
+one price. Measured per k (the median of the last rounds that drafted k); a k
+not measured yet comes from the line through the measured ones (least
+squares), and k * t_draft only while a single k has been timed. Regression it
+fixes: charging a round's draft time per draft made a k = 1 round's catch-up
+(about 2.9 ms on 2 CPU cores, against about 1.2 ms per later substep, by the
+loop's own estimates) the price of every draft, so the longer a request stayed
+at k = 1, the dearer k = 3 looked (5.8 ms above k = 1 where it cost 2.4).
 
 Which rounds feed the cost estimates: a drafting round right after rounds
 that did not draft (a probe's first round, the first round of the loop) is
@@ -105,6 +126,20 @@ def expected_tokens(a: float, k: int) -> float:
 def round_cost(k: int, t_verify: float, t_draft: float, t_exchange: float) -> float:
     """T(k): a verify, plus (when k > 0) one draft exchange and k draft substeps."""
     return t_verify + (t_exchange + k * t_draft if k > 0 else 0.0)
+
+
+def line_fit(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares y = a + b k through {k: y} (two or more k), with a, b >= 0: a draft time
+    neither shrinks with k nor goes below zero."""
+    n = len(points)
+    mk = sum(points) / n
+    my = sum(points.values()) / n
+    var = sum((k - mk) ** 2 for k in points)
+    b = max(sum((k - mk) * (y - my) for k, y in points.items()) / var, 0.0)
+    a = my - b * mk
+    if a < 0:                                  # through the origin instead
+        a, b = 0.0, sum(k * y for k, y in points.items()) / sum(k * k for k in points)
+    return a, b
 
 
 def best_k(a: float, max_k: int, t_verify: float, t_draft: float, t_exchange: float) -> int:
@@ -152,6 +187,7 @@ class RoundCosts:
     def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
         self._verify: collections.deque[float] = collections.deque([t_verify], maxlen=self.WINDOW)
         self._draft: collections.deque[float] = collections.deque([t_draft], maxlen=self.WINDOW)
+        self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
         self._exchange: collections.deque[float] = collections.deque([t_exchange], maxlen=self.WINDOW)
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
@@ -174,6 +210,19 @@ class RoundCosts:
     def t_draft(self) -> float:
         """One draft substep."""
         return statistics.median(self._draft)
+
+    def draft_time(self, k: int) -> float:
+        """Seconds of drafting in a round of k drafts (module doc): measured at k, else the
+        line through the k measured so far, else k * t_draft."""
+        if k <= 0:
+            return 0.0
+        measured = {j: statistics.median(d) for j, d in self._draft_by_k.items() if len(d) >= MIN_PERIODS}
+        if k in measured:
+            return measured[k]
+        if len(measured) >= 2:
+            a, b = line_fit(measured)
+            return a + b * k
+        return k * self.t_draft
 
     @property
     def t_exchange(self) -> float:
@@ -205,8 +254,8 @@ class RoundCosts:
         if len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS:
             if k == 0:
                 return statistics.median(self._period0)
-            return statistics.median(self._fixed_spec) + k * self.t_draft
-        return round_cost(k, self.t_verify, self.t_draft, self.t_exchange)
+            return statistics.median(self._fixed_spec) + self.draft_time(k)
+        return self.t_verify + (self.t_exchange + self.draft_time(k) if k > 0 else 0.0)
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
                 started: float | None = None, batch: frozenset[str] | None = None) -> None:
@@ -234,6 +283,7 @@ class RoundCosts:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps; charge it per
             # draft, and the round's overhead (which includes the exchange) to the exchange.
             self._draft.append(draft_s / k_max)
+            self._draft_by_k.setdefault(k_max, collections.deque(maxlen=self.WINDOW)).append(draft_s)
             self._exchange.append(overhead_s)
 
     def __repr__(self) -> str:
@@ -324,9 +374,13 @@ class AdaptiveK:
             self.drafted = True
             self.successes = decay * self.successes + accepted
             self.trials = decay * self.trials + _trials(k, accepted)
+            pooled = self.acceptance
             for j in range(self.max_k):       # draft j + 1 was tested iff j <= accepted and j < k
                 self.pos_successes[j] = decay * self.pos_successes[j] + (1.0 if j < accepted else 0.0)
                 self.pos_trials[j] = decay * self.pos_trials[j] + (1.0 if j <= accepted and j < k else 0.0)
+                if j >= k:                    # beyond this round's k: back toward the pooled rate
+                    self.pos_successes[j] += EMA_WEIGHT * PRIOR_TRIALS * pooled
+                    self.pos_trials[j] += EMA_WEIGHT * PRIOR_TRIALS
             if self.loop is not None:
                 self.loop.observe(k, accepted)
 

@@ -7,7 +7,7 @@ import pytest
 
 from core.params import SamplingParams
 from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k,
-                                best_round_k, choose_round_k, expected_tokens, request_ks, round_cost)
+                                best_round_k, choose_round_k, expected_tokens, line_fit, request_ks, round_cost)
 from runtime.round_driver import Sequence, round_ks
 
 
@@ -262,3 +262,45 @@ def test_no_round_period_across_a_change_of_the_batch():
             t += 3.3e-3 if k else 1.5e-3
         t += 0.06                                        # the next request's admission
     assert costs.cost(0) == pytest.approx(1.5e-3) and costs.cost(3) == pytest.approx(3.3e-3)
+
+
+def test_a_request_that_fell_to_k1_goes_back_to_k3_when_its_first_drafts_keep_passing():
+    """Regression (2-core CPU, bench adaptive, held-out prose in the mix): the first four rounds
+    rejected draft 2, the request fell to k = 1, and with drafts 2 and 3 no longer tested their
+    estimates stayed where those four rounds had left them: k = 1 for the rest of the request
+    while its first draft passed every time. Untested positions now drift back to the pooled rate."""
+    costs = RoundCosts(t_verify=10e-3, t_draft=1.8e-3, t_exchange=0.5e-3)
+    pol = AdaptiveK(max_k=3)
+    for _ in range(4):
+        pol.observe(3, 1)                             # draft 1 right, draft 2 wrong
+    ks = []
+    for _ in range(40):                               # from here on every draft is right
+        k = choose_round_k([pol], costs)
+        ks.append(k)
+        pol.observe(k, k)
+    assert ks[0] == 1, ks                             # the four rounds did make k = 1 the choice
+    assert ks[-10:] == [3] * 10, ks                   # and it comes back to k = 3
+
+
+def test_draft_time_is_a_catch_up_plus_substeps_not_k_times_one_round_per_draft():
+    """A round's draft time is one catch-up pass plus k - 1 substeps. Regression: charged per
+    draft, a stretch of k = 1 rounds (all catch-up) priced every draft at a catch-up, and k = 3
+    looked dearer the longer a request stayed at k = 1."""
+    costs = RoundCosts(t_verify=10e-3, t_draft=1.8e-3, t_exchange=0.5e-3)
+    catch_up, substep = 2.9e-3, 1.2e-3
+    for _ in range(6):
+        costs.observe(3, catch_up + 2 * substep, 10e-3, 0.5e-3)
+    for _ in range(25):
+        costs.observe(1, catch_up, 10e-3, 0.5e-3)
+    assert costs.draft_time(3) == pytest.approx(catch_up + 2 * substep)          # measured at k = 3
+    assert costs.draft_time(1) == pytest.approx(catch_up)
+    assert costs.draft_time(2) == pytest.approx(catch_up + substep)              # on the line between
+    assert costs.t_draft == pytest.approx(catch_up)                              # what k = 3 was charged before
+    assert costs.cost(3) - costs.cost(1) == pytest.approx(2 * substep)
+
+
+def test_line_fit_never_lets_a_draft_time_shrink_with_k_or_go_below_zero():
+    assert line_fit({1: 2.0, 3: 4.0}) == pytest.approx((1.0, 1.0))
+    assert line_fit({1: 3.0, 2: 2.0}) == pytest.approx((2.5, 0.0))               # noise: flat, not falling
+    a, b = line_fit({2: 1.0, 3: 3.0})                                              # would cross zero at k = 1.5
+    assert a == 0.0 and b == pytest.approx((2 * 1.0 + 3 * 3.0) / 13)
