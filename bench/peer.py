@@ -197,6 +197,7 @@ def run_services(model_dir: Path, dtype: str, device: str, draft_device: str, pr
 def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_device: str, batches, n_prompts: int,
                 max_new: int, k: int, skip_peer: bool, compile_steps: bool = False) -> list[dict]:
     import torch
+    from bench.services import in_rounds
 
     cfg = check_target(model_dir).cfg
     weight_bytes = sum(int(np.prod(s)) for s in target_tensor_shapes(cfg).values()) * (2 if dtype == "bfloat16" else 4)
@@ -226,6 +227,7 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         row["services_identical"] = svc[k][0] == svc[0][0]
         row["services_equal_engine"] = svc[0][0] == ref
         row["round_ms_spec"] = svc[k][2]
+        row["services_spec_in_rounds"] = in_rounds(svc[k][2], svc[k][1])     # the rest: between rounds
         row["round_ms_target_only"] = svc[0][2]
         if not skip_peer:
             outs, seconds = run_peer(model_dir, cfg, dtype, device, prompts, max_new, batch)
@@ -264,7 +266,7 @@ def main(args) -> int:
           f"prompts of {PROMPT_LEN} tokens; runtime.compile {'on' if args.compile else 'off'}; "
           "tokens/s (ratio to the transformers static-cache peer)")
     print(f"{'model':5s} {'B':>2s} {'peer':>8s} {'eng k=0':>15s} {'eng k':>15s} {'svc k=0':>15s} {'svc k':>15s} "
-          f"{'floor':>16s} {'accept':>6s} {'ident':>5s}  svc round ms draft/target/overhead")
+          f"{'floor':>16s} {'accept':>6s} {'ident':>5s}  svc round ms draft/target/overhead, in rounds")
     for r in rows:
         p = r.get("peer_tok_s", 0)
         s = r["round_ms_spec"]
@@ -273,5 +275,6 @@ def main(args) -> int:
                                                                          "services_target_tok_s", "services_spec_tok_s"))
               + f" {r['floor_tok_s']:9.1f} {_ratio(r['floor_tok_s'], p):>6s} {r['engine_acceptance']:6.3f} "
               f"{str(r['engine_identical'] and r['services_identical']):>5s}  "
-              f"{s.get('draft', 0):.2f}/{s.get('target', 0):.2f}/{s.get('overhead', 0):.2f}")
+              f"{s.get('draft', 0):.2f}/{s.get('target', 0):.2f}/{s.get('overhead', 0):.2f}, "
+              f"{r['services_spec_in_rounds']:.2f}")
     return 0

@@ -62,6 +62,12 @@ def _per_round_ms(before: dict[str, float], after: dict[str, float]) -> dict[str
             for part in ("draft", "target", "overhead", "total")} | {"rounds": int(rounds)}
 
 
+def in_rounds(split: dict, seconds: float) -> float:
+    """The share of a decode's wall time spent inside rounds (the rest: admission, prefill, the
+    requests' start and end, the loop's work between rounds)."""
+    return round(split.get("rounds", 0) * split.get("total", 0) / 1e3 / seconds, 3) if seconds > 0 else 0.0
+
+
 def _stack_options(args, model: Path, batches: list[int], variant: str) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
@@ -107,6 +113,7 @@ def main(args) -> int:
                     "tokens_per_round": round(toks_spec / max(1, sum(r.rounds for r in spec)), 3),
                     "ahead_used": f"{sum(r.ahead_used for r in spec)}/{sum(r.ahead_asked for r in spec)}",
                     "round_ms_target_only": _per_round_ms(m0, m1), "round_ms_spec": _per_round_ms(m1, m2),
+                    "in_rounds_spec": in_rounds(_per_round_ms(m1, m2), t_spec),
                 })
     result = {"backend": args.backend, "device": args.device, "draft_device": getattr(args, "draft_device", None)
               or args.device, "max_tokens": args.max_tokens, "rows": rows}
@@ -117,13 +124,13 @@ def main(args) -> int:
           f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
     print(f"{'variant':>15s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
-          f"/ total")
+          f"/ total, share of wall time in rounds")
     for r in rows:
         s = r["round_ms_spec"]
         print(f"{r['variant']:>15s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
-              f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}")
+              f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")
         t = r["round_ms_target_only"]
         print(f"{'':>15s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
