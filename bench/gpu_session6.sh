@@ -11,6 +11,8 @@
 #   bash bench/gpu_session6.sh OUT_DIR gemm      # bench gemm: cuBLAS layouts / libraries for the ~1B projections
 #   bash bench/gpu_session6.sh OUT_DIR x2        # two GPUs: bench peer, loop variants, two-GPU tests
 #   bash bench/gpu_session6.sh OUT_DIR probe     # test_reload_gpu (20 cycles) with bench.reload_probe; test_stack_gpu
+#   bash bench/gpu_session6.sh OUT_DIR adaptive  # (session 7's code) bench peer on the bundled model at batch 1
+#                                                # with the share of wall time in rounds; bench adaptive, 3 repeats
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -25,6 +27,12 @@ profile)
     | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
   timeout 150 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 4 --max-tokens 96 2>&1 \
     | quiet | tee "$out/bench_adaptive.txt" | tail -8
+  ;;
+adaptive)
+  timeout 150 python3 -m specsplit bench peer --device cuda:0 --small --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
+  timeout 380 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 4 --max-tokens 96 \
+    --repeats 3 2>&1 | quiet | tee "$out/bench_adaptive.txt" | tail -8
   ;;
 kernels)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py 2>&1 \
