@@ -5,6 +5,8 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
     target verify) at batch 1 and 4,
   - a whole greedy ``DraftEngine.propose`` at k = max_k: the fused path (one
     propose{k} replay) and the per-substep path (catch-up + k-1 substeps),
+  - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 (decode
+    ahead does not queue: the call has drafts),
   - the draft registry's capture time with and without the propose kinds,
 each with every graph replay replaced by a no-op ("stubbed"), so what is left
 is the host's Python, numpy and copies (on CPU the eager stand-in graph would
@@ -27,7 +29,7 @@ from runtime.batch_layout import Row, layout_rows
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.draft_engine import SUBSTEP
 from runtime.engine import SpecEngine
-from runtime.types import DraftPrefillRequest, ProposeRequest
+from runtime.types import DraftPrefillRequest, PrefillRequest, ProposeRequest, VerifyRequest
 from core.params import SamplingParams
 
 ITERS, REPEATS = 400, 7
@@ -151,6 +153,25 @@ def main(args) -> int:
         wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
         rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep"), "batch": 1,
                      "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+
+    # A whole greedy TargetEngine.verify of k drafts at batch 1, rolled back the same way (its
+    # length and last token), so every call is the same verify.
+    tgt = engines[True].target
+    tgt.prefill([PrefillRequest("v0", rng.integers(0, 256, CONTEXT), SamplingParams())])
+    vstate, vreq = tgt.cache.get("v0"), tgt.requests["v0"]
+    length, last = vstate.length, vreq.last_token
+    verify = VerifyRequest("v0", rng.integers(0, 256, k), None)
+
+    def check(tgt=tgt, vstate=vstate, vreq=vreq):
+        tgt.verify([verify])
+        vstate.length, vreq.last_token = length, last
+
+    _stub(tgt.registry, True)
+    stubbed = _us(check, ops.synchronize)
+    _stub(tgt.registry, False)
+    wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
+    rows.append({"what": f"verify k={k} (whole engine call)", "batch": 1, "host_us_stubbed": round(stubbed, 1),
+                 "wall_us": None if wall is None else round(wall, 1)})
 
     out = {"device": device, "k": k, "buckets": BUCKETS, "context": CONTEXT, "rows": rows,
            "draft_capture_s": {"with propose kinds": round(capture_s[True], 3),
