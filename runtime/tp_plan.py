@@ -3,7 +3,8 @@
 Owns: the Megatron-style plan for ``tp`` ranks (column splits of q/k/v and gate/up
 along their output rows, row splits of o and down along their input columns, KV
 heads split across ranks or replicated when there are fewer KV heads than ranks,
-a vocabulary-parallel output head, replicated embedding and norms), the model
+a vocabulary-parallel output head, replicated embedding and norms; splits that
+``tp`` does not divide are balanced, below), the model
 config one rank computes with (``local_cfg``), slicing a full host array to a
 rank's shard (``shard``: pushed weights, tests) and reading only a rank's slices
 from the safetensors files (``read_sharded``: loading and IN_PLACE reloads).
@@ -20,6 +21,18 @@ Math (x [.., d], rank r of tp):
 - head: rows [r*V/tp, (r+1)*V/tp) of the head; the ranks' logits are gathered
   along the vocabulary. A vocabulary that ``tp`` does not divide keeps the head
   whole on every rank (no gather).
+
+Splits ``tp`` does not divide (e.g. tp = 3 on 16 query / 4 K/V heads, FFN 5632):
+the ranks' shares differ by the smallest step the attention allows. A rank's
+query heads must use its K/V heads in one fixed ratio (the attention groups a
+rank's query heads evenly over its K/V heads), so with tp <= kvh each rank
+takes whole K/V groups, balanced (4 groups over 3 ranks: 2, 1, 1, i.e. 8, 4, 4
+query heads), and with tp > kvh each K/V head is replicated on a balanced
+number of ranks that share its query heads (tp = 3, 2 K/V heads of 2 query
+heads each: ranks 0 and 1 hold K/V head 0 with one query head each, rank 2 K/V
+head 1 with both of its). FFN rows split into counts that differ by at most
+one; the row-split sums do not care. ``tp`` that divides everything gives the
+even split of before, exactly.
 """
 
 from __future__ import annotations
@@ -73,29 +86,42 @@ class TPPlan:
             raise ConfigError(f"tp={tp!r} is invalid: expected an integer >= 1")
         if not 0 <= self.rank < tp:
             raise ConfigError(f"tp rank {self.rank} is out of range [0, {tp})")
-        if h % tp:
-            raise ConfigError(f"tp={tp} must divide model.num_attention_heads={h}")
-        if kvh % tp and tp % kvh:
-            raise ConfigError(f"tp={tp} must divide model.num_key_value_heads={kvh} or be a multiple of it")
-        if cfg.intermediate_size % tp:
-            raise ConfigError(f"tp={tp} must divide model.intermediate_size={cfg.intermediate_size}")
+        group = h // kvh
+        if tp > kvh and -(-tp // kvh) > group:
+            raise ConfigError(f"tp={tp} is too large for model.num_attention_heads={h} over "
+                              f"num_key_value_heads={kvh}: a K/V head's {group} query heads would be shared by "
+                              f"{-(-tp // kvh)} ranks (at most {group})")
+        if cfg.intermediate_size < tp:
+            raise ConfigError(f"tp={tp} is larger than model.intermediate_size={cfg.intermediate_size}")
+        q, kv = _head_ranges(h, kvh, tp)[self.rank]
+        object.__setattr__(self, "_q", q)
+        object.__setattr__(self, "_kv", kv)
+        object.__setattr__(self, "_ffn", _ranges(_balanced(cfg.intermediate_size, tp))[self.rank])
 
     # --- sizes on this rank -------------------------------------------------------------
     @property
+    def q_heads(self) -> tuple[int, int]:
+        """Query heads [start, stop) of this rank."""
+        return self._q
+
+    @property
     def heads(self) -> int:
-        return self.cfg.num_attention_heads // self.tp
+        return self._q[1] - self._q[0]
 
     @property
     def kv_heads(self) -> int:
-        """K/V heads this rank holds: kvh/tp, or 1 (replicated) when kvh < tp."""
-        return max(1, self.cfg.num_key_value_heads // self.tp)
+        """K/V heads this rank holds (one, replicated, when kvh < tp)."""
+        return self._kv[1] - self._kv[0]
 
     @property
     def kv_start(self) -> int:
-        """First K/V head of this rank. With kvh < tp, tp/kvh ranks share one K/V head: the
-        query heads of rank r (h/tp of them from r*h/tp) all belong to K/V head r*kvh//tp."""
-        kvh = self.cfg.num_key_value_heads
-        return self.rank * kvh // self.tp if kvh < self.tp else self.rank * self.kv_heads
+        """First K/V head of this rank: the one its first query head belongs to."""
+        return self._kv[0]
+
+    @property
+    def ffn_rows(self) -> tuple[int, int]:
+        """FFN rows [start, stop) of this rank (gate/up output rows, down input columns)."""
+        return self._ffn
 
     @property
     def vocab_split(self) -> bool:
@@ -111,27 +137,28 @@ class TPPlan:
 
     def local_cfg(self) -> ModelConfig:
         """The config one rank's decoder layers compute with (vocabulary and width stay whole)."""
+        a, b = self._ffn
         return dataclasses.replace(self.cfg, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                                   intermediate_size=self.cfg.intermediate_size // self.tp)
+                                   intermediate_size=b - a)
 
     # --- per tensor ----------------------------------------------------------------------
     def slice_of(self, name: str) -> Slice | None:
         """This rank's part of tensor ``name`` (checkpoint naming); None = the whole tensor."""
         if self.tp == 1:
             return None
-        hd, r = self.cfg.head_dim, self.rank
+        hd = self.cfg.head_dim
         leaf = name.rsplit(".layers.", 1)[-1].split(".", 1)[-1] if ".layers." in name else name
-        ffn = self.cfg.intermediate_size // self.tp
+        (q0, q1), (kv0, kv1), (f0, f1) = self._q, self._kv, self._ffn
         if leaf.startswith("self_attn.q_proj."):
-            return Slice(0, r * self.heads * hd, (r + 1) * self.heads * hd)
+            return Slice(0, q0 * hd, q1 * hd)
         if leaf.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
-            return Slice(0, self.kv_start * hd, (self.kv_start + self.kv_heads) * hd)
+            return Slice(0, kv0 * hd, kv1 * hd)
         if leaf.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
-            return Slice(0, r * ffn, (r + 1) * ffn)
+            return Slice(0, f0, f1)
         if leaf == "self_attn.o_proj.weight":
-            return Slice(1, r * self.heads * hd, (r + 1) * self.heads * hd)
+            return Slice(1, q0 * hd, q1 * hd)
         if leaf == "mlp.down_proj.weight":
-            return Slice(1, r * ffn, (r + 1) * ffn)
+            return Slice(1, f0, f1)
         if leaf in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
             return Slice(0, 0, 0, ZEROS_OFF_RANK0)
         if name == "lm_head.weight" and self.vocab_split:
@@ -154,6 +181,34 @@ class TPPlan:
         """Tied embeddings with a split head: the head is rows ``vocab_rows`` of the (replicated)
         embedding, taken as a view on the device (an in-place update of the embedding moves both)."""
         return self.vocab_split and head_weight_name(self.cfg) == "model.embed_tokens.weight"
+
+
+def _balanced(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` counts that differ by at most one (the larger ones first)."""
+    q, extra = divmod(n, parts)
+    return [q + (i < extra) for i in range(parts)]
+
+
+def _ranges(counts: list[int]) -> list[tuple[int, int]]:
+    """Consecutive [start, stop) ranges of these sizes from 0."""
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def _head_ranges(h: int, kvh: int, tp: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(query heads, K/V heads) [start, stop) of each rank (module doc): whole K/V groups per
+    rank when tp <= kvh, else each K/V head on a balanced number of ranks sharing its queries."""
+    group = h // kvh
+    if tp <= kvh:
+        return [((a * group, b * group), (a, b)) for a, b in _ranges(_balanced(kvh, tp))]
+    out = []
+    for j, ranks in enumerate(_balanced(tp, kvh)):
+        for a, b in _ranges(_balanced(group, ranks)):
+            out.append(((j * group + a, j * group + b), (j, j + 1)))
+    return out
 
 
 def read_sharded(infos: dict[str, TensorInfo], names: list[str], plan: TPPlan,

@@ -31,8 +31,10 @@ def _params(cfg: ModelConfig) -> dict[str, np.ndarray]:
             for n, a in init_params(cfg, 0, target_tensor_shapes(cfg)).items()}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 3, 4])
 def test_column_and_row_splits_reassemble_the_full_matmuls(tp):
+    """tp = 3 divides neither the 4 query heads nor the FFN's 48 rows: balanced shares (2, 1, 1 heads;
+    16 rows each), still the full matmuls once concatenated or summed."""
     p, x = _params(CFG), np.random.default_rng(1).standard_normal((3, CFG.hidden_size)).astype(np.float32)
     plans = [TPPlan(CFG, tp, r) for r in range(tp)]
     pre = "model.layers.0."
@@ -45,32 +47,70 @@ def test_column_and_row_splits_reassemble_the_full_matmuls(tp):
                         ("mlp.down_proj", CFG.intermediate_size)):
         h = np.random.default_rng(2).standard_normal((3, width)).astype(np.float32)
         full = h @ p[pre + name + ".weight"].T + p[pre + name + ".bias"]
-        n = width // tp
-        total = sum(h[:, r * n:(r + 1) * n] @ pl.shard(pre + name + ".weight", p[pre + name + ".weight"]).T
-                    + pl.shard(pre + name + ".bias", p[pre + name + ".bias"]) for r, pl in enumerate(plans))
+        cols = [pl.slice_of(pre + name + ".weight") for pl in plans]            # each rank's input columns
+        assert [c.start for c in cols[1:]] == [c.stop for c in cols[:-1]] and cols[-1].stop == width
+        total = sum(h[:, c.start:c.stop] @ pl.shard(pre + name + ".weight", p[pre + name + ".weight"]).T
+                    + pl.shard(pre + name + ".bias", p[pre + name + ".bias"]) for c, pl in zip(cols, plans))
         np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)       # the all-reduce; bias added once
     head = p["lm_head.weight"]
-    logits = np.concatenate([x @ pl.shard("lm_head.weight", head).T for pl in plans], -1)
-    np.testing.assert_allclose(logits, x @ head.T, rtol=1e-5, atol=1e-5)    # the vocabulary gather
+    if plans[0].vocab_split:                                                   # the vocabulary gather
+        logits = np.concatenate([x @ pl.shard("lm_head.weight", head).T for pl in plans], -1)
+        np.testing.assert_allclose(logits, x @ head.T, rtol=1e-5, atol=1e-5)
+    else:                                                                      # 64 rows, tp = 3: whole
+        assert all(pl.shard("lm_head.weight", head) is head for pl in plans)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 3, 4])
 def test_each_ranks_query_heads_read_their_own_kv_head(tp):
-    """tp=4 > 2 K/V heads: ranks (0, 1) share K/V head 0 and (2, 3) head 1 (replicated)."""
+    """tp=4 > 2 K/V heads: ranks (0, 1) share K/V head 0 and (2, 3) head 1 (replicated); tp=3: ranks 0
+    and 1 share K/V head 0 (one query head each), rank 2 holds K/V head 1 with both of its."""
     hd, g = CFG.head_dim, CFG.num_attention_heads // CFG.num_key_value_heads
     k = _params(CFG)["model.layers.0.self_attn.k_proj.weight"]                  # [kvh*hd, d]
     for r in range(tp):
         pl = TPPlan(CFG, tp, r)
         local = pl.local_cfg()
-        assert local.num_attention_heads == CFG.num_attention_heads // tp
+        assert local.num_attention_heads == pl.heads and local.head_dim == CFG.head_dim
         assert local.num_attention_heads % local.num_key_value_heads == 0
         shard = pl.shard("model.layers.0.self_attn.k_proj.weight", k)
         lg = local.num_attention_heads // local.num_key_value_heads
         for j in range(local.num_attention_heads):                               # local query head j
-            global_q = r * local.num_attention_heads + j
+            global_q = pl.q_heads[0] + j
             want = k[(global_q // g) * hd:(global_q // g + 1) * hd]
             got = shard[(j // lg) * hd:(j // lg + 1) * hd]
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,ffn", [(16, 4, 5632), (4, 2, 704), (32, 8, 11008)])
+def test_uneven_shares_cover_everything_and_stay_balanced(heads, kv_heads, ffn):
+    """Every tp the heads allow: the query heads and FFN rows are partitioned, each rank's query
+    heads use its K/V heads in one ratio, the largest share of query heads is the least possible,
+    and FFN shares differ by at most one row."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=heads * 8, intermediate_size=ffn, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8)
+    group = heads // kv_heads
+    for tp in range(1, heads + 1):
+        if tp > kv_heads and -(-tp // kv_heads) > group:
+            with pytest.raises(ConfigError, match=f"tp={tp} is too large"):
+                TPPlan(cfg, tp, 0)
+            continue
+        plans = [TPPlan(cfg, tp, r) for r in range(tp)]
+        assert [p.q_heads for p in plans] == sorted(p.q_heads for p in plans)
+        assert plans[0].q_heads[0] == 0 and plans[-1].q_heads[1] == heads
+        assert all(a.q_heads[1] == b.q_heads[0] for a, b in zip(plans, plans[1:]))
+        assert sum(p.ffn_rows[1] - p.ffn_rows[0] for p in plans) == ffn
+        assert max(p.ffn_rows[1] - p.ffn_rows[0] for p in plans) - min(p.ffn_rows[1] - p.ffn_rows[0] for p in plans) <= 1
+        sizes = [p.heads for p in plans]
+        # The largest share is the least any valid split can have: some rank takes ceil(kvh/tp)
+        # whole groups, or some group is shared by only floor(tp/kvh) ranks.
+        least = -(-kv_heads // tp) * group if tp <= kv_heads else -(-group // (tp // kv_heads))
+        assert max(sizes) == least, (tp, sizes)
+        for p in plans:
+            lg = p.heads // p.kv_heads
+            assert p.heads == lg * p.kv_heads
+            for j in range(p.heads):                             # local query head j -> its local K/V head
+                assert p.kv_start + j // lg == (p.q_heads[0] + j) // group
+        if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0):     # the even split of before
+            assert sizes == [heads // tp] * tp
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -99,12 +139,12 @@ def test_vocabulary_that_tp_does_not_divide_keeps_the_head_whole():
 
 
 def test_models_and_configs_that_cannot_be_split_are_refused_naming_the_field():
-    with pytest.raises(ConfigError, match="tp=3 must divide model.num_attention_heads=4"):
-        TPPlan(CFG, 3, 0)
-    odd = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=50, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ConfigError, match="model.intermediate_size"):
-        TPPlan(odd, 4, 0)
+    with pytest.raises(ConfigError, match="tp=5 is too large for model.num_attention_heads=4"):
+        TPPlan(CFG, 5, 0)                         # 2 K/V heads of 2 query heads: 3 ranks would share one
+    small = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=3, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="model.intermediate_size=3"):
+        TPPlan(small, 4, 0)
     with pytest.raises(ConfigError, match=r"^tp=2 is invalid.*runtime.backend='torch'"):
         WorkerConfig(role="target", target_path=None, tp=2, runtime=RuntimeConfig(backend="paddle"))
     with pytest.raises(ConfigError, match=r"^tp=2 is invalid.*draft"):
