@@ -46,7 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
     p.add_argument("--temperatures", type=float, nargs="*", default=[1.0, 0.7],
                    help="sampling-modes bench: the sampling temperatures")
-    p.add_argument("--tp", type=int, default=2, help="tp bench: tensor-parallel ranks (one GPU each from --device)")
+    p.add_argument("--tp", type=int, nargs="+", default=None,
+                   help="tp bench: tensor-parallel rank counts to time side by side (default 2; one GPU per rank "
+                        "from --device); services bench: the target's ranks (one value, default 1)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive")

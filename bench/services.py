@@ -74,7 +74,15 @@ def _stack_options(args, model: Path, batches: list[int], variant: str) -> Stack
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
-                        micro_batches="micro" in variant, worker_args=extra)
+                        micro_batches="micro" in variant, worker_args=extra, target_tp=target_tp(args))
+
+
+def target_tp(args) -> int:
+    """The target's tensor-parallel ranks: ``--tp`` (one value), else 1."""
+    tps = getattr(args, "tp", None) or [1]
+    if len(tps) != 1 or tps[0] < 1:
+        raise SystemExit(f"specsplit: bench services: --tp: one rank count >= 1, got {tps}")
+    return int(tps[0])
 
 
 def main(args) -> int:
@@ -116,12 +124,13 @@ def main(args) -> int:
                     "in_rounds_spec": in_rounds(_per_round_ms(m1, m2), t_spec),
                 })
     result = {"backend": args.backend, "device": args.device, "draft_device": getattr(args, "draft_device", None)
-              or args.device, "max_tokens": args.max_tokens, "rows": rows}
+              or args.device, "target_tp": target_tp(args), "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
-          f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
+    print(f"bench services: backend={args.backend} target={args.device} (TP={target_tp(args)}) "
+          f"draft={result['draft_device']} k={args.k} max_tokens={args.max_tokens} "
+          "(three processes on loopback; round loop in the target)")
     print(f"{'variant':>15s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
           f"/ total, share of wall time in rounds")

@@ -1,10 +1,11 @@
-"""``specsplit bench tp``: the target verify step on one device vs tensor-parallel on two (issue 14).
+"""``specsplit bench tp``: the target verify step on one device vs tensor-parallel on several (issues 14, 15).
 
 Owns: timing the target's verify step (k+1 positions, through the graph registry:
 padding, input copies, replay; CUDA graphs on GPUs, with the TP collectives captured
 inside them) of the ~1B config of ``bench graphs`` (``BIG``, bf16) at batch 1 and 32,
-context 256, for TP=1 (the plain ``TargetEngine`` in this process) and TP=``--tp``
-(``TPTargetEngine`` on ranks 0..tp-1, one spawned process per GPU, NCCL), and the
+context 256, for TP=1 (the plain ``TargetEngine`` in this process) and each TP of
+``--tp`` (e.g. ``--tp 2 3``; ``TPTargetEngine`` on ranks 0..tp-1, one spawned process
+per GPU, NCCL; shares that tp does not divide are uneven, ``runtime/tp_plan.py``), and the
 control-plane cost rank 0 pays per step to hand a verify's inputs to the other ranks.
 
 Each rank builds random weights of its own shard shapes (timing only: the ranks'
@@ -93,7 +94,9 @@ def _free_port() -> int:
 
 def main(args) -> int:
     device, small, k = args.device, args.small or not args.device.startswith("cuda"), args.k
-    tp = max(2, getattr(args, "tp", 2) or 2)
+    tps = sorted({int(t) for t in (getattr(args, "tp", None) or [2])})            # default: TP=2
+    if not tps or min(tps) < 2:
+        raise SystemExit("specsplit: bench tp: --tp: rank counts of 2 or more (TP=1 is always timed)")
     iters = 5 if small else 200
     cfg = SMALL if small else BIG
     # TP=1: the production single-device path.
@@ -109,23 +112,37 @@ def main(args) -> int:
     reg.clear()
     del eng, params, reg
     ops.empty_cache()
-    # TP=tp: one spawned process per rank.
+    # Each TP size in turn: one spawned process per rank.
     ctx = multiprocessing.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, tp, port, device, small, k, iters, out)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    row = out.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    per_tp: dict[int, dict] = {}
+    for tp in tps:
+        out, port = ctx.Queue(), _free_port()
+        procs = [ctx.Process(target=_rank, args=(r, tp, port, device, small, k, iters, out)) for r in range(tp)]
+        for p in procs:
+            p.start()
+        per_tp[tp] = out.get(timeout=1800)
+        for p in procs:
+            p.join(60)
     result = {"model": "small (cpu smoke, gloo)" if small else "llama-1b-shaped d2048 L16 bf16", "device": device,
-              "tp": tp, "k": k, "context": CONTEXT,
-              "rows": [{"batch": b, "tp1_verify_ms": round(one[b], 4), f"tp{tp}_verify_ms": round(row[f"tp_verify_ms@{b}"], 4),
-                        "speedup": round(one[b] / row[f"tp_verify_ms@{b}"], 3)} for b in BATCHES],
-              "control_us_per_step": round(row["control_us_per_step"], 1)}
+              "tp": list(tps), "k": k, "context": CONTEXT,
+              "rows": [{"batch": b, "tp1_verify_ms": round(one[b], 4),
+                        **{f"tp{tp}_verify_ms": round(per_tp[tp][f"tp_verify_ms@{b}"], 4) for tp in tps},
+                        **{f"tp{tp}_speedup": round(one[b] / per_tp[tp][f"tp_verify_ms@{b}"], 3) for tp in tps}}
+                       for b in BATCHES],
+              "control_us_per_step": {f"tp{tp}": round(per_tp[tp]["control_us_per_step"], 1) for tp in tps}}
     if args.json:
         print(json.dumps(result))
         return 0
+    print(f"bench tp: {result['model']} on {device}, verify k+1={k + 1} positions, context {CONTEXT}; "
+          f"collectives {'NCCL' if device.startswith('cuda') else 'gloo'}; ms per verify (speedup over TP=1)")
+    print(f"{'batch':>5s} {'TP=1 ms':>9s} " + " ".join(f"{f'TP={tp} ms':>16s}" for tp in tps))
+    for r in result["rows"]:
+        print(f"{r['batch']:5d} {r['tp1_verify_ms']:9.3f} "
+              + " ".join(f"{r[f'tp{tp}_verify_ms']:9.3f} (x{r[f'tp{tp}_speedup']:.2f})" for tp in tps))
+    for tp in tps:
+        print(f"control plane TP={tp} (rank 0 -> others, one verify's inputs at batch {max(BATCHES)}): "
+              f"{result['control_us_per_step'][f'tp{tp}']:.0f} us per step")
+    return 0
     print(f"bench tp: {result['model']} on {device}, verify k+1={k + 1} positions, context {CONTEXT}; "
           f"TP={tp} collectives {'NCCL' if device.startswith('cuda') else 'gloo'}")
     print(f"{'batch':>5s} {'TP=1 ms':>9s} {f'TP={tp} ms':>9s} {'speedup':>8s}")

@@ -62,6 +62,7 @@ class StackOptions:
     micro_batches: bool = False              # target: two micro-batches overlapped (spec.micro_batches)
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
+    target_tp: int = 1                       # the target's tensor-parallel ranks (cuda:N.. from target_device)
     host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
     allow_insecure: bool = False             # let the orchestrator serve plaintext on a non-loopback host
     http_port: int | None = None             # orchestrator's OpenAI-compatible HTTP API (None = off, 0 = pick)
@@ -153,6 +154,8 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
     if role == "target":
         argv += ["--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
         argv += ["--spec-micro-batches" if opts.micro_batches else "--no-spec-micro-batches"]
+        if opts.target_tp > 1:
+            argv += ["--tp", str(opts.target_tp)]
     return argv + list(opts.worker_args)
 
 

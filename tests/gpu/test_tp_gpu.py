@@ -1,8 +1,9 @@
-"""A tensor-parallel target on two GPUs (NCCL, CUDA graphs with the collectives inside) gives TP=1's tokens.
+"""A tensor-parallel target on several GPUs (NCCL, CUDA graphs with the collectives inside) gives TP=1's tokens.
 
-Run on an ``nvidia-h200-x2`` host: ``python3 -m pytest -m gpu tests/gpu/test_tp_gpu.py -s``.
-The target's ranks on cuda:0 and cuda:1 (rank 0 in this process, rank 1 spawned), the draft
-sharing cuda:0; bundled model, fp32. Greedy output, target-only and speculative, with the
+Run on an ``nvidia-h200-x2`` host (TP=2) or an ``nvidia-h200-x4`` one (TP=2 and TP=3, the latter
+with uneven shares: 1, 1 and 2 query heads): ``python3 -m pytest -m gpu tests/gpu/test_tp_gpu.py -s``.
+The target's ranks on cuda:0..tp-1 (rank 0 in this process, the others spawned), the draft on
+cuda:tp when there is one, else sharing cuda:0; bundled model, fp32. Greedy output, target-only and speculative, with the
 target's graphs captured on both ranks, must equal the single-GPU engine's tokens; so must
 it after a RECAPTURE through the lifecycle RPCs.
 """
@@ -41,17 +42,21 @@ def _reference_cuda() -> list[list[int]]:
     return [list(r.tokens) for r in eng.generate(reqs)]
 
 
-def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_through_recapture():
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_on_gpus_equals_tp1_with_graphs_and_through_recapture(tp):
     import grpc
 
     from draft_service import server as draft_server
     from target_service import server as target_server
 
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"TP={tp} needs {tp} CUDA GPUs")
     ref = _reference_cuda()
-    cuda = lambda c: dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, device="cuda:0"),  # noqa: E731
-                                         capture_on_start=True)
-    draft = draft_server.start(cuda(_cfg("draft")))
-    target = target_server.start(cuda(_cfg("target", tp=2)))
+    cuda = lambda c, dev: dataclasses.replace(c, runtime=dataclasses.replace(c.runtime, device=dev),  # noqa: E731
+                                              capture_on_start=True)
+    draft_device = f"cuda:{tp}" if torch.cuda.device_count() > tp else "cuda:0"
+    draft = draft_server.start(cuda(_cfg("draft"), draft_device))
+    target = target_server.start(cuda(_cfg("target", tp=tp), "cuda:0"))
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
                           admin_token=process_token())
     rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
@@ -61,6 +66,7 @@ def test_tp2_on_two_gpus_equals_tp1_with_graphs_and_through_recapture():
     try:
         st = target.worker.status()
         assert st.graphs_mode == "cuda" and st.graph_keys and st.device == "cuda:0"
+        print(f"[gpu] TP={tp}: target cuda:0..{tp - 1}, draft {draft_device}")
         rounds.configure("", 4, 8, TIMEOUT)
         assert _generate(rounds, "solo", 0) == ref
         rounds.configure(f"127.0.0.1:{draft.port}", 4, 8, TIMEOUT)
