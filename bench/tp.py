@@ -143,11 +143,3 @@ def main(args) -> int:
         print(f"control plane TP={tp} (rank 0 -> others, one verify's inputs at batch {max(BATCHES)}): "
               f"{result['control_us_per_step'][f'tp{tp}']:.0f} us per step")
     return 0
-    print(f"bench tp: {result['model']} on {device}, verify k+1={k + 1} positions, context {CONTEXT}; "
-          f"TP={tp} collectives {'NCCL' if device.startswith('cuda') else 'gloo'}")
-    print(f"{'batch':>5s} {'TP=1 ms':>9s} {f'TP={tp} ms':>9s} {'speedup':>8s}")
-    for r in result["rows"]:
-        print(f"{r['batch']:5d} {r['tp1_verify_ms']:9.3f} {r[f'tp{tp}_verify_ms']:9.3f} {r['speedup']:8.2f}")
-    print(f"control plane (rank 0 -> others, one verify's inputs at batch {max(BATCHES)}): "
-          f"{result['control_us_per_step']:.0f} us per step")
-    return 0

@@ -47,10 +47,11 @@ pooled rate to that position's sums (which decay as every position's do), so
 in a long stretch at a smaller k the position drifts back to the pooled rate,
 ``PRIOR_TRIALS`` trials' worth, instead of keeping the estimate it had when it
 was last tested. (A position a round's k reached but an earlier rejection kept
-untested is left alone: that is how its rate is measured.) Regression it fixes: a request on held-out prose whose first rounds rejected
-drafts 2 and 3 fell to k = 1, and with those two estimates frozen it stayed
-there for the rest of the request (44 rounds, c_1 at 0.99) where k = 3 ran
-about x1.4 faster.
+untested is left alone: that is how its rate is measured.) Regression it
+fixes: a request on held-out prose whose first rounds rejected drafts 2 and 3
+fell to k = 1, and with those two estimates frozen it stayed there for the
+rest of the request (44 rounds, c_1 at 0.99) where k = 3 ran about x1.4
+faster.
 
 Where a new request's estimate starts (``LoopAcceptance``): the acceptance of
 the loop's recent request-rounds, counted as ``PRIOR_TRIALS`` trials at each
@@ -280,8 +281,9 @@ class RoundCosts:
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
         if k_max > 0 and steady:
-            # NOTE: a round's draft time is one catch-up pass plus k-1 substeps; charge it per
-            # draft, and the round's overhead (which includes the exchange) to the exchange.
+            # NOTE: a round's draft time is one catch-up pass plus k-1 substeps: kept whole per k
+            # (draft_time), and per draft for t_draft (used while a single k has been timed);
+            # the round's overhead (which includes the exchange) goes to the exchange.
             self._draft.append(draft_s / k_max)
             self._draft_by_k.setdefault(k_max, collections.deque(maxlen=self.WINDOW)).append(draft_s)
             self._exchange.append(overhead_s)

@@ -25,7 +25,6 @@ import pytest
 
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from tests.integration.reload_harness import Stack, check_segments, models, prompt_of, ref  # noqa: F401 (fixtures)
-from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,11 +36,6 @@ CALL_TIMEOUT = 60.0
 RSS_TOLERANCE_MB = 24.0
 POLICIES = ("wait", "abort", "recompute")
 MODES = ("recapture", "in_place")
-
-
-def released(st: dict) -> dict | None:
-    """``st`` when neither worker holds a slot, else None."""
-    return st if all(st[r]["used_slots"] == 0 for r in ("target", "draft")) else None
 
 
 def rss_mb() -> float:
@@ -102,8 +96,7 @@ def test_soak_50_reloads_under_traffic_all_policies(models, ref):
         for t in threads:
             t.join(CALL_TIMEOUT + 10)
         hung = [t for t in threads if t.is_alive()]
-        # NOTE: a final chunk can precede its draft Release (see reload_harness.assert_serving).
-        st = s.status() if hung else wait_until(lambda: released(s.status()), "every slot to be released")
+        st = s.status()
         s.close()
     assert not hung, f"{len(hung)} client threads hung"
     assert len(reloads) == CYCLES and all(done for *_, done in reloads)
