@@ -2,7 +2,8 @@
 # Issue 15 on a four-GPU host (nvidia-h200-x4), one device call per mode:
 #
 #   bash bench/gpu_tp4.sh OUT_DIR tests    # test_tp_gpu: TP=2 and TP=3 (uneven shares) == TP=1, graphs,
-#                                          # RECAPTURE; the draft alone on cuda:TP
+#                                          # RECAPTURE; the draft alone on cuda:TP; test_tp_reload_gpu:
+#                                          # 20 reloads under traffic, tokens exact, memory per GPU
 #   bash bench/gpu_tp4.sh OUT_DIR bench    # bench tp --tp 2 3 (~1B verify step, TP=1/2/3 side by side);
 #                                          # bench services on the ~1B config, target-only and k=3, batch
 #                                          # 1 and 8, TP=1, 2, 3 on cuda:0.., the draft alone on cuda:3
@@ -15,8 +16,8 @@ quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
 { date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader; git log --oneline -1; } | tee "$out/env.txt"
 case "$mode" in
 tests)
-  timeout 500 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_tp_gpu.py 2>&1 \
-    | tee "$out/tp_tests.log" | grep -E "^\[gpu|passed|failed|skipped|error|Error|assert"
+  timeout 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_tp_gpu.py \
+    tests/gpu/test_tp_reload_gpu.py 2>&1 | tee "$out/tp_tests.log" | grep -E "^\[gpu|passed|failed|skipped|error|Error|assert"
   ;;
 bench)
   timeout 240 python3 -m specsplit bench tp --backend torch --device cuda:0 --tp 2 3 2>&1 | quiet \

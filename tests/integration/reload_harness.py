@@ -82,10 +82,12 @@ class Stack:
     """In-process target + draft (Paddle) + orchestrator + client; ``close`` stops everything."""
 
     def __init__(self, model: Path, version: str, *, draft_graphs: bool = True, target_graphs: bool = True,
-                 target_port: int | None = None, draft_model: Path | None = None, **orch) -> None:
+                 target_port: int | None = None, draft_port: int | None = None, draft_model: Path | None = None,
+                 **orch) -> None:
+        # target_port / draft_port: a worker started by the caller (which also stops it).
         self.target = None if target_port else start_target(wcfg("target", model, version, target_graphs))
-        self.draft = start_draft(wcfg("draft", draft_model or model, version, draft_graphs))
-        kw = dict(draft_address=f"127.0.0.1:{self.draft.port}",
+        self.draft = None if draft_port else start_draft(wcfg("draft", draft_model or model, version, draft_graphs))
+        kw = dict(draft_address=f"127.0.0.1:{draft_port or self.draft.port}",
                   target_address=f"127.0.0.1:{target_port or self.target.port}", max_batch=8, max_queue=32,
                   max_tokens_limit=MAX_LEN, worker_timeout_s=TIMEOUT, reload_call_timeout_s=TIMEOUT,
                   reload_wait_timeout_s=TIMEOUT, reload_rollback_wait_s=TIMEOUT, generate_wait_during_reload_s=TIMEOUT,
