@@ -49,7 +49,13 @@ class TPTargetEngine(TargetEngine):
         if plan.head_is_embedding_view():
             self._head = params["model.embed_tokens.weight"][a:b]       # a view: in-place updates reach it
         else:
-            self._head = params[head_weight_name(plan.cfg)]                 # its vocabulary rows, or all
+            self._head = params[head_weight_name(plan.cfg)]      # its vocabulary rows (zero-padded), or all
+        # Uneven vocabulary shares: the gathered logits hold each rank's padding, dropped here.
+        counts, width = plan.vocab_counts, plan.vocab_width
+        self._vocab_index = None
+        if plan.vocab_split and min(counts) < width:
+            keep = np.concatenate([r * width + np.arange(n) for r, n in enumerate(counts)])
+            self._vocab_index = ops.from_numpy(keep.astype(np.int64))
 
     # --- the sharded forward (every rank, same order of collectives) -------------------
     def _head_logits(self, hidden):
@@ -57,7 +63,10 @@ class TPTargetEngine(TargetEngine):
         ops = self.ops
         normed = ops.rms_norm(hidden, self._weights["model.norm.weight"], self.cfg.rms_norm_eps)
         local = ops.cast(ops.linear(normed, self._head), "float32")                 # [..., V/tp]
-        return self.group.gather_last(local) if self.plan.vocab_split else local
+        if not self.plan.vocab_split:
+            return local
+        logits = self.group.gather_last(local)                                      # [..., tp * width]
+        return logits if self._vocab_index is None else ops.index_select(logits, self._vocab_index, -1)
 
     def _step(self, tokens, write_slots, positions, read_slots, attend_len=None):
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,

@@ -19,8 +19,11 @@ Math (x [.., d], rank r of tp):
   A bias of a row-split projection lives on rank 0 only (zeros elsewhere), so the
   sum adds it once.
 - head: rows [r*V/tp, (r+1)*V/tp) of the head; the ranks' logits are gathered
-  along the vocabulary. A vocabulary that ``tp`` does not divide keeps the head
-  whole on every rank (no gather).
+  along the vocabulary. A vocabulary that ``tp`` does not divide is split into
+  balanced shares, each zero-padded to the largest (ceil(V/tp) rows: the gather
+  wants equal parts), and the padding's logits are dropped after the gather;
+  only a head tied to the embedding then stays whole on every rank (its head is
+  a view of the embedding, which a padded copy would not follow in place).
 
 Splits ``tp`` does not divide (e.g. tp = 3 on 16 query / 4 K/V heads, FFN 5632):
 the ranks' shares differ by the smallest step the attention allows. A rank's
@@ -65,12 +68,14 @@ class Rendezvous:
 @dataclass(frozen=True)
 class Slice:
     """Rows or columns [start, stop) of a tensor along ``axis``; ``ZEROS_OFF_RANK0`` in mode:
-    the whole tensor on rank 0, zeros of its shape on the others (biases of row splits)."""
+    the whole tensor on rank 0, zeros of its shape on the others (biases of row splits);
+    ``pad_to``: the slice zero-padded to that length along ``axis``."""
 
     axis: int
     start: int
     stop: int
     mode: str = ""
+    pad_to: int = 0              # zero rows appended along ``axis`` up to this many (uneven vocabulary)
 
 
 @dataclass(frozen=True)
@@ -125,15 +130,27 @@ class TPPlan:
 
     @property
     def vocab_split(self) -> bool:
-        return self.tp > 1 and self.cfg.vocab_size % self.tp == 0
+        """Is the output head split by vocabulary (module doc: not a tied head that tp does not divide)?"""
+        tied = head_weight_name(self.cfg) == "model.embed_tokens.weight"
+        return self.tp > 1 and (self.cfg.vocab_size % self.tp == 0 or not tied)
+
+    @property
+    def vocab_counts(self) -> list[int]:
+        """Every rank's number of vocabulary rows (all of them on each when not split)."""
+        v = self.cfg.vocab_size
+        return _balanced(v, self.tp) if self.vocab_split else [v] * self.tp
 
     @property
     def vocab_rows(self) -> tuple[int, int]:
         """Rows of the output head this rank computes: its vocabulary slice, or all of it."""
         if not self.vocab_split:
             return 0, self.cfg.vocab_size
-        n = self.cfg.vocab_size // self.tp
-        return self.rank * n, (self.rank + 1) * n
+        return _ranges(self.vocab_counts)[self.rank]
+
+    @property
+    def vocab_width(self) -> int:
+        """Rows of this rank's head tensor: its share, zero-padded to the largest share."""
+        return max(self.vocab_counts)
 
     def local_cfg(self) -> ModelConfig:
         """The config one rank's decoder layers compute with (vocabulary and width stay whole)."""
@@ -163,7 +180,7 @@ class TPPlan:
             return Slice(0, 0, 0, ZEROS_OFF_RANK0)
         if name == "lm_head.weight" and self.vocab_split:
             a, b = self.vocab_rows
-            return Slice(0, a, b)
+            return Slice(0, a, b, pad_to=self.vocab_width if self.vocab_width > b - a else 0)
         return None                     # embedding (the tied head is a view of it), norms, q/k norms
 
     def shard(self, name: str, full: np.ndarray) -> np.ndarray:
@@ -175,7 +192,7 @@ class TPPlan:
             return full if self.rank == 0 else np.zeros_like(full)
         index = [slice(None)] * full.ndim
         index[s.axis] = slice(s.start, s.stop)
-        return np.ascontiguousarray(full[tuple(index)])
+        return _padded(np.ascontiguousarray(full[tuple(index)]), s)
 
     def head_is_embedding_view(self) -> bool:
         """Tied embeddings with a split head: the head is rows ``vocab_rows`` of the (replicated)
@@ -230,8 +247,18 @@ def read_sharded(infos: dict[str, TensorInfo], names: list[str], plan: TPPlan,
             full = read_tensor(info, bf16_bits) if plan.rank == 0 else None
             out[name] = full if full is not None else np.zeros(info.shape, dtype=_host_dtype(info, bf16_bits))
             continue
-        out[name] = _convert(_read_slice(info, s), info.dtype, bf16_bits)
+        out[name] = _padded(_convert(_read_slice(info, s), info.dtype, bf16_bits), s)
     return out
+
+
+def _padded(part: np.ndarray, s: Slice) -> np.ndarray:
+    """``part`` with zero rows appended along ``s.axis`` up to ``s.pad_to`` (as it is without)."""
+    missing = s.pad_to - part.shape[s.axis]
+    if missing <= 0:
+        return part
+    pad = [(0, 0)] * part.ndim
+    pad[s.axis] = (0, missing)
+    return np.pad(part, pad)
 
 
 def _host_dtype(info: TensorInfo, bf16_bits: bool) -> type:

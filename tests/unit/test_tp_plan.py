@@ -10,6 +10,8 @@ be split are refused naming the field.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -52,12 +54,14 @@ def test_column_and_row_splits_reassemble_the_full_matmuls(tp):
         total = sum(h[:, c.start:c.stop] @ pl.shard(pre + name + ".weight", p[pre + name + ".weight"]).T
                     + pl.shard(pre + name + ".bias", p[pre + name + ".bias"]) for c, pl in zip(cols, plans))
         np.testing.assert_allclose(total, full, rtol=1e-4, atol=1e-4)       # the all-reduce; bias added once
+    # The vocabulary gather: equal parts (64 rows at tp = 3: 22, 21, 21, each padded to 22), the
+    # padding's logits dropped.
     head = p["lm_head.weight"]
-    if plans[0].vocab_split:                                                   # the vocabulary gather
-        logits = np.concatenate([x @ pl.shard("lm_head.weight", head).T for pl in plans], -1)
-        np.testing.assert_allclose(logits, x @ head.T, rtol=1e-5, atol=1e-5)
-    else:                                                                      # 64 rows, tp = 3: whole
-        assert all(pl.shard("lm_head.weight", head) is head for pl in plans)
+    parts = [x @ pl.shard("lm_head.weight", head).T for pl in plans]
+    assert {part.shape[-1] for part in parts} == {plans[0].vocab_width}
+    logits = np.concatenate([part[:, :n] for part, n in zip(parts, plans[0].vocab_counts)], -1)
+    np.testing.assert_allclose(logits, x @ head.T, rtol=1e-5, atol=1e-5)
+    assert all(not part[:, n:].any() for part, n in zip(parts, plans[0].vocab_counts))     # zero rows
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -125,16 +129,29 @@ def test_sliced_reads_equal_slices_of_the_full_tensors(tmp_path, dtype):
             want = plan.shard(name, read_tensor(info, bf16_bits=dtype == "bfloat16"))
             assert got[name].shape == want.shape and got[name].dtype == want.dtype, name
             np.testing.assert_array_equal(got[name], want)
+        for r3 in range(3):            # uneven shares (tp = 3): the padded head shard too
+            plan3 = TPPlan(CFG, 3, r3)
+            got3 = read_sharded(infos, list(infos), plan3, bf16_bits=dtype == "bfloat16")
+            for name, info in infos.items():
+                want3 = plan3.shard(name, read_tensor(info, bf16_bits=dtype == "bfloat16"))
+                assert got3[name].shape == want3.shape, name
+                np.testing.assert_array_equal(got3[name], want3)
         if dtype == "bfloat16":        # bits, exactly the stored values
             o = got["model.layers.0.self_attn.o_proj.weight"]
             full = float32_to_bf16_bits(p["model.layers.0.self_attn.o_proj.weight"])
             np.testing.assert_array_equal(bf16_bits_to_float32(o), bf16_bits_to_float32(full[:, r * 16:(r + 1) * 16]))
 
 
-def test_vocabulary_that_tp_does_not_divide_keeps_the_head_whole():
+def test_vocabulary_that_tp_does_not_divide_is_split_padded_unless_tied_to_the_embedding():
     cfg = ModelConfig(vocab_size=65, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
-    plan = TPPlan(cfg, 2, 1)
+    plans = [TPPlan(cfg, 2, r) for r in range(2)]
+    assert [pl.vocab_rows for pl in plans] == [(0, 33), (33, 65)] and plans[1].vocab_width == 33
+    head = np.arange(65 * 32, dtype=np.float32).reshape(65, 32)
+    shard = plans[1].shard("lm_head.weight", head)
+    assert shard.shape == (33, 32) and (shard[:32] == head[33:]).all() and not shard[32].any()
+    tied = dataclasses.replace(cfg, tie_word_embeddings=True)
+    plan = TPPlan(tied, 2, 1)                         # its head is a view of the embedding: kept whole
     assert not plan.vocab_split and plan.vocab_rows == (0, 65) and plan.slice_of("lm_head.weight") is None
 
 
