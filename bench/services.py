@@ -68,21 +68,21 @@ def in_rounds(split: dict, seconds: float) -> float:
     return round(split.get("rounds", 0) * split.get("total", 0) / 1e3 / seconds, 3) if seconds > 0 else 0.0
 
 
-def _stack_options(args, model: Path, batches: list[int], variant: str) -> StackOptions:
+def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int = 1) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
-                        micro_batches="micro" in variant, worker_args=extra, target_tp=target_tp(args))
+                        micro_batches="micro" in variant, worker_args=extra, target_tp=tp)
 
 
-def target_tp(args) -> int:
-    """The target's tensor-parallel ranks: ``--tp`` (one value), else 1."""
-    tps = getattr(args, "tp", None) or [1]
-    if len(tps) != 1 or tps[0] < 1:
-        raise SystemExit(f"specsplit: bench services: --tp: one rank count >= 1, got {tps}")
-    return int(tps[0])
+def target_tps(args) -> list[int]:
+    """The target's tensor-parallel rank counts to run side by side: ``--tp``, else [1]."""
+    tps = list(dict.fromkeys(int(t) for t in (getattr(args, "tp", None) or [1])))
+    if min(tps) < 1:
+        raise SystemExit(f"specsplit: bench services: --tp: rank counts >= 1, got {tps}")
+    return tps
 
 
 def main(args) -> int:
@@ -94,11 +94,12 @@ def main(args) -> int:
             raise SystemExit(f"specsplit: bench services: --variants: {v!r} is not one of {', '.join(VARIANTS)}")
     rows = []
     first_ref: dict[int, list] = {}
-    for variant in variants:
-        with Stack(_stack_options(args, model, batches, variant)) as stack:
+    runs = [(tp, variant) for tp in target_tps(args) for variant in variants]
+    for tp, variant in runs:
+        with Stack(_stack_options(args, model, batches, variant, tp)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
-            for batch in progress(batches, desc=f"bench services ({variant})", unit="batch size"):
+            for batch in progress(batches, desc=f"bench services ({variant}, TP={tp})", unit="batch size"):
                 n = max(batch, args.prompts) if batch > 1 else args.prompts
                 prompts = (heldout_prompts(64, model) * 4)[:n]
                 _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
@@ -110,9 +111,9 @@ def main(args) -> int:
                 toks_ref = sum(len(r.tokens) for r in ref)
                 toks_spec = sum(len(r.tokens) for r in spec)
                 drafted = sum(r.drafted for r in spec)
-                first_ref.setdefault(batch, [r.tokens for r in ref])
+                first_ref.setdefault(batch, [r.tokens for r in ref])      # across variants and TP sizes
                 rows.append({
-                    "variant": variant, "batch": batch, "requests": n, "k": args.k,
+                    "variant": variant, "tp": tp, "batch": batch, "requests": n, "k": args.k,
                     "tokens_per_s_target": round(toks_ref / t_ref, 2),
                     "tokens_per_s_spec": round(toks_spec / t_spec, 2),
                     "speedup": round((toks_spec / t_spec) / (toks_ref / t_ref), 3),
@@ -124,23 +125,22 @@ def main(args) -> int:
                     "in_rounds_spec": in_rounds(_per_round_ms(m1, m2), t_spec),
                 })
     result = {"backend": args.backend, "device": args.device, "draft_device": getattr(args, "draft_device", None)
-              or args.device, "target_tp": target_tp(args), "max_tokens": args.max_tokens, "rows": rows}
+              or args.device, "target_tp": target_tps(args), "max_tokens": args.max_tokens, "rows": rows}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"bench services: backend={args.backend} target={args.device} (TP={target_tp(args)}) "
-          f"draft={result['draft_device']} k={args.k} max_tokens={args.max_tokens} "
-          "(three processes on loopback; round loop in the target)")
-    print(f"{'variant':>15s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+    print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
+          f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
+    print(f"{'variant':>15s} {'TP':>2s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
           f"/ total, share of wall time in rounds")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>15s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>15s} {r['tp']:2d} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
               f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':>15s} {'':5s} target-only round ms: target / overhead / total = "
+        print(f"{'':>15s} {'':2s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
     return 0
