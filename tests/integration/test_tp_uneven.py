@@ -1,4 +1,4 @@
-"""A tensor-parallel target whose shares are uneven (TP=3, gloo on the CPU) gives TP=1's greedy tokens.
+"""A tensor-parallel target whose shares are uneven (TP=3 and TP=4, gloo on the CPU) gives TP=1's greedy tokens.
 
 Its own module: rank 0 runs in the test process, which holds one default process group at a time
 (test_tp_target.py's TP=2 stack keeps one for its whole module).
