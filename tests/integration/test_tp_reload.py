@@ -26,7 +26,8 @@ from orchestrator.client import SpecsplitClient, SpecsplitError
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from target_service.server import start as start_target
-from tests.integration.reload_harness import MAX_LEN, TIMEOUT, Stack, check_segments, models, prompt_of  # noqa: F401
+from tests.integration.reload_harness import (MAX_LEN, TIMEOUT, Stack, check_segments, models,  # noqa: F401
+                                              prompt_of, run_gen)
 from tests.waiting import wait_until
 from worker.config import WorkerConfig
 
@@ -83,16 +84,8 @@ def run_tp_reloads(models, tp: int, cycles: int, device: str = "cpu", draft_devi
         rng = random.Random(10 * tp + i)
         with SpecsplitClient(stack.address, timeout=TIMEOUT) as c:
             while not stop.is_set():
-                prompt = prompt_of(rng.randrange(40), rng.randrange(1, 30))
-                n, chunks, end = rng.randrange(8, 48), [], None
-                try:
-                    for ev in c.generate(prompt, n, k=rng.choice((0, 1, 3)), ignore_eos=True):
-                        if ev.final:
-                            end = ev
-                        else:
-                            chunks.append(ev)
-                except SpecsplitError as exc:
-                    end = exc
+                prompt, n = prompt_of(rng.randrange(40), rng.randrange(1, 30)), rng.randrange(8, 48)
+                chunks, end = run_gen(c, prompt, n, k=rng.choice((0, 1, 3)))
                 with lock:
                     results.append((prompt, n, chunks, end))
 
