@@ -248,8 +248,6 @@ class Scheduler:
         if live:
             self._run_round(live)
         self._retire()
-        if not self._running:
-            self._flush_draft_releases()
         with self._cv:
             self._n_running = len(self._running) + len(self._parked)
             active, queued = self._n_running, len(self._waiting)
@@ -414,7 +412,8 @@ class Scheduler:
         seq.drafting = False
 
     def _flush_draft_releases(self) -> None:
-        """Idle: send the draft releases that would otherwise wait for the next round message."""
+        """The loop is going idle (``_end`` of the last request running): send the draft releases
+        that would otherwise wait for the next round message."""
         flush = getattr(self.draft, "flush_releases", None)
         if flush is None:
             return

@@ -189,6 +189,7 @@ class RoundCosts:
         self._verify: collections.deque[float] = collections.deque([t_verify], maxlen=self.WINDOW)
         self._draft: collections.deque[float] = collections.deque([t_draft], maxlen=self.WINDOW)
         self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
+        self._draft_median: dict[int, float] = {}    # k -> their median, once MIN_PERIODS were timed
         self._exchange: collections.deque[float] = collections.deque([t_exchange], maxlen=self.WINDOW)
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
@@ -217,7 +218,7 @@ class RoundCosts:
         line through the k measured so far, else k * t_draft."""
         if k <= 0:
             return 0.0
-        measured = {j: statistics.median(d) for j, d in self._draft_by_k.items() if len(d) >= MIN_PERIODS}
+        measured = self._draft_median
         if k in measured:
             return measured[k]
         if len(measured) >= 2:
@@ -285,7 +286,10 @@ class RoundCosts:
             # (draft_time), and per draft for t_draft (used while a single k has been timed);
             # the round's overhead (which includes the exchange) goes to the exchange.
             self._draft.append(draft_s / k_max)
-            self._draft_by_k.setdefault(k_max, collections.deque(maxlen=self.WINDOW)).append(draft_s)
+            by_k = self._draft_by_k.setdefault(k_max, collections.deque(maxlen=self.WINDOW))
+            by_k.append(draft_s)
+            if len(by_k) >= MIN_PERIODS:          # kept up to date here: cost() reads it every k, every round
+                self._draft_median[k_max] = statistics.median(by_k)
             self._exchange.append(overhead_s)
 
     def __repr__(self) -> str:
