@@ -24,6 +24,7 @@ from pathlib import Path
 
 _lock = threading.Lock()
 _process_token: str | None = None
+_serving: dict[int, Path] = {}     # port -> token file, for this process's servers with the generated token
 
 
 def runtime_dir(env: dict[str, str] | None = None) -> Path:
@@ -51,6 +52,33 @@ def process_token() -> str:
         if _process_token is None:
             _process_token = secrets.token_urlsafe(32)
         return _process_token
+
+
+def serve_generated(port: int, path: str | Path) -> None:
+    """Record that a server of this process listens on ``port`` with the generated token,
+    written to ``path``."""
+    with _lock:
+        _serving[port] = Path(path).expanduser()
+
+
+def stop_serving(port: int) -> None:
+    """The server on ``port`` has stopped: forget it and remove its token file if the file
+    still holds this process's token (a file another process rewrote since is left alone).
+
+    NOTE: forgotten before the file goes, and both before the port can be reused: a later
+    server on the same port with a configured token must not be taken for this one (a stale
+    file holding this process's token once made the orchestrator present the wrong token).
+    """
+    with _lock:
+        path = _serving.pop(port, None)
+        token = _process_token
+    if path is None or token is None:
+        return
+    try:
+        if read_token_file(path) == token:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def write_token_file(path: str | Path, token: str) -> Path:
@@ -117,21 +145,22 @@ def fingerprint(token: str | bytes) -> str:
 def token_for_worker(worker_admin_token: str | None, own_admin_token: str | None, address: str) -> str | None:
     """The admin token the orchestrator presents to the worker at ``address``.
 
-    In order: ``worker_admin_token``; for a loopback worker started in this process with a
-    generated token, that token (its token file holds this process's token, so it is
-    current); the orchestrator's own configured admin token (one setting serves both);
+    In order: ``worker_admin_token``; for a loopback worker served by this process with the
+    generated token (``serve_generated``, not yet ``stop_serving``), that token; the
+    orchestrator's own configured admin token (one setting serves both);
     for a loopback worker, the token file it wrote, else this process's generated token.
     None: send no token (a token of this machine never goes to another one).
     """
     if worker_admin_token:
         return worker_admin_token
-    host, _port = split_address(address)
+    host, port = split_address(address)
     local = is_loopback_host(host)
-    found = find_admin_token(address) if local else None
-    if found is not None and _process_token is not None and found == _process_token:
-        return found
+    with _lock:
+        ours = local and port in _serving
+    if ours:
+        return process_token()
     if own_admin_token:
         return own_admin_token
     if not local:
         return None
-    return found or process_token()
+    return find_admin_token(address) or process_token()

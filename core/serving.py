@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from core.config import SecurityConfig, ServerConfig
 # Who may call what (admin token, generation token, mTLS common names) lives in core.auth.
 from core.auth import ADMIN_METHODS, AUTH_HEADER, AuthInterceptor, admin_metadata  # noqa: F401 (re-exported)
-from core.admin_token import default_token_path, is_loopback_host, process_token, write_token_file
+from core.admin_token import default_token_path, is_loopback_host, process_token, serve_generated, write_token_file
 from core.audit import AdminAudit
 from core.reflection import enable_reflection
 from core.request_guard import RequestGuard
@@ -109,6 +109,7 @@ def _install_generated_token(auth: AuthInterceptor, security_cfg: SecurityConfig
         raise StartupError("admin token file", f"cannot write {path}: {exc.strerror or exc} (set "
                            f"--security-admin-token-file or an admin token)") from None
     auth.set_admin_token(token)
+    serve_generated(port, written)
     _log.warning("admin_token_generated", service=service, path=str(written),
                  message="no admin token configured: admin RPCs need the token in this file (the specsplit "
                          "CLI reads it for local addresses)")

@@ -41,7 +41,7 @@ from orchestrator.config import OrchestratorConfig
 from core.observability import start_metrics_server
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import StopStrings, load_tokenizer
-from core.admin_token import token_for_worker
+from core.admin_token import stop_serving, token_for_worker
 from core.serving import build_server
 from specsplit.v1 import common_pb2, orchestrator_pb2 as opb, orchestrator_pb2_grpc
 
@@ -377,6 +377,7 @@ class OrchestratorServer:
         """Stop now: new calls are refused, live requests end with UNAVAILABLE (their slots
         released on both workers), channels close. ``graceful_shutdown`` lets them finish first."""
         self.core.draining = True
+        stop_serving(self.port)            # NOTE: before the port is let go (see WorkerService.stop)
         done = self.server.stop(grace)
         self.core.close()
         return done

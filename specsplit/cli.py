@@ -114,6 +114,9 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
         # rank 0 gone.
         service.stop(grace=SHUTDOWN_GRACE_S)
         return 0
+    from core.admin_token import stop_serving
+
+    stop_serving(port)                        # the generated token's file goes with the service
     server.stop(grace=SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
     return 0
 

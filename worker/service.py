@@ -27,6 +27,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 
 from core import frames, wire
+from core.admin_token import stop_serving
 from core.observability import redact, start_metrics_server
 from core.serving import build_server, refuse_insecure_bind
 from core.startup import StartupError
@@ -272,6 +273,9 @@ class WorkerService:
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.health.enter_graceful_shutdown()
+        # NOTE: the generated token's registration and file go before the port is let go, so a
+        # later server of this process on the same port is never taken for this one.
+        stop_serving(self.port)
         stopped = self.server.stop(grace)
         # NOTE: the data plane closes with the gRPC server, before the worker tears down: a
         # round in flight on it ends (its client falls back) while the weights are still there.

@@ -60,9 +60,10 @@ def model(tmp_path_factory) -> Path:
 
 
 def wcfg(role: str, model: Path, security: SecurityConfig = SecurityConfig(), **server) -> WorkerConfig:
+    server = {"port": 0, **server}
     return WorkerConfig(role=role, target_path=str(model), weights_version="v1", runtime=RuntimeConfig(backend="paddle"),
                         spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=4, max_len=MAX_LEN),
-                        graphs=GraphConfig(batch_buckets=(1, 4)), server=ServerConfig(port=0, max_workers=8, **server),
+                        graphs=GraphConfig(batch_buckets=(1, 4)), server=ServerConfig(max_workers=8, **server),
                         security=security)
 
 
@@ -127,6 +128,7 @@ def test_a_service_without_credentials_generates_a_token_file_and_audits_admin_c
         assert count("ClearGraphs", "OK") >= 1 and count("ClearGraphs", "UNAUTHENTICATED") >= 2
     finally:
         svc.stop(grace=None)
+    assert not path.exists()                    # the file goes with the service that wrote it
 
 
 def test_reflection_answers_under_v1_and_v1alpha(model):
@@ -156,7 +158,13 @@ def test_one_admin_token_setting_serves_the_orchestrator_and_its_workers(model):
     """Issue 16 item 4: the orchestrator's own admin token is also what it presents to the workers."""
     token = "one-setting-3f9c1e"
     sec = SecurityConfig(admin_token=token)
-    target, draft = start_target(wcfg("target", model, sec)), start_draft(wcfg("draft", model, sec))
+    # The target's port was served a moment ago by a target of this process with the generated
+    # token (what CI's port reuse did by chance in stop 22): that one's token must not be sent.
+    earlier = start_target(wcfg("target", model))
+    reused = earlier.port
+    earlier.stop(grace=None)
+    target = start_target(wcfg("target", model, sec, port=reused))
+    draft = start_draft(wcfg("draft", model, sec))
     orch, port = create_server(OrchestratorConfig(
         draft_address=f"127.0.0.1:{draft.port}", target_address=f"127.0.0.1:{target.port}", max_batch=4,
         worker_timeout_s=TIMEOUT, reload_call_timeout_s=TIMEOUT, server=ServerConfig(port=0), security=sec))

@@ -48,5 +48,27 @@ def test_token_for_worker_order(runtime):
     assert at.token_for_worker(None, "own", "10.1.2.3:7001") == "own"
     assert at.token_for_worker(None, None, "10.1.2.3:7001") is None
     assert at.token_for_worker(None, None, "127.0.0.1:7002") == at.process_token()
-    at.write_token_file(at.default_token_path(7003), at.process_token())    # a worker of this process
-    assert at.token_for_worker(None, "own", "127.0.0.1:7003") == at.process_token()
+    at.serve_generated(7003, at.write_token_file(at.default_token_path(7003), at.process_token()))
+    try:                                                                     # a worker of this process
+        assert at.token_for_worker(None, "own", "127.0.0.1:7003") == at.process_token()
+    finally:
+        at.stop_serving(7003)
+
+
+def test_a_stopped_servers_token_file_goes_and_is_never_taken_for_a_later_server(runtime):
+    """CI failure of stop 22: a server of this process with the generated token stopped, its file
+    stayed, and a later server on the same port with a configured token was sent this process's
+    token (UNAUTHENTICATED). The file goes with the server, and only a live registration counts."""
+    path = at.write_token_file(at.default_token_path(7004), at.process_token())
+    at.serve_generated(7004, path)
+    at.stop_serving(7004)
+    assert not path.exists()
+    assert at.token_for_worker(None, "own", "127.0.0.1:7004") == "own"
+    # A file this process did not write (or one rewritten since) is not ours to remove, and a
+    # leftover file holding this process's token no longer outranks the configured token.
+    at.write_token_file(path, at.process_token())
+    assert at.token_for_worker(None, "own", "127.0.0.1:7004") == "own"
+    other = at.write_token_file(at.default_token_path(7005), "another-process")
+    at.serve_generated(7005, other)
+    at.stop_serving(7005)
+    assert other.exists()
