@@ -84,16 +84,39 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
 
     def _answer_propose(self, msg: dpb.ProposeRequest) -> dpb.ProposeResponse:
         """One Propose message -> its response: the one handling of both transports (the
-        Propose stream and the data plane). Releases ride on the message and run first."""
-        def release(msg: dpb.ProposeRequest) -> None:
+        Propose stream and the data plane). Releases ride on the message and run first, then
+        the joining requests' prefill (``prefill_items``), then the round's items.
+
+        NOTE: releases before the prefill (a finished id that joins again must find its old
+        cache gone) and the prefill before the items (a joiner's first Propose may follow in
+        the same message). Device work runs inline on the message's thread (``DeviceThread``)."""
+        prefill: list[Any] = []
+        prefill_error: list[wire.ItemError] = []
+
+        def before(msg: dpb.ProposeRequest) -> None:
             if msg.release_request_ids:
                 ids = list(msg.release_request_ids)
-                self._round_results("release", lambda: self.worker.release(ids), 0, msg.round)
+                self._round_results("release", lambda: self.worker.release(ids, inline=True), 0, msg.round)
+            if msg.prefill_items:
+                items = decode_items(msg.prefill_items, lambda i, it: _decode_prefill(i, it, self.max_tensor_bytes))
+                try:
+                    results = self.worker.prefill(items, inline=True)
+                except Exception as exc:  # noqa: BLE001 - the whole prefill failed: said once, as the RPC would
+                    prefill_error.append(wire.item_error_for(exc))
+                    if prefill_error[0].code == grpc.StatusCode.INTERNAL:
+                        self.log.exception("prefill_failed", round=msg.round)
+                    return
+                prefill.extend(result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {})
+                               for it, res in zip(msg.prefill_items, results))
 
-        return self._round_answer(msg, "propose", lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
-                                  lambda items, round_: self.worker.propose(items, round_),
+        resp = self._round_answer(msg, "propose", lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
+                                  lambda items, round_: self.worker.propose(items, round_) if items else [],
                                   lambda rid, res: result_proto(dpb.ProposeResult, rid, res, _proposal),
-                                  dpb.ProposeResponse, before=release)
+                                  dpb.ProposeResponse, before=before)
+        resp.prefill_results.extend(prefill)
+        if prefill_error:
+            resp.prefill_error.CopyFrom(wire.item_error_to_proto(prefill_error[0]))
+        return resp
 
     def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
                 context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:

@@ -55,6 +55,7 @@ class RemoteHandle:
         self._streamed: list[int] = []
         self._ended = False
         self._failure: str | None = None         # set by fail(): why the orchestrator ended the call
+        self._final: Event | None = None         # a final event whose last chunk was returned first
 
     @property
     def request_id(self) -> str:
@@ -77,6 +78,9 @@ class RemoteHandle:
     def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event (blocks until the target sends one or the call ends; ``timeout`` is
         accepted for the scheduler's handle interface: a cancelled call always returns)."""
+        if self._final is not None:
+            ev, self._final = self._final, None
+            return self._end(ev)
         if self._ended:
             return None
         try:
@@ -90,18 +94,26 @@ class RemoteHandle:
             return self._end(self._error(exc))
         which = msg.WhichOneof("event")
         if which == "chunk":
-            c = msg.chunk
-            ev = TokensEvent(tuple(c.tokens), c.round, c.num_accepted, c.num_drafted, c.weights_version, _timing(c))
-            self._streamed.extend(ev.tokens)
-            self._rounds.observe_chunk(ev)
-            return ev
+            return self._chunk(msg.chunk)
         if which == "final":
             f = msg.final
-            return self._end(FinalEvent(f.finish_reason, tuple(f.output), f.prompt_tokens, stats_from_proto(f.stats),
-                                        f.weights_version))
+            final = FinalEvent(f.finish_reason, tuple(f.output), f.prompt_tokens, stats_from_proto(f.stats),
+                               f.weights_version)
+            if f.HasField("last_chunk"):
+                # NOTE: the last round's chunk rode on the final event (chunk_in_final): it is
+                # returned first, the final event at the next call.
+                self._final = final
+                return self._chunk(f.last_chunk)
+            return self._end(final)
         err = msg.error
         return self._end(ErrorEvent(_CODE_NAMES.get(err.error.code, "INTERNAL"), err.error.message,
                                     tuple(err.streamed) or tuple(self._streamed)))
+
+    def _chunk(self, c: tpb.DecodeChunk) -> TokensEvent:
+        ev = TokensEvent(tuple(c.tokens), c.round, c.num_accepted, c.num_drafted, c.weights_version, _timing(c))
+        self._streamed.extend(ev.tokens)
+        self._rounds.observe_chunk(ev)
+        return ev
 
     def _resume_after_reload(self, exc: grpc.RpcError) -> bool:
         """The target went away during a weight reload (a RECOMPUTE reload parks requests in the
@@ -186,7 +198,8 @@ class RemoteRounds:
         p = req.params
         msg = tpb.DecodeRequest(request_id=req.request_id, prompt=list(req.prompt), params=wire.params_to_proto(p),
                                 max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
-                                ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output))
+                                ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output),
+                                chunk_in_final=True)
         # NOTE: a generation's only deadline is this generous bound: a dead target ends
         # the call at once (the channel breaks), and cancel() ends it when the client leaves.
         return self.target.stub.Decode(msg, timeout=self.decode_deadline_s)

@@ -375,15 +375,17 @@ class Scheduler:
             d0, a0 = before[rid]
             nd, na = x.seq.stats.drafted - d0, x.seq.stats.accepted - a0
             ks_acc.append((nd, na))
-            self._push_tokens(x, emitted.get(rid, []), na, nd, timing)
+            self._push_tokens(x, emitted.get(rid, []), na, nd, timing, last=x.seq.finish_reason is not None)
         self.observer.on_round(timing, ks_acc)
 
     def _push_tokens(self, live: _Live, tokens: list[int], accepted: int, drafted: int,
-                     timing: RoundTiming | None = None) -> None:
+                     timing: RoundTiming | None = None, last: bool = False) -> None:
+        """``last``: the request finished in this round (``_retire`` ends it after the round), so a
+        stream may carry these tokens with the final event instead of on their own."""
         if tokens:
             live.streamed.extend(tokens)
             live.handle.events.put(TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version,
-                                               timing))
+                                               timing, last))
 
     def _retire(self) -> None:
         for live in [x for x in self._running if x.seq.finish_reason is not None]:

@@ -75,6 +75,7 @@ class TokensEvent:
     num_drafted: int
     weights_version: str
     timing: "RoundTiming | None" = None  # the round these tokens came from (None at admission)
+    last: bool = False                  # the request finished in this round: its final event comes next
 
 
 @dataclass(frozen=True)

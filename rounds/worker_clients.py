@@ -73,7 +73,13 @@ def make_channel(address: str, *, max_message_bytes: int, tls_ca: str | None = N
 
 def _rpc_error(role: str, what: str, exc: grpc.RpcError) -> RequestError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    msg = f"{role} {what}: {code.name}: {exc.details() if hasattr(exc, 'details') else exc}"
+    return _call_error(role, what, code, exc.details() if hasattr(exc, "details") else str(exc))
+
+
+def _call_error(role: str, what: str, code: grpc.StatusCode, details: str) -> RequestError:
+    """A whole call's failure, as the scheduler sees it: WorkerUnavailable for the codes that mean
+    the worker is away, else RequestError with the code."""
+    msg = f"{role} {what}: {code.name}: {details}"
     return WorkerUnavailable(msg) if code in _UNAVAILABLE_CODES else RequestError(code.name, msg)
 
 
@@ -423,6 +429,7 @@ class DraftClient(_WorkerClient):
                                    ssl_context=tls_context(kw.get("tls_ca"), kw.get("client_cert"),
                                                            kw.get("client_key")))
         self._pending_release: list[str] = []   # released ids not yet sent (ride on the next message)
+        self._data_prefill = True               # False: this draft ignores prefill_items (it predates them)
 
     @property
     def uses_data_plane(self) -> bool:
@@ -445,18 +452,56 @@ class DraftClient(_WorkerClient):
         ids, self._pending_release = self._pending_release, []
         return ids
 
-    def flush_releases(self) -> list[str]:
-        """Send the deferred releases now (one Release call); returns the ids the draft held."""
+    def flush_releases(self) -> None:
+        """Send the deferred releases now: a message of their own on the data plane, else one
+        Release call."""
         ids = self._take_releases()
-        return self.release_many(ids) if ids else []
+        if not ids:
+            return
+        if self._data_message(draft_pb2.ProposeRequest(release_request_ids=ids), "Release") is None:
+            self.release_many(ids)
 
     def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
+        """The joiners' prefill (and the deferred releases, first): one message on the data plane
+        when it is usable, else the Prefill RPC. Per-item failures raise ItemFailures; a failure of
+        the whole prefill raises what the RPC's status would (RequestError / WorkerUnavailable)."""
         items = [draft_pb2.DraftPrefillItem(request_id=r.request_id, tokens=[int(t) for t in r.tokens],
                                             hidden=_hidden_to_wire(r.hidden), params=wire.params_to_proto(r.params))
                  for r in reqs]
-        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items,
-                                                                    release_request_ids=self._take_releases()))
+        releases = self._take_releases()
+        self.last_compute_seconds = None                     # a prefill reports no round compute
+        if self._data_prefill:
+            resp = self._data_message(draft_pb2.ProposeRequest(prefill_items=items, release_request_ids=releases),
+                                      "Prefill")
+            if resp is not None:
+                releases = []                                # sent: they ran first, whatever follows
+                if resp.HasField("prefill_error"):
+                    err = resp.prefill_error
+                    raise _call_error("draft", "Prefill", grpc.StatusCode[_CODE_NAMES.get(err.code, "INTERNAL")],
+                                      err.message)
+                if len(resp.prefill_results) == len(items):
+                    _collect("draft", reqs, resp.prefill_results, lambda q, res: None)
+                    return
+                # NOTE: a draft that predates prefill_items released and ignored them: this
+                # prefill and every later one go through the Prefill RPC.
+                self._data_prefill = False
+                log.info("draft_data_plane_prefill_unsupported", address=self.address)
+        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items, release_request_ids=releases))
         _collect("draft", reqs, resp.results, lambda q, res: None)
+
+    def _data_message(self, msg: draft_pb2.ProposeRequest, what: str) -> draft_pb2.ProposeResponse | None:
+        """A message between rounds (a prefill, releases) on the data plane, numbered like a round:
+        its answer, or None when the data plane is not usable or could not be opened (the caller
+        uses gRPC). A connection that breaks mid-exchange raises WorkerUnavailable, as a round does."""
+        if not self._data.usable:
+            return None
+        msg.round = self._next_round()
+        try:
+            return self._data.exchange(msg, what)
+        except ConnectFailed as exc:
+            log.warning("data_plane_unreachable", address=self.address, error=exc.message,
+                        retry_after_s=data_plane.RETRY_AFTER_S)
+            return None
 
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
         return self.propose_async(reqs)()

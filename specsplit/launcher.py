@@ -13,7 +13,6 @@ Must not know: the services' internals.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import queue
@@ -30,13 +29,28 @@ START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 15.0
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setpgrp()
+# NOTE: a child sets its own PR_SET_PDEATHSIG after exec (this bootstrap), never in a preexec_fn:
+# a preexec_fn makes subprocess fork() instead of vfork(), which runs gRPC's fork handlers, and
+# with other threads inside gRPC the child could abort before its exec (CI: a restarted draft
+# "exited with code -6", "Mutex::Fer with pending CondVar queueing"). A parent already gone by
+# then (getppid differs) means the child exits at once.
+_BOOT = """import ctypes, os, runpy, signal, sys
+try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+except OSError:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+sys.argv = ["specsplit", *sys.argv[2:]]
+runpy.run_module("specsplit", run_name="__main__", alter_sys=True)
+"""
+
+
+def _boot_argv(argv: list[str]) -> list[str]:
+    """``python -m specsplit ARGS`` as a child that dies with this process (``_BOOT``)."""
+    if argv[1:3] != ["-m", "specsplit"]:
+        raise ValueError(f"not a specsplit command line: {argv[:3]}")
+    return [argv[0], "-c", _BOOT, str(os.getpid()), *argv[3:]]
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,9 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
-                                     preexec_fn=_die_with_parent)
+        # process_group=0: the child leads a process group of its own (what setpgrp did before).
+        self.proc = subprocess.Popen(_boot_argv(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                     text=True, process_group=0)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.failure: str | None = None      # the child's one-line start-up error, held back (see _pump_stderr)
         threading.Thread(target=self._pump, daemon=True).start()

@@ -105,7 +105,8 @@ def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:
                            ahead_used=s.ahead_used)
 
 
-def _event_proto(ev: Any) -> tpb.DecodeEvent:
+def _event_proto(ev: Any, last_chunk: TokensEvent | None = None) -> tpb.DecodeEvent:
+    """One event as sent; ``last_chunk``: a final event's round chunk riding on it (chunk_in_final)."""
     if isinstance(ev, TokensEvent):
         chunk = tpb.DecodeChunk(tokens=ev.tokens, round=ev.round, num_accepted=ev.num_accepted,
                                 num_drafted=ev.num_drafted, weights_version=ev.weights_version)
@@ -116,9 +117,11 @@ def _event_proto(ev: Any) -> tpb.DecodeEvent:
                                                   total_seconds=t.wall_s))
         return tpb.DecodeEvent(chunk=chunk)
     if isinstance(ev, FinalEvent):
-        return tpb.DecodeEvent(final=tpb.DecodeFinal(
-            finish_reason=ev.finish_reason, output=ev.output, prompt_tokens=ev.prompt_tokens,
-            stats=stats_to_proto(ev.stats), weights_version=ev.weights_version))
+        final = tpb.DecodeFinal(finish_reason=ev.finish_reason, output=ev.output, prompt_tokens=ev.prompt_tokens,
+                                stats=stats_to_proto(ev.stats), weights_version=ev.weights_version)
+        if last_chunk is not None:
+            final.last_chunk.CopyFrom(_event_proto(last_chunk).chunk)
+        return tpb.DecodeEvent(final=final)
     return tpb.DecodeEvent(error=tpb.DecodeError(
         error=common_pb2.ItemError(code=grpc.StatusCode[ev.code].value[0], message=ev.message), streamed=ev.output))
 
@@ -151,6 +154,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
         # and the scheduler frees the slots at its next round boundary.
         if not context.add_callback(handle.cancel):
             handle.cancel()
+        held: TokensEvent | None = None          # the last round's chunk, waiting for the final event
         while True:
             ev = handle.next_event(EVENT_POLL_S)
             if ev is None:
@@ -158,7 +162,17 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
                     handle.cancel()
                     return
                 continue
-            yield _event_proto(ev)
+            # NOTE: with chunk_in_final, the chunk of the round the request finished in waits
+            # for the final event (it follows within the round's end: the releases) and rides
+            # on it; anything but a final sends it on its own first, in order.
+            if isinstance(ev, TokensEvent) and ev.last and request.chunk_in_final and held is None:
+                held = ev
+                continue
+            if held is not None and not isinstance(ev, FinalEvent):
+                yield _event_proto(held)
+                held = None
+            yield _event_proto(ev, held if isinstance(ev, FinalEvent) else None)
+            held = None
             if not isinstance(ev, TokensEvent):
                 return
 

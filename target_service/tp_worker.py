@@ -81,7 +81,7 @@ def rank_config(cfg: WorkerConfig, rank: int) -> WorkerConfig:
 
 class TPTargetWorker(TargetWorker):
     # NOTE: every step of a TP group (and its collectives) stays on the device thread.
-    inline_steps = ()
+    inline_steps, allow_inline = (), False
 
     def __init__(self, cfg: WorkerConfig, log: Any = None, rendezvous: Rendezvous | None = None,
                  after_close: Callable[[], None] | None = None) -> None:

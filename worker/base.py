@@ -94,6 +94,8 @@ class Worker:
     # Per-round steps that may run on the caller's thread while the device thread is idle
     # (``DeviceThread.run(inline=True)``): no hop to the device thread and back (issue 10).
     inline_steps: tuple[str, ...] = ()
+    # False: no device work ever runs on a caller's thread, whatever the caller asks (TP ranks).
+    allow_inline = True
 
     def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
         self.cfg = cfg
@@ -313,8 +315,9 @@ class Worker:
         self.release_weights()
 
     # --- requests ----------------------------------------------------------------
-    def release(self, request_ids: list[str]) -> list[str]:
-        """Free the caches of these requests; unknown ids are ignored. Returns those that were held."""
+    def release(self, request_ids: list[str], inline: bool = False) -> list[str]:
+        """Free the caches of these requests; unknown ids are ignored. Returns those that were held.
+        ``inline``: the caller is on the per-round path (``DeviceThread.run(inline=True)``)."""
         def work() -> list[str]:
             eng = self.engine
             if eng is None:
@@ -324,15 +327,15 @@ class Worker:
                 self.metrics.slots(eng.cache.used_slots, eng.cache.free_slots)
             return released
 
-        return self.device.run(work)
+        return self.device.run(work, inline=inline and self.allow_inline)
 
-    def prefill(self, items: list[Any]) -> list[Any]:
+    def prefill(self, items: list[Any], inline: bool | None = None) -> list[Any]:
         """The engine's prefill of each valid item (target: prompt -> first token and hidden rows;
         draft: prompt pairs into its cache, None = success), one batch; errors per item.
         Raises LifecycleError (whole batch) when no weights are loaded."""
-        return self.run("prefill", items)
+        return self.run("prefill", items, inline=inline)
 
-    def run(self, step: str, items: list[Any], round_: int | None = None) -> list[Any]:
+    def run(self, step: str, items: list[Any], round_: int | None = None, inline: bool | None = None) -> list[Any]:
         """Answer every item of a batched ``step`` ("prefill", "propose", "verify"), in order.
 
         The engine's ``check_<step>`` refuses the items it cannot run (each gets its error);
@@ -340,6 +343,8 @@ class Worker:
         returns nothing). Items that are already errors (the servicer could not decode them)
         pass through. If the batch itself fails, each of its items gets that error; the
         worker goes on. Raises LifecycleError for the whole batch when no weights are loaded.
+        ``inline``: may run on the caller's thread (``DeviceThread.run``); None: the role's
+        ``inline_steps`` decide.
         """
         t0 = time.perf_counter()
 
@@ -371,7 +376,7 @@ class Worker:
                 self.metrics.slots(engine.cache.used_slots, engine.cache.free_slots)
             return out
 
-        out = self.device.run(work, inline=step in self.inline_steps)
+        out = self.device.run(work, inline=self.allow_inline and (step in self.inline_steps if inline is None else inline))
         errors = [(i, e) for i, e in enumerate(out) if isinstance(e, ItemError)]
         if self.metrics is not None:
             self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])

@@ -194,6 +194,7 @@ class ProposeRequest(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     RELEASE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    PREFILL_ITEMS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """Scheduler's round number, echoed in the response."""
     @_builtins.property
@@ -204,16 +205,24 @@ class ProposeRequest(_message.Message):
         unknown ids are ignored). Releases ride on the round instead of their own call.
         """
 
+    @_builtins.property
+    def prefill_items(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftPrefillItem]:
+        """Joining requests to prefill after the releases and before the items (what the
+        Prefill RPC does, on the data plane: no gRPC call of its own). A message may
+        carry only these, only releases, or nothing but its round number.
+        """
+
     def __init__(
         self,
         *,
         round: _builtins.int = ...,
         items: _abc.Iterable[Global___ProposeItem] | None = ...,
         release_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        prefill_items: _abc.Iterable[Global___DraftPrefillItem] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "release_request_ids", b"release_request_ids", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "prefill_items", b"prefill_items", "release_request_ids", b"release_request_ids", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -285,6 +294,8 @@ class ProposeResponse(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    PREFILL_RESULTS_FIELD_NUMBER: _builtins.int
+    PREFILL_ERROR_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     compute_seconds: _builtins.float
     """Seconds the worker spent computing this round (the rest of the round
@@ -292,16 +303,30 @@ class ProposeResponse(_message.Message):
     """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProposeResult]: ...
+    @_builtins.property
+    def prefill_results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftPrefillResult]:
+        """One per prefill_items entry, in order (absent from drafts that predate them:
+        the client then prefills through the Prefill RPC).
+        """
+
+    @_builtins.property
+    def prefill_error(self) -> _common_pb2.ItemError:
+        """Set when the whole prefill failed (e.g. no weights loaded): what the Prefill
+        RPC answers with a status; prefill_results is then empty.
+        """
+
     def __init__(
         self,
         *,
         round: _builtins.int = ...,
         results: _abc.Iterable[Global___ProposeResult] | None = ...,
         compute_seconds: _builtins.float = ...,
+        prefill_results: _abc.Iterable[Global___DraftPrefillResult] | None = ...,
+        prefill_error: _common_pb2.ItemError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill_error", b"prefill_error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "results", b"results", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "prefill_error", b"prefill_error", "prefill_results", b"prefill_results", "results", b"results", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -123,6 +123,7 @@ class DecodeRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     K_FIELD_NUMBER: _builtins.int
     RESUME_OUTPUT_FIELD_NUMBER: _builtins.int
+    CHUNK_IN_FINAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the target holds; at most 128 characters."""
     max_tokens: _builtins.int
@@ -131,6 +132,10 @@ class DecodeRequest(_message.Message):
     """When true, the model's EOS token does not stop generation."""
     k: _builtins.int
     """Drafts per round (0 = target-only); at most the draft's max_k."""
+    chunk_in_final: _builtins.bool
+    """The caller reads DecodeFinal.last_chunk: the chunk of the round a request
+    finishes in rides on its final event (one message instead of two).
+    """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """t_0..t_{n-1}; at least one token, each in [0, vocab_size)."""
@@ -160,10 +165,11 @@ class DecodeRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         k: _builtins.int = ...,
         resume_output: _abc.Iterable[_builtins.int] | None = ...,
+        chunk_in_final: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_in_final", b"chunk_in_final", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -306,6 +312,7 @@ class DecodeFinal(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    LAST_CHUNK_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
     """"stop" | "length" | "aborted" | "cancelled"."""
     prompt_tokens: _builtins.int
@@ -316,6 +323,13 @@ class DecodeFinal(_message.Message):
 
     @_builtins.property
     def stats(self) -> Global___DecodeStats: ...
+    @_builtins.property
+    def last_chunk(self) -> Global___DecodeChunk:
+        """With DecodeRequest.chunk_in_final: the chunk of the round the request
+        finished in, not sent on its own (unset when that round's chunk was sent,
+        or the request ended without one).
+        """
+
     def __init__(
         self,
         *,
@@ -324,10 +338,11 @@ class DecodeFinal(_message.Message):
         prompt_tokens: _builtins.int = ...,
         stats: Global___DecodeStats | None = ...,
         weights_version: _builtins.str = ...,
+        last_chunk: Global___DecodeChunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_chunk", b"last_chunk", "stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "output", b"output", "prompt_tokens", b"prompt_tokens", "stats", b"stats", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "last_chunk", b"last_chunk", "output", b"output", "prompt_tokens", b"prompt_tokens", "stats", b"stats", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,7 +85,7 @@ def test_propose_over_the_data_plane_equals_the_grpc_stream(draft):
         mid = dp.get_status(timeout=TIMEOUT).data_plane_frames
         over_grpc = _propose(grpc_only, "b", st.hidden_size)
         assert len(over_dp) == 3 and over_dp.tolist() == over_grpc.tolist()
-        assert mid == st.data_plane_frames + 1                                # the data plane carried it
+        assert mid == st.data_plane_frames + 3        # the data plane carried the prefill, the Propose, the release
         assert dp.get_status(timeout=TIMEOUT).data_plane_frames == mid        # the stream did not
     finally:
         dp.close()
@@ -249,7 +249,7 @@ def test_tls_data_plane_without_client_certificates(certs, draft):
         st = client.get_status(timeout=TIMEOUT)
         assert client.uses_data_plane
         assert _propose(client, "t", st.hidden_size).tolist() == _propose(plain, "t", st.hidden_size).tolist()
-        assert client.get_status(timeout=TIMEOUT).data_plane_frames == st.data_plane_frames + 1
+        assert client.get_status(timeout=TIMEOUT).data_plane_frames == st.data_plane_frames + 3   # prefill, Propose, release
     finally:
         client.close()
         plain.close()
@@ -323,3 +323,86 @@ def test_config_and_addresses():
         WorkerConfig(role="draft", target_path=None, data_plane_port=-2)
     assert address_host("draft:50061") == "draft" and address_host("[::1]:5") == "::1"
     assert address_host("dns:///10.0.0.2:7") == "10.0.0.2" and address_host("unix:/tmp/s") is None
+
+
+# --- prefill and releases between rounds ----------------------------------------------------
+
+
+def _prefill_errors(client: DraftClient, hidden_size: int) -> tuple[type, str, str]:
+    """(exception type, code, message tail) of a prefill that the draft refuses as a whole."""
+    hidden = np.zeros((2, hidden_size), dtype=np.float32)
+    try:
+        client.prefill([DraftPrefillRequest("e", np.array([5, 6]), hidden, SamplingParams())])
+    except Exception as exc:  # noqa: BLE001 - what is compared is the failure itself
+        return type(exc), getattr(exc, "code", ""), str(exc).split(": ", 2)[-1]
+    raise AssertionError("the prefill was not refused")
+
+
+def test_a_whole_prefill_failure_reads_the_same_over_both_transports():
+    """A draft with no weights refuses a prefill as a whole: over the data plane the client raises
+    what the Prefill RPC's status raises (the scheduler then treats the draft as lost, not the
+    requests as failed)."""
+    import dataclasses
+
+    svc = draft_server.start(dataclasses.replace(_cfg(), target_path=None))
+    dp, rpc = _client(svc), _client(svc, data_plane=False)
+    try:
+        st = dp.get_status(timeout=TIMEOUT)
+        assert dp.uses_data_plane and st.data_plane_frames == 0
+        with structlog.testing.capture_logs() as logs:
+            over_dp, over_rpc = _prefill_errors(dp, 256), _prefill_errors(rpc, 256)
+        assert over_dp == over_rpc and over_dp[1] == "FAILED_PRECONDITION", (over_dp, over_rpc)
+        assert not [e for e in logs if e["event"] == "draft_data_plane_prefill_unsupported"]   # not an old draft
+        assert dp.get_status(timeout=TIMEOUT).data_plane_frames == 1          # the data plane carried it
+    finally:
+        dp.close()
+        rpc.close()
+        svc.stop(grace=None)
+
+
+def test_a_draft_that_ignores_prefill_items_gets_the_prefill_rpc(draft):
+    """A draft that predates ``prefill_items`` answers such a message without ``prefill_results``
+    (it ran the releases, ignored the rest): the client prefills through the Prefill RPC, then and
+    from then on, and the drafts are the same."""
+    svc = draft_server.start(_cfg())
+    real = svc.data_plane._handle
+
+    def older_draft(body: bytes) -> bytes:
+        msg = draft_pb2.ProposeRequest.FromString(body)
+        msg.ClearField("prefill_items")
+        return real(msg.SerializeToString())
+
+    svc.data_plane._handle = older_draft
+    client, reference = _client(svc), _client(draft)
+    try:
+        hidden = client.get_status(timeout=TIMEOUT).hidden_size
+        with structlog.testing.capture_logs() as logs:
+            got = _propose(client, "old-1", hidden)
+        assert got.tolist() == _propose(reference, "old-1", hidden).tolist()
+        assert [e["event"] for e in logs].count("draft_data_plane_prefill_unsupported") == 1
+        before = client.get_status(timeout=TIMEOUT).data_plane_frames
+        assert _propose(client, "old-2", hidden).tolist() == got.tolist()
+        # The second prefill went over gRPC at once: only the Propose and the release used frames.
+        assert client.get_status(timeout=TIMEOUT).data_plane_frames == before + 2
+    finally:
+        client.close()
+        reference.close()
+        svc.stop(grace=None)
+
+
+def test_a_per_item_prefill_failure_over_the_data_plane_fails_only_that_item(draft):
+    from rounds.scheduler_types import ItemFailures
+
+    client = _client(draft)
+    try:
+        hidden = client.get_status(timeout=TIMEOUT).hidden_size
+        good = DraftPrefillRequest("ok-item", np.array([5, 6]), np.zeros((2, hidden), np.float32), SamplingParams())
+        bad = DraftPrefillRequest("bad-item", np.array([5, 6]), np.zeros((2, hidden + 1), np.float32),
+                                  SamplingParams())
+        with pytest.raises(ItemFailures) as caught:
+            client.prefill([good, bad])
+        assert set(caught.value.errors) == {"bad-item"} and caught.value.errors["bad-item"].code == "INVALID_ARGUMENT"
+        client.release("ok-item")
+        client.flush_releases()
+    finally:
+        client.close()

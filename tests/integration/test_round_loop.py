@@ -110,6 +110,35 @@ def test_ahead_drafting_over_grpc_is_exact_and_used(stack):
     assert rounds.status().active_requests == 0
 
 
+def test_the_last_rounds_chunk_rides_on_the_final_event_when_asked(stack):
+    """DecodeRequest.chunk_in_final: the round a request finishes in sends no chunk of its own, its
+    tokens come in DecodeFinal.last_chunk (with the round's timing); without it, a chunk and then a
+    final event without one, as before. Same tokens either way, and the orchestrator's reader
+    (RemoteRounds, which asks for it) streams them all."""
+    rounds, draft_address = stack
+    rounds.configure(draft_address, 4, 8, TIMEOUT)
+    prompt = list(_prompts(1)[0])
+    runs = {}
+    for flag in (False, True):
+        events = list(rounds.target.stub.Decode(tpb.DecodeRequest(
+            request_id=f"cif-{flag}", prompt=prompt, max_tokens=24, ignore_eos=True, k=3, chunk_in_final=flag),
+            timeout=TIMEOUT))
+        *chunks, last = events
+        assert all(e.WhichOneof("event") == "chunk" for e in chunks) and last.WhichOneof("event") == "final"
+        streamed = [t for e in chunks for t in e.chunk.tokens]
+        if flag:
+            tail = last.final.last_chunk
+            assert tail.tokens and tail.timing.round == tail.round > chunks[-1].chunk.round
+            streamed += list(tail.tokens)
+        else:
+            assert not last.final.HasField("last_chunk")
+        assert streamed == list(last.final.output)
+        runs[flag] = (len(events), streamed)
+    assert runs[True][1] == runs[False][1] and runs[True][0] == runs[False][0] - 1
+    ((tokens, final),) = _generate(rounds, [tuple(prompt)], 3, max_tokens=24)
+    assert isinstance(final, FinalEvent) and tokens == list(final.output) == runs[True][1]
+
+
 def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
     rounds, _ = stack
     stub = rounds.target.stub
