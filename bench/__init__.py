@@ -49,6 +49,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, nargs="+", default=None,
                    help="tp bench: tensor-parallel rank counts to time side by side (default 2; one GPU per rank "
                         "from --device); services bench: the target's rank counts, side by side (default 1)")
+    p.add_argument("--stream-interval", type=int, nargs="+", default=None,
+                   help="services bench: the orchestrator's stream_interval values, side by side (default 1)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive")

@@ -13,6 +13,9 @@
 #   bash bench/gpu_session6.sh OUT_DIR probe     # test_reload_gpu (20 cycles) with bench.reload_probe; test_stack_gpu
 #   bash bench/gpu_session6.sh OUT_DIR adaptive  # (session 7's code) bench peer on the bundled model at batch 1
 #                                                # with the share of wall time in rounds; bench adaptive, 3 repeats
+#   bash bench/gpu_session6.sh OUT_DIR split     # (session 8's code) one request's time outside compute
+#                                                # (scripts/request_timeline.py); bench services with
+#                                                # stream_interval 1 and 4 side by side at batch 1 and 8
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -33,6 +36,11 @@ adaptive)
     | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
   timeout 380 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 4 --max-tokens 96 \
     --repeats 3 2>&1 | quiet | tee "$out/bench_adaptive.txt" | tail -8
+  ;;
+split)
+  timeout 150 python3 scripts/request_timeline.py --device cuda:0 2>&1 | quiet | tee "$out/request_timeline.txt" | head -6
+  timeout 300 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 8 --prompts 8 \
+    --max-tokens 128 --stream-interval 1 4 2>&1 | quiet | tee "$out/stream_interval.txt" | tail -9
   ;;
 kernels)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py 2>&1 \

@@ -94,6 +94,8 @@ HELP: dict[str, str] = {
                              "(Leviathan, best acceptance) | coupled (a seed's tokens equal target-only decoding's)",
     "max_batch": "sequences per speculative round",
     "max_queue": "requests waiting for a batch slot before RESOURCE_EXHAUSTED",
+    "stream_interval": "tokens a request's stream holds back before sending them (1: every round; larger: fewer, "
+                       "bigger chunks and less host work per token; the first tokens and the last never wait)",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "max_prompt_tokens": "longest prompt accepted",
     "worker_timeout_s": "deadline (seconds) of every call to a worker",

@@ -26,6 +26,7 @@ class OrchestratorConfig:
                                               # (Leviathan) or "coupled" (same tokens as target-only)
     max_batch: int = 16                  # sequences per round
     max_queue: int = 64                  # waiting requests before RESOURCE_EXHAUSTED
+    stream_interval: int = 1             # tokens a stream holds back before sending them (1: every round)
     max_tokens_limit: int = 1024         # largest max_tokens a request may ask for
     max_prompt_tokens: int = 4096
     worker_timeout_s: float = 30.0       # deadline of every call to a worker
@@ -72,6 +73,7 @@ class OrchestratorConfig:
                f"one of {', '.join(SAMPLING_MODES)}", self.default_sampling_mode)
         _check(1 <= self.max_batch <= 1024, "max_batch", "in [1, 1024]", self.max_batch)
         _check(0 <= self.max_queue <= 100000, "max_queue", "in [0, 100000]", self.max_queue)
+        _check(1 <= self.stream_interval <= 4096, "stream_interval", "in [1, 4096]", self.stream_interval)
         _check(1 <= self.max_tokens_limit <= 1 << 20, "max_tokens_limit", "in [1, 1048576]", self.max_tokens_limit)
         _check(1 <= self.max_prompt_tokens <= 1 << 20, "max_prompt_tokens", "in [1, 1048576]", self.max_prompt_tokens)
         _check(0.1 <= self.worker_timeout_s <= 3600, "worker_timeout_s", "in [0.1, 3600]", self.worker_timeout_s)

@@ -14,6 +14,7 @@ scheduler is the single owner of the batch; this side never sees a round.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -55,7 +56,7 @@ class RemoteHandle:
         self._streamed: list[int] = []
         self._ended = False
         self._failure: str | None = None         # set by fail(): why the orchestrator ended the call
-        self._final: Event | None = None         # a final event whose last chunk was returned first
+        self._pending: collections.deque[Event] = collections.deque()   # received, not returned yet
 
     @property
     def request_id(self) -> str:
@@ -78,9 +79,9 @@ class RemoteHandle:
     def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event (blocks until the target sends one or the call ends; ``timeout`` is
         accepted for the scheduler's handle interface: a cancelled call always returns)."""
-        if self._final is not None:
-            ev, self._final = self._final, None
-            return self._end(ev)
+        if self._pending:
+            ev = self._pending.popleft()
+            return ev if isinstance(ev, TokensEvent) else self._end(ev)
         if self._ended:
             return None
         try:
@@ -93,27 +94,35 @@ class RemoteHandle:
                 return self.next_event(timeout)
             return self._end(self._error(exc))
         which = msg.WhichOneof("event")
-        if which == "chunk":
-            return self._chunk(msg.chunk)
+        if which in ("chunk", "chunks"):
+            self._queue_chunks([msg.chunk] if which == "chunk" else msg.chunks.chunks)
+            return self.next_event(timeout)
         if which == "final":
             f = msg.final
-            final = FinalEvent(f.finish_reason, tuple(f.output), f.prompt_tokens, stats_from_proto(f.stats),
-                               f.weights_version)
-            if f.HasField("last_chunk"):
-                # NOTE: the last round's chunk rode on the final event (chunk_in_final): it is
-                # returned first, the final event at the next call.
-                self._final = final
-                return self._chunk(f.last_chunk)
-            return self._end(final)
+            # NOTE: chunks that rode on the final event (chunk_in_final) come out first.
+            self._queue_chunks(f.last_chunks)
+            self._pending.append(FinalEvent(f.finish_reason, tuple(f.output), f.prompt_tokens,
+                                            stats_from_proto(f.stats), f.weights_version))
+            return self.next_event(timeout)
         err = msg.error
         return self._end(ErrorEvent(_CODE_NAMES.get(err.error.code, "INTERNAL"), err.error.message,
                                     tuple(err.streamed) or tuple(self._streamed)))
 
-    def _chunk(self, c: tpb.DecodeChunk) -> TokensEvent:
-        ev = TokensEvent(tuple(c.tokens), c.round, c.num_accepted, c.num_drafted, c.weights_version, _timing(c))
-        self._streamed.extend(ev.tokens)
-        self._rounds.observe_chunk(ev)
-        return ev
+    def _queue_chunks(self, chunks: Any) -> None:
+        """One message's chunks (one round each, oldest first) as events, each round observed."""
+        for c in chunks:
+            ev = TokensEvent(tuple(c.tokens), c.round, c.num_accepted, c.num_drafted, c.weights_version, _timing(c))
+            self._streamed.extend(ev.tokens)
+            self._rounds.observe_chunk(ev)
+            self._pending.append(ev)
+
+    def ready_tokens(self) -> list[TokensEvent]:
+        """The token events already received and not returned (the other rounds of the message
+        the last one came in), without waiting: a stream sends them on in one message."""
+        out: list[TokensEvent] = []
+        while self._pending and isinstance(self._pending[0], TokensEvent):
+            out.append(self._pending.popleft())
+        return out
 
     def _resume_after_reload(self, exc: grpc.RpcError) -> bool:
         """The target went away during a weight reload (a RECOMPUTE reload parks requests in the
@@ -167,8 +176,9 @@ class RemoteRounds:
     """Requests and control actions of the target's round loop, over the target client."""
 
     def __init__(self, target: Any, observer: Any = None, decode_deadline_s: float = 24 * 3600.0,
-                 control_timeout_s: float = 30.0, resume_wait_s: float = 120.0) -> None:
+                 control_timeout_s: float = 30.0, resume_wait_s: float = 120.0, stream_interval: int = 1) -> None:
         self.target = target                     # rounds.worker_clients.TargetClient
+        self.stream_interval = stream_interval   # tokens each request's Decode stream holds back (DecodeRequest)
         self.resume_wait_s = resume_wait_s
         # Hooks the orchestrator sets: is a reload running, wait for it, free a draft cache.
         self.reloading: Any = lambda: False
@@ -199,7 +209,7 @@ class RemoteRounds:
         msg = tpb.DecodeRequest(request_id=req.request_id, prompt=list(req.prompt), params=wire.params_to_proto(p),
                                 max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
                                 ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output),
-                                chunk_in_final=True)
+                                chunk_in_final=True, stream_interval=self.stream_interval)
         # NOTE: a generation's only deadline is this generous bound: a dead target ends
         # the call at once (the channel breaks), and cancel() ends it when the client leaves.
         return self.target.stub.Decode(msg, timeout=self.decode_deadline_s)

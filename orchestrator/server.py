@@ -75,7 +75,8 @@ class Orchestrator:
         # The round loop runs in the target service (DESIGN § Topology): requests join it
         # with one Decode call each; it talks to the draft itself. The orchestrator keeps
         # admission checks, streaming to clients, lifecycle and the draft's address.
-        self.scheduler = RemoteRounds(self.target, observer=metrics, control_timeout_s=cfg.worker_timeout_s)
+        self.scheduler = RemoteRounds(self.target, observer=metrics, control_timeout_s=cfg.worker_timeout_s,
+                                      stream_interval=cfg.stream_interval)
         self.rounds: Any = None                      # last RoundsStatus polled from the target
         self._make_draft = lambda address: DraftClient(address, **{**kw, "admin_token": token(address),
                                                                   "token_source": lambda: token(address)})
@@ -332,14 +333,25 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
                     return
                 continue
             if isinstance(ev, TokensEvent):
-                if stop.stopped:
-                    continue                               # rounds finished after the stop string
-                text = stop.push(decoder.push(list(ev.tokens)))
+                # NOTE: the rounds that came in one message (the target's stream_interval) go
+                # on in one chunk; each round is still checked for stop strings on its own, so
+                # the output is the same whatever the interval.
+                tokens: list[int] = []
+                text, accepted, drafted = "", 0, 0
+                for part in [ev, *getattr(handle, "ready_tokens", list)()]:
+                    if stop.stopped:
+                        break                              # rounds finished after the stop string
+                    text += stop.push(decoder.push(list(part.tokens)))
+                    tokens.extend(part.tokens)
+                    accepted, drafted = accepted + part.num_accepted, drafted + part.num_drafted
+                    ev = part
+                if not tokens:
+                    continue
                 texts.append(text)
-                n_out += len(ev.tokens)
+                n_out += len(tokens)
                 version = ev.weights_version
                 yield opb.GenerateResponse(chunk=opb.TokenChunk(
-                    token_ids=ev.tokens, text=text, num_accepted=ev.num_accepted, num_drafted=ev.num_drafted,
+                    token_ids=tokens, text=text, num_accepted=accepted, num_drafted=drafted,
                     round=ev.round, weights_version=ev.weights_version))
                 if stop.stopped:
                     handle.cancel()                        # the final event comes as "cancelled"

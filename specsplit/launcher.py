@@ -77,6 +77,7 @@ class StackOptions:
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
     target_tp: int = 1                       # the target's tensor-parallel ranks (cuda:N.. from target_device)
+    stream_interval: int = 1                 # orchestrator: tokens a stream holds back (--stream-interval)
     host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
     allow_insecure: bool = False             # let the orchestrator serve plaintext on a non-loopback host
     http_port: int | None = None             # orchestrator's OpenAI-compatible HTTP API (None = off, 0 = pick)
@@ -209,6 +210,8 @@ class Stack:
                 argv += ["--tokenizer", str(self.opts.model)]
             if self.opts.metrics:
                 argv += ["--server-metrics-port", "0"]
+            if self.opts.stream_interval != 1:
+                argv += ["--stream-interval", str(self.opts.stream_interval)]
             if self.opts.http_port is not None:
                 argv += ["--http-port", str(self.opts.http_port)]
             self.children["orchestrator"] = Child("orchestrator", argv, env)

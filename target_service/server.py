@@ -105,22 +105,32 @@ def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:
                            ahead_used=s.ahead_used)
 
 
-def _event_proto(ev: Any, last_chunk: TokensEvent | None = None) -> tpb.DecodeEvent:
-    """One event as sent; ``last_chunk``: a final event's round chunk riding on it (chunk_in_final)."""
+def _chunk_proto(ev: TokensEvent) -> tpb.DecodeChunk:
+    chunk = tpb.DecodeChunk(tokens=ev.tokens, round=ev.round, num_accepted=ev.num_accepted,
+                            num_drafted=ev.num_drafted, weights_version=ev.weights_version)
+    t = ev.timing
+    if t is not None:
+        chunk.timing.CopyFrom(tpb.RoundTiming(round=t.round, batch=t.batch, draft_seconds=t.draft_s,
+                                              target_seconds=t.target_s, overhead_seconds=t.overhead_s,
+                                              total_seconds=t.wall_s))
+    return chunk
+
+
+def _chunks_proto(held: list[TokensEvent]) -> tpb.DecodeEvent:
+    """Held chunks in one message: a plain chunk when there is one."""
+    if len(held) == 1:
+        return tpb.DecodeEvent(chunk=_chunk_proto(held[0]))
+    return tpb.DecodeEvent(chunks=tpb.DecodeChunks(chunks=[_chunk_proto(e) for e in held]))
+
+
+def _event_proto(ev: Any, last_chunks: list[TokensEvent] = ()) -> tpb.DecodeEvent:
+    """One event as sent; ``last_chunks``: chunks riding on a final event (chunk_in_final)."""
     if isinstance(ev, TokensEvent):
-        chunk = tpb.DecodeChunk(tokens=ev.tokens, round=ev.round, num_accepted=ev.num_accepted,
-                                num_drafted=ev.num_drafted, weights_version=ev.weights_version)
-        t = ev.timing
-        if t is not None:
-            chunk.timing.CopyFrom(tpb.RoundTiming(round=t.round, batch=t.batch, draft_seconds=t.draft_s,
-                                                  target_seconds=t.target_s, overhead_seconds=t.overhead_s,
-                                                  total_seconds=t.wall_s))
-        return tpb.DecodeEvent(chunk=chunk)
+        return tpb.DecodeEvent(chunk=_chunk_proto(ev))
     if isinstance(ev, FinalEvent):
         final = tpb.DecodeFinal(finish_reason=ev.finish_reason, output=ev.output, prompt_tokens=ev.prompt_tokens,
                                 stats=stats_to_proto(ev.stats), weights_version=ev.weights_version)
-        if last_chunk is not None:
-            final.last_chunk.CopyFrom(_event_proto(last_chunk).chunk)
+        final.last_chunks.extend(_chunk_proto(e) for e in last_chunks)
         return tpb.DecodeEvent(final=final)
     return tpb.DecodeEvent(error=tpb.DecodeError(
         error=common_pb2.ItemError(code=grpc.StatusCode[ev.code].value[0], message=ev.message), streamed=ev.output))
@@ -154,7 +164,8 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
         # and the scheduler frees the slots at its next round boundary.
         if not context.add_callback(handle.cancel):
             handle.cancel()
-        held: TokensEvent | None = None          # the last round's chunk, waiting for the final event
+        interval = max(int(request.stream_interval), 1)
+        held: list[TokensEvent] = []             # chunks not sent yet, oldest first
         while True:
             ev = handle.next_event(EVENT_POLL_S)
             if ev is None:
@@ -162,19 +173,26 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
                     handle.cancel()
                     return
                 continue
-            # NOTE: with chunk_in_final, the chunk of the round the request finished in waits
-            # for the final event (it follows within the round's end: the releases) and rides
-            # on it; anything but a final sends it on its own first, in order.
-            if isinstance(ev, TokensEvent) and ev.last and request.chunk_in_final and held is None:
-                held = ev
+            # NOTE: chunks are held until stream_interval tokens are (the prefill's go at
+            # once: the time to the first token); with chunk_in_final the round a request
+            # finishes in is held for its final event, which follows within the round's end
+            # (the releases), and they all ride on it. Anything but a final event sends what
+            # is held on its own first, in order.
+            if isinstance(ev, TokensEvent):
+                held.append(ev)
+                if ev.last and request.chunk_in_final:
+                    continue
+                if ev.timing is None or sum(len(e.tokens) for e in held) >= interval:
+                    yield _chunks_proto(held)
+                    held = []
                 continue
-            if held is not None and not isinstance(ev, FinalEvent):
-                yield _event_proto(held)
-                held = None
-            yield _event_proto(ev, held if isinstance(ev, FinalEvent) else None)
-            held = None
-            if not isinstance(ev, TokensEvent):
+            if isinstance(ev, FinalEvent) and request.chunk_in_final:
+                yield _event_proto(ev, held)
                 return
+            if held:
+                yield _chunks_proto(held)
+            yield _event_proto(ev)
+            return
 
     def ControlRounds(self, request: tpb.ControlRoundsRequest,
                       context: grpc.ServicerContext) -> tpb.ControlRoundsResponse:

@@ -124,6 +124,7 @@ class DecodeRequest(_message.Message):
     K_FIELD_NUMBER: _builtins.int
     RESUME_OUTPUT_FIELD_NUMBER: _builtins.int
     CHUNK_IN_FINAL_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the target holds; at most 128 characters."""
     max_tokens: _builtins.int
@@ -135,6 +136,13 @@ class DecodeRequest(_message.Message):
     chunk_in_final: _builtins.bool
     """The caller reads DecodeFinal.last_chunk: the chunk of the round a request
     finishes in rides on its final event (one message instead of two).
+    """
+    stream_interval: _builtins.int
+    """Tokens the stream holds back before sending (as SGLang's and vLLM's
+    stream_interval): a message goes once this many are held, so several
+    rounds' chunks may come in one DecodeChunks. 0 or 1: every round. The
+    tokens of the request's prefill are never held, its last ones go with (or
+    before) its final event.
     """
     @_builtins.property
     def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -166,10 +174,11 @@ class DecodeRequest(_message.Message):
         k: _builtins.int = ...,
         resume_output: _abc.Iterable[_builtins.int] | None = ...,
         chunk_in_final: _builtins.bool = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_in_final", b"chunk_in_final", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_in_final", b"chunk_in_final", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -312,7 +321,7 @@ class DecodeFinal(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
-    LAST_CHUNK_FIELD_NUMBER: _builtins.int
+    LAST_CHUNKS_FIELD_NUMBER: _builtins.int
     finish_reason: _builtins.str
     """"stop" | "length" | "aborted" | "cancelled"."""
     prompt_tokens: _builtins.int
@@ -324,10 +333,10 @@ class DecodeFinal(_message.Message):
     @_builtins.property
     def stats(self) -> Global___DecodeStats: ...
     @_builtins.property
-    def last_chunk(self) -> Global___DecodeChunk:
-        """With DecodeRequest.chunk_in_final: the chunk of the round the request
-        finished in, not sent on its own (unset when that round's chunk was sent,
-        or the request ended without one).
+    def last_chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeChunk]:
+        """With DecodeRequest.chunk_in_final: the chunks not sent on their own, oldest
+        first: the round the request finished in, and with stream_interval the
+        rounds held back before it (empty when every chunk was sent).
         """
 
     def __init__(
@@ -338,15 +347,37 @@ class DecodeFinal(_message.Message):
         prompt_tokens: _builtins.int = ...,
         stats: Global___DecodeStats | None = ...,
         weights_version: _builtins.str = ...,
-        last_chunk: Global___DecodeChunk | None = ...,
+        last_chunks: _abc.Iterable[Global___DecodeChunk] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_chunk", b"last_chunk", "stats", b"stats"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "last_chunk", b"last_chunk", "output", b"output", "prompt_tokens", b"prompt_tokens", "stats", b"stats", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "last_chunks", b"last_chunks", "output", b"output", "prompt_tokens", b"prompt_tokens", "stats", b"stats", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecodeFinal: _TypeAlias = DecodeFinal  # noqa: Y015
+
+@_typing.final
+class DecodeChunks(_message.Message):
+    """Several rounds' chunks of one request in one message (stream_interval), oldest first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeChunk]: ...
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___DecodeChunk] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeChunks: _TypeAlias = DecodeChunks  # noqa: Y015
 
 @_typing.final
 class DecodeError(_message.Message):
@@ -381,24 +412,30 @@ class DecodeEvent(_message.Message):
     CHUNK_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> Global___DecodeChunk: ...
     @_builtins.property
     def final(self) -> Global___DecodeFinal: ...
     @_builtins.property
     def error(self) -> Global___DecodeError: ...
+    @_builtins.property
+    def chunks(self) -> Global___DecodeChunks:
+        """Only to a caller that set stream_interval > 1."""
+
     def __init__(
         self,
         *,
         chunk: Global___DecodeChunk | None = ...,
         final: Global___DecodeFinal | None = ...,
         error: Global___DecodeError | None = ...,
+        chunks: Global___DecodeChunks | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "chunks", b"chunks", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "chunks", b"chunks", "error", b"error", "event", b"event", "final", b"final"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["chunk", "final", "error"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["chunk", "final", "error", "chunks"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 

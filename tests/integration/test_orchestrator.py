@@ -215,6 +215,41 @@ def test_greedy_through_services_equals_target_only_torch(model_dir, reference):
 
 
 # --- continuous batching over the services ----------------------------------------------------
+def _round_count(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith('specsplit_round_seconds_count{part="total"}')]
+    return float(lines[0].split()[-1]) if lines else 0.0            # no round observed yet: no sample
+
+
+def test_stream_interval_sends_fewer_bigger_chunks_with_the_same_output(workers, client, reference):
+    """``stream_interval``: the target holds chunks back until that many tokens are (the prefill's
+    token goes at once, the last ones ride on the final event) and the orchestrator sends each
+    message's rounds on as one chunk: the same tokens, text and stop-string cut as every-round
+    streaming, fewer chunks, and every round still observed once in the metrics."""
+    server, port = create_server(orch_cfg(*workers, stream_interval=6, server=ServerConfig(port=0, metrics_port=0)))
+    try:
+        with SpecsplitClient(f"127.0.0.1:{port}", timeout=TIMEOUT) as held:
+            for prompt in PROMPTS[:3]:
+                every = client.generate_text(prompt, 40, k=3, ignore_eos=True)
+                before = _round_count(server.metrics_port)
+                got = held.generate_text(prompt, 40, k=3, ignore_eos=True)
+                assert got.tokens == every.tokens == reference(prompt, 40) and got.text == every.text
+                assert _round_count(server.metrics_port) - before == got.rounds == every.rounds
+                assert got.chunks < every.chunks
+                sizes = [len(e.tokens) for e in held.generate(prompt, 40, k=3, ignore_eos=True)
+                         if not e.final and e.tokens]          # (a text-only chunk ends a cut UTF-8 character)
+                assert sum(sizes) == 40 and sizes[0] == 1 and all(n >= 6 for n in sizes[1:-1]), str(sizes)
+                cut = every.text[len(every.text) // 2:len(every.text) // 2 + 2]
+                a = client.generate_text(prompt, 40, k=3, ignore_eos=True, stop=[cut])
+                b = held.generate_text(prompt, 40, k=3, ignore_eos=True, stop=[cut])
+                assert (a.tokens, a.text, a.finish_reason) == (b.tokens, b.text, b.finish_reason)
+                assert a.finish_reason == "stop" and cut not in a.text
+        # A stop string cancels the request: the target frees it at its next round boundary.
+        wait_until(lambda: slots_free(client), "all slots free after the stop strings")
+    finally:
+        server.stop(0).wait(5)
+
+
 def test_16_concurrent_streams_join_and_leave(client, reference):
     specs = []
     for i in range(16):

@@ -112,7 +112,7 @@ def test_ahead_drafting_over_grpc_is_exact_and_used(stack):
 
 def test_the_last_rounds_chunk_rides_on_the_final_event_when_asked(stack):
     """DecodeRequest.chunk_in_final: the round a request finishes in sends no chunk of its own, its
-    tokens come in DecodeFinal.last_chunk (with the round's timing); without it, a chunk and then a
+    tokens come in DecodeFinal.last_chunks (with the round's timing); without it, a chunk and then a
     final event without one, as before. Same tokens either way, and the orchestrator's reader
     (RemoteRounds, which asks for it) streams them all."""
     rounds, draft_address = stack
@@ -127,14 +127,26 @@ def test_the_last_rounds_chunk_rides_on_the_final_event_when_asked(stack):
         assert all(e.WhichOneof("event") == "chunk" for e in chunks) and last.WhichOneof("event") == "final"
         streamed = [t for e in chunks for t in e.chunk.tokens]
         if flag:
-            tail = last.final.last_chunk
+            (tail,) = last.final.last_chunks
             assert tail.tokens and tail.timing.round == tail.round > chunks[-1].chunk.round
             streamed += list(tail.tokens)
         else:
-            assert not last.final.HasField("last_chunk")
+            assert not last.final.last_chunks
         assert streamed == list(last.final.output)
         runs[flag] = (len(events), streamed)
     assert runs[True][1] == runs[False][1] and runs[True][0] == runs[False][0] - 1
+    # stream_interval=5: the prefill's token at once, then messages of 5 tokens or more (several
+    # rounds in a DecodeChunks), the rest on the final event; every round once, in order.
+    *msgs, final = list(rounds.target.stub.Decode(tpb.DecodeRequest(
+        request_id="cif-interval", prompt=prompt, max_tokens=24, ignore_eos=True, k=3, chunk_in_final=True,
+        stream_interval=5), timeout=TIMEOUT))
+    parts = [[m.chunk] if m.WhichOneof("event") == "chunk" else list(m.chunks.chunks) for m in msgs]
+    parts.append(list(final.final.last_chunks))
+    assert len(parts[0]) == 1 and len(parts[0][0].tokens) == 1 and not parts[0][0].HasField("timing")
+    assert all(sum(len(c.tokens) for c in p) >= 5 for p in parts[1:-1]) and any(len(p) > 1 for p in parts)
+    rounds_seen = [c.round for p in parts[1:] for c in p]
+    assert rounds_seen == sorted(set(rounds_seen)) and all(c.timing.round == c.round for p in parts[1:] for c in p)
+    assert [t for p in parts for c in p for t in c.tokens] == list(final.final.output) == runs[True][1]
     ((tokens, final),) = _generate(rounds, [tuple(prompt)], 3, max_tokens=24)
     assert isinstance(final, FinalEvent) and tokens == list(final.output) == runs[True][1]
 
