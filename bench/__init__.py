@@ -51,6 +51,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "from --device); services bench: the target's rank counts, side by side (default 1)")
     p.add_argument("--stream-interval", type=int, nargs="+", default=None,
                    help="services bench: the orchestrator's stream_interval values, side by side (default 1)")
+    p.add_argument("--poll-us", type=int, nargs="+", default=None,
+                   help="services bench: the workers' data_plane_poll_us values, side by side (default 0)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive")

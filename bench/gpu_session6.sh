@@ -13,9 +13,10 @@
 #   bash bench/gpu_session6.sh OUT_DIR probe     # test_reload_gpu (20 cycles) with bench.reload_probe; test_stack_gpu
 #   bash bench/gpu_session6.sh OUT_DIR adaptive  # (session 7's code) bench peer on the bundled model at batch 1
 #                                                # with the share of wall time in rounds; bench adaptive, 3 repeats
-#   bash bench/gpu_session6.sh OUT_DIR split     # (session 8's code) one request's time outside compute
-#                                                # (scripts/request_timeline.py); bench services with
-#                                                # stream_interval 1 and 4 side by side at batch 1 and 8
+#   bash bench/gpu_session6.sh OUT_DIR split     # (session 8's code) the host's exchange floor, one request's
+#                                                # time outside compute (scripts/request_timeline.py); bench
+#                                                # services with stream_interval 1 and 4 side by side at batch
+#                                                # 1 and 8, and with data_plane_poll_us 0 and 2000 at batch 1
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -38,9 +39,12 @@ adaptive)
     --repeats 3 2>&1 | quiet | tee "$out/bench_adaptive.txt" | tail -8
   ;;
 split)
-  timeout 150 python3 scripts/request_timeline.py --device cuda:0 2>&1 | quiet | tee "$out/request_timeline.txt" | head -6
-  timeout 300 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 8 --prompts 8 \
+  timeout 120 python3 scripts/exchange_floor.py 2>&1 | quiet | tee "$out/exchange_floor.txt"
+  timeout 130 python3 scripts/request_timeline.py --device cuda:0 2>&1 | quiet | tee "$out/request_timeline.txt" | head -6
+  timeout 190 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 8 --prompts 8 \
     --max-tokens 128 --stream-interval 1 4 2>&1 | quiet | tee "$out/stream_interval.txt" | tail -9
+  timeout 140 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 --prompts 8 \
+    --max-tokens 128 --poll-us 0 2000 2>&1 | quiet | tee "$out/poll.txt" | tail -5
   ;;
 kernels)
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py 2>&1 \

@@ -3,7 +3,8 @@
 Owns: for each variant of the target's round loop (``fixed``: k drafts every
 round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``;
 ``micro``: two micro-batches overlapped; ``micro+adaptive``), each target
-TP size (``--tp``) and each orchestrator ``stream_interval`` (``--stream-interval``)
+TP size (``--tp``), each orchestrator ``stream_interval`` (``--stream-interval``) and
+each workers' ``data_plane_poll_us`` (``--poll-us``)
 one stack (draft, target, orchestrator as separate processes on loopback,
 metrics on), then for each batch size decoding the same held-out prompts
 twice — k=0 (target-only) and k — with that many concurrent clients, side by
@@ -70,9 +71,11 @@ def in_rounds(split: dict, seconds: float) -> float:
 
 
 def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int = 1,
-                   stream_interval: int = 1) -> StackOptions:
+                   stream_interval: int = 1, poll_us: int = 0) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
+    if poll_us:
+        extra += ("--data-plane-poll-us", str(poll_us))
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
@@ -98,12 +101,14 @@ def main(args) -> int:
     rows = []
     first_ref: dict[int, list] = {}
     intervals = list(dict.fromkeys(getattr(args, "stream_interval", None) or [1]))
-    runs = [(tp, variant, si) for tp in target_tps(args) for variant in variants for si in intervals]
-    for tp, variant, si in runs:
-        with Stack(_stack_options(args, model, batches, variant, tp, si)) as stack:
+    polls = list(dict.fromkeys(getattr(args, "poll_us", None) or [0]))
+    runs = [(tp, variant, si, poll) for tp in target_tps(args) for variant in variants for si in intervals
+            for poll in polls]
+    for tp, variant, si, poll in runs:
+        with Stack(_stack_options(args, model, batches, variant, tp, si, poll)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
-            for batch in progress(batches, desc=f"bench services ({variant}, TP={tp}, SI={si})", unit="batch size"):
+            for batch in progress(batches, desc=f"bench services ({variant}, TP={tp}, SI={si}, poll={poll} us)", unit="batch size"):
                 n = max(batch, args.prompts) if batch > 1 else args.prompts
                 prompts = (heldout_prompts(64, model) * 4)[:n]
                 _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
@@ -117,7 +122,7 @@ def main(args) -> int:
                 drafted = sum(r.drafted for r in spec)
                 first_ref.setdefault(batch, [r.tokens for r in ref])      # across variants and TP sizes
                 rows.append({
-                    "variant": variant, "tp": tp, "stream_interval": si, "batch": batch, "requests": n, "k": args.k,
+                    "variant": variant, "tp": tp, "stream_interval": si, "poll_us": poll, "batch": batch, "requests": n, "k": args.k,
                     "tokens_per_s_target": round(toks_ref / t_ref, 2),
                     "tokens_per_s_spec": round(toks_spec / t_spec, 2),
                     "speedup": round((toks_spec / t_spec) / (toks_ref / t_ref), 3),
@@ -135,16 +140,16 @@ def main(args) -> int:
         return 0
     print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
           f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
-    print(f"{'variant':>15s} {'TP':>2s} {'SI':>3s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+    print(f"{'variant':>15s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
           f"/ total, share of wall time in rounds")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {r['poll_us']:5d} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
               f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':>15s} {'':2s} {'':3s} {'':5s} target-only round ms: target / overhead / total = "
+        print(f"{'':>15s} {'':2s} {'':3s} {'':5s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
     return 0

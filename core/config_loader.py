@@ -59,6 +59,10 @@ HELP: dict[str, str] = {
     "data_plane_port": "draft: TCP port of the per-round data plane beside gRPC, on server.host, with gRPC's TLS "
                        "settings (0 = pick a free one, advertised in GetStatus; -1 = off: rounds use the gRPC "
                        "stream)",
+    "data_plane_poll_us": "draft and target: microseconds a data-plane reader polls for the next frame (the "
+                          "draft: the next round; the target: the draft's answer) before it blocks; 0 = block at "
+                          "once. Polling keeps a core busy while it waits and spares each exchange the wake-up of "
+                          "a blocked thread",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
     "cache.max_len": "KV-cache positions per request (prompt + output + k)",
     "graphs.enabled": "allow CUDA-graph capture",

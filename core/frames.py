@@ -19,6 +19,7 @@ Must not know: which messages the frames carry, workers, rounds, gRPC.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import time
@@ -50,8 +51,8 @@ def encode(body: bytes) -> bytes:
 class FrameSocket:
     """A connected (possibly TLS) socket carrying frames; one reader and one writer at a time."""
 
-    def __init__(self, sock: socket.socket, max_frame_bytes: int) -> None:
-        self.sock, self.max_frame_bytes = sock, max_frame_bytes
+    def __init__(self, sock: socket.socket, max_frame_bytes: int, poll_s: float = 0.0) -> None:
+        self.sock, self.max_frame_bytes, self.poll_s = sock, max_frame_bytes, poll_s
         self._buf = bytearray()
 
     def send(self, body: bytes, timeout: float | None = None) -> None:
@@ -62,12 +63,39 @@ class FrameSocket:
     def recv(self, deadline: float | None = None) -> bytes:
         """Read one frame's body. ``deadline`` (``time.monotonic``): ``TimeoutError`` past it
         (None: block). ``FrameTooLarge`` for a length above ``max_frame_bytes``; ``PeerClosed``
-        when the peer closes before the frame is whole."""
+        when the peer closes before the frame is whole. With ``poll_s``, the frame's start is
+        polled for that long before the read blocks."""
+        if self.poll_s > 0 and len(self._buf) < HEADER_BYTES:
+            self._poll(min(self.poll_s, max(deadline - time.monotonic(), 0.0)) if deadline is not None
+                       else self.poll_s)
         header = self._read(HEADER_BYTES, deadline)
         n = int.from_bytes(header, "big")
         if n > self.max_frame_bytes:
             raise FrameTooLarge(f"frame of {n} bytes is above the limit of {self.max_frame_bytes} bytes")
         return self._read(n, deadline)
+
+    def _poll(self, seconds: float) -> None:
+        """Read without blocking until bytes arrive or ``seconds`` pass, yielding the core between
+        tries; the caller's blocking read does the rest.
+
+        NOTE: a blocked reader pays the wake-up of its thread on every frame (several tens of
+        microseconds on an idle core, more on a small virtual machine: scripts/exchange_floor.py);
+        a polling one is running when the frame lands, at the price of a busy core meanwhile."""
+        sock, end = self.sock, time.perf_counter() + seconds
+        sock.setblocking(False)
+        try:
+            while time.perf_counter() < end:
+                try:
+                    chunk = sock.recv(_CHUNK)
+                except (BlockingIOError, ssl.SSLWantReadError):
+                    os.sched_yield()
+                    continue
+                if not chunk:
+                    raise PeerClosed(f"connection closed with {len(self._buf)} bytes of a frame read")
+                self._buf += chunk
+                return
+        finally:
+            sock.setblocking(True)
 
     def _read(self, n: int, deadline: float | None) -> bytes:
         buf = self._buf

@@ -60,8 +60,8 @@ class DataPlaneLink:
     """One worker's data-plane connection; ``port`` 0 = the worker advertises none."""
 
     def __init__(self, role: str, host: str | None, parse: Callable[[bytes], Any], *, timeout_s: float,
-                 max_frame_bytes: int, ssl_context: ssl.SSLContext | None = None) -> None:
-        self.role, self.host, self._parse = role, host, parse
+                 max_frame_bytes: int, ssl_context: ssl.SSLContext | None = None, poll_s: float = 0.0) -> None:
+        self.role, self.host, self._parse, self.poll_s = role, host, parse, poll_s
         self.timeout_s, self.max_frame_bytes, self._ssl = timeout_s, max_frame_bytes, ssl_context
         self.port = 0
         self._conn: frames.FrameSocket | None = None
@@ -92,7 +92,7 @@ class DataPlaneLink:
             sock.close()
             raise
         self._conn_port = self.port
-        return frames.FrameSocket(sock, self.max_frame_bytes)
+        return frames.FrameSocket(sock, self.max_frame_bytes, self.poll_s)
 
     def reset(self) -> None:
         """Close the connection; the next send opens a new one."""

@@ -420,14 +420,14 @@ class DraftClient(_WorkerClient):
 
     role = "draft"
 
-    def __init__(self, address: str, *, data_plane: bool = True, **kw: Any) -> None:
+    def __init__(self, address: str, *, data_plane: bool = True, data_plane_poll_s: float = 0.0, **kw: Any) -> None:
         super().__init__(address, draft_pb2_grpc.DraftServiceStub, **kw)
         self._propose = _RoundStream("draft", lambda it: self.stub.Propose(it), self.timeout_s)
         self._data = DataPlaneLink("draft", address_host(address) if data_plane else None,
                                    draft_pb2.ProposeResponse.FromString, timeout_s=self.timeout_s,
                                    max_frame_bytes=kw["max_message_bytes"],
                                    ssl_context=tls_context(kw.get("tls_ca"), kw.get("client_cert"),
-                                                           kw.get("client_key")))
+                                                           kw.get("client_key")), poll_s=data_plane_poll_s)
         self._pending_release: list[str] = []   # released ids not yet sent (ride on the next message)
         self._data_prefill = True               # False: this draft ignores prefill_items (it predates them)
 

@@ -5,9 +5,9 @@ Two processes and one loopback connection speaking ``core.frames`` (4 KiB out, 2
 the size of a batch-1 round message): the requester works ``verify`` ms (a busy loop, as the
 target's verify keeps its core), then sends and waits; the responder works ``draft`` ms per
 frame, then answers. Printed: the median and 90th percentile of the exchange's wall time
-minus the responder's work, with both sides blocking in ``recv`` (as the services do) and
-with both sides polling the socket instead (a diagnostic: what the wake-ups of an idle
-process cost here). The services' round overhead cannot go below the blocking figure of
+minus the responder's work, with both sides blocking in ``recv`` (``data_plane_poll_us`` 0,
+the default) and with both sides polling for the frame (``FrameSocket``'s ``poll_s``, what
+``data_plane_poll_us`` sets: what the wake-ups of a blocked reader cost here). The services' round overhead cannot go below the blocking figure of
 its own (verify, draft) row on the same host.
 """
 
@@ -34,21 +34,6 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _poll(sock: socket.socket, seconds: float) -> None:
-    """Poll until a byte is readable (or ``seconds`` pass), yielding the core between polls."""
-    sock.setblocking(False)
-    end = time.perf_counter() + seconds
-    try:
-        while time.perf_counter() < end:
-            try:
-                if sock.recv(1, socket.MSG_PEEK):
-                    return
-            except BlockingIOError:
-                os.sched_yield()
-    finally:
-        sock.setblocking(True)
-
-
 def _responder(port_q, draft_s: float, poll_s: float) -> None:
     with socket.socket() as ls:
         ls.bind(("127.0.0.1", 0))
@@ -56,10 +41,8 @@ def _responder(port_q, draft_s: float, poll_s: float) -> None:
         port_q.put(ls.getsockname()[1])
         conn, _ = ls.accept()
     tune(conn)
-    fs = FrameSocket(conn, 1 << 24)
+    fs = FrameSocket(conn, 1 << 24, poll_s)
     while True:
-        if poll_s:
-            _poll(conn, poll_s)
         try:
             body = fs.recv()
         except (ConnectionError, OSError):
@@ -77,13 +60,12 @@ def exchange_cost(verify_s: float, draft_s: float, poll: bool) -> tuple[float, f
     try:
         with socket.create_connection(("127.0.0.1", q.get(timeout=30))) as sock:
             tune(sock)
-            fs, body, took = FrameSocket(sock, 1 << 24), os.urandom(4096), []
+            fs = FrameSocket(sock, 1 << 24, draft_s + 0.002 if poll else 0.0)
+            body, took = os.urandom(4096), []
             for _ in range(ROUNDS):
                 _busy(verify_s)
                 t0 = time.perf_counter()
                 fs.send(body)
-                if poll:
-                    _poll(sock, draft_s + 0.002)
                 fs.recv(time.monotonic() + 30)
                 took.append((time.perf_counter() - t0 - draft_s) * 1e6)
     finally:

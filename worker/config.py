@@ -32,6 +32,8 @@ class WorkerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     # --- draft only: the per-round data plane beside gRPC (worker/data_plane.py), on server.host ---
     data_plane_port: int = 0             # 0 = pick a free port (advertised in GetStatus), -1 = off (gRPC stream only)
+    # --- both: how long a data-plane reader polls for the next frame before it blocks (microseconds) ---
+    data_plane_poll_us: int = 0
     # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
     draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
                                          # mTLS serving: security.tls_client_ca, showing security.tls_cert
@@ -43,6 +45,8 @@ class WorkerConfig:
         _check(isinstance(self.tp, int) and 1 <= self.tp <= 64, "tp", "an integer in [1, 64]", self.tp)
         _check(isinstance(self.data_plane_port, int) and -1 <= self.data_plane_port <= 65535, "data_plane_port",
                "an integer in [-1, 65535] (0 = pick a free port, -1 = off)", self.data_plane_port)
+        _check(isinstance(self.data_plane_poll_us, int) and 0 <= self.data_plane_poll_us <= 1_000_000,
+               "data_plane_poll_us", "an integer in [0, 1000000] (0 = block at once)", self.data_plane_poll_us)
         _check(self.tp == 1 or self.role == "target", "tp",
                "1 for the draft (the draft runs on one device; only the target is tensor-parallel)", self.tp)
         _check(self.tp == 1 or self.runtime.backend == "torch", "tp",

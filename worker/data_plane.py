@@ -36,9 +36,10 @@ class DataPlaneServer:
     """Frames in, answers out, one connection per thread; ``handle(body) -> answer`` runs on it."""
 
     def __init__(self, host: str, port: int, handle: Callable[[bytes], bytes], *, max_frame_bytes: int,
-                 ssl_context: ssl.SSLContext | None, log: Any, name: str = "data-plane") -> None:
+                 ssl_context: ssl.SSLContext | None, log: Any, name: str = "data-plane", poll_s: float = 0.0) -> None:
         self._handle, self.max_frame_bytes, self._ssl, self.log, self.name = (
             handle, max_frame_bytes, ssl_context, log, name)
+        self.poll_s = poll_s                    # how long a connection polls for its next frame before blocking
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -111,7 +112,7 @@ class DataPlaneServer:
             self.log.warning("data_plane_handshake_failed", peer=str(peer), error=str(exc))
             conn.close()
             return
-        fs = frames.FrameSocket(conn, self.max_frame_bytes)
+        fs = frames.FrameSocket(conn, self.max_frame_bytes, self.poll_s)
         with self._lock:
             if self._stopping:
                 fs.close()

@@ -256,6 +256,29 @@ def test_tls_data_plane_without_client_certificates(certs, draft):
         svc.stop(grace=None)
 
 
+def test_polling_readers_on_both_ends_answer_the_same_over_tls(certs, draft):
+    """``data_plane_poll_us`` on the draft (its connection polls for the next frame) and on the
+    client (it polls for the answer), over TLS (non-blocking reads of an SSL socket): the same
+    drafts as a blocking plaintext pair, every frame on the data plane."""
+    import dataclasses
+
+    cfg = dataclasses.replace(_cfg(SecurityConfig(tls_cert=certs["server.pem"], tls_key=certs["server.key"])),
+                              data_plane_poll_us=20_000)
+    svc = draft_server.start(cfg)
+    assert svc.data_plane.poll_s == 0.02
+    client = _client(svc, tls_ca=certs["ca"], data_plane_poll_s=0.02)
+    plain = _client(draft)
+    try:
+        st = client.get_status(timeout=TIMEOUT)
+        for rid in ("p1", "p2"):
+            assert _propose(client, rid, st.hidden_size).tolist() == _propose(plain, rid, st.hidden_size).tolist()
+        assert client.get_status(timeout=TIMEOUT).data_plane_frames == st.data_plane_frames + 6
+    finally:
+        client.close()
+        plain.close()
+        svc.stop(grace=None)
+
+
 def test_data_plane_off_keeps_propose_on_the_grpc_stream(draft):
     svc = draft_server.start(_cfg(data_plane_port=-1))
     client, reference = _client(svc), _client(draft)

@@ -1,0 +1,67 @@
+"""``FrameSocket`` polling for a frame before it blocks (``data_plane_poll_us``): same frames, same errors.
+
+Bounded: every wait here has a deadline; the timed sends run on threads joined with a timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from core import frames
+
+MAX = 1 << 20
+
+
+def _pair(poll_s: float) -> tuple[frames.FrameSocket, socket.socket]:
+    a, b = socket.socketpair()
+    return frames.FrameSocket(a, MAX, poll_s), b
+
+
+def _send_later(sock: socket.socket, data: bytes, after_s: float) -> threading.Thread:
+    t = threading.Thread(target=lambda: (time.sleep(after_s), sock.sendall(data)), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_frame_that_lands_while_polling_is_read_at_once():
+    fs, peer = _pair(poll_s=5.0)
+    try:
+        t = _send_later(peer, frames.encode(b"first"), 0.05)
+        t0 = time.monotonic()
+        assert fs.recv(time.monotonic() + 10) == b"first"
+        assert time.monotonic() - t0 < 2.0                      # not the whole poll window
+        t.join(5)
+    finally:
+        fs.close()
+        peer.close()
+
+
+def test_frames_after_the_poll_window_and_back_to_back_frames_are_read_whole():
+    fs, peer = _pair(poll_s=0.01)
+    try:
+        t = _send_later(peer, frames.encode(b"late") + frames.encode(b"x" * 70_000) + frames.encode(b""), 0.2)
+        assert fs.recv(time.monotonic() + 10) == b"late"        # the window passed: the blocking read got it
+        assert fs.recv(time.monotonic() + 10) == b"x" * 70_000  # bytes read past a frame are kept
+        assert fs.recv(time.monotonic() + 10) == b""
+        t.join(5)
+    finally:
+        fs.close()
+        peer.close()
+
+
+def test_polling_keeps_the_deadline_and_a_closed_peer_is_peer_closed():
+    fs, peer = _pair(poll_s=30.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            fs.recv(time.monotonic() + 0.2)                     # the poll is cut to the deadline
+        assert time.monotonic() - t0 < 5.0
+        peer.close()
+        with pytest.raises(frames.PeerClosed):
+            fs.recv(time.monotonic() + 10)
+    finally:
+        fs.close()
