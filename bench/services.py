@@ -19,6 +19,7 @@ host work).
 from __future__ import annotations
 
 import json
+import queue
 import re
 import time
 import urllib.request
@@ -46,14 +47,29 @@ def round_split(metrics_port: int) -> dict[str, float]:
 
 
 def _decode(address: str, prompts: list[str], max_tokens: int, k: int, concurrency: int):
-    def one(p: str):
-        with SpecsplitClient(address, timeout=600) as c:
-            return c.generate_text(p, max_tokens=max_tokens, k=k, ignore_eos=True)
+    """Decode ``prompts`` with ``concurrency`` clients at once. Each client keeps its channel for
+    all the requests it sends, as a serving client does (a channel opened per request cost
+    ~1–3 ms a request on the 2-core CPU, a cost the in-process peer never pays)."""
+    clients = [SpecsplitClient(address, timeout=600).wait_ready(60) for _ in range(concurrency)]
+    free: queue.SimpleQueue = queue.SimpleQueue()
+    for c in clients:
+        free.put(c)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, prompts))
-    return results, time.perf_counter() - t0
+    def one(p: str):
+        c = free.get()
+        try:
+            return c.generate_text(p, max_tokens=max_tokens, k=k, ignore_eos=True)
+        finally:
+            free.put(c)
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, prompts))
+        return results, time.perf_counter() - t0
+    finally:
+        for c in clients:
+            c.close()
 
 
 def _per_round_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -3,7 +3,8 @@
 Owns: the frame format both ends of the draft's data plane speak (a 4-byte
 big-endian length, then that many bytes: one serialized protobuf message),
 ``FrameSocket`` (write one frame; read one frame, bounded in size and,
-optionally, by a deadline; bytes read past a frame are kept for the next),
+optionally, by a deadline, optionally polling for it before blocking; bytes
+read past a frame are kept for the next),
 ``tune`` (TCP_NODELAY), and the ``ssl`` contexts matching the gRPC
 server's and channel's TLS settings (``server_context``: the service's
 certificate and key, client certificates required with a client CA;
@@ -49,7 +50,9 @@ def encode(body: bytes) -> bytes:
 
 
 class FrameSocket:
-    """A connected (possibly TLS) socket carrying frames; one reader and one writer at a time."""
+    """A connected (possibly TLS) socket carrying frames; one reader and one writer at a time.
+    ``poll_s`` > 0 leaves the socket non-blocking while a read polls, so reads and writes must
+    come from one thread (as both ends of the data plane do)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int, poll_s: float = 0.0) -> None:
         self.sock, self.max_frame_bytes, self.poll_s = sock, max_frame_bytes, poll_s
@@ -87,7 +90,7 @@ class FrameSocket:
             while time.perf_counter() < end:
                 try:
                     chunk = sock.recv(_CHUNK)
-                except (BlockingIOError, ssl.SSLWantReadError):
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     os.sched_yield()
                     continue
                 if not chunk:

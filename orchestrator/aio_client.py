@@ -14,6 +14,7 @@ building and the event records are the blocking client's (``client.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
@@ -198,6 +199,16 @@ class AsyncSpecsplitClient:
                           tuple(_event(m) for m in resp.events))
 
     # --- lifetime ---------------------------------------------------------------------
+    async def wait_ready(self, timeout: float | None = None) -> "AsyncSpecsplitClient":
+        """Connect now (a channel otherwise connects on its first call); SpecsplitError
+        UNAVAILABLE when the orchestrator cannot be reached within ``timeout``."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout or self.timeout)
+        except asyncio.TimeoutError:
+            raise SpecsplitError(grpc.StatusCode.UNAVAILABLE, "the orchestrator could not be reached "
+                                 f"within {timeout or self.timeout:g}s") from None
+        return self
+
     async def close(self) -> None:
         if self._owner:
             await self._channel.close()

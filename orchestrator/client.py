@@ -324,6 +324,16 @@ class SpecsplitClient:
                           tuple(_event(m) for m in resp.events))
 
     # --- lifetime ---------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None = None) -> "SpecsplitClient":
+        """Connect now (a channel otherwise connects on its first call); SpecsplitError
+        UNAVAILABLE when the orchestrator cannot be reached within ``timeout``."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout or self.timeout)
+        except grpc.FutureTimeoutError:
+            raise SpecsplitError(grpc.StatusCode.UNAVAILABLE, "the orchestrator could not be reached "
+                                 f"within {timeout or self.timeout:g}s") from None
+        return self
+
     def close(self) -> None:
         self._channel.close()
 

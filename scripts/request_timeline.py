@@ -5,8 +5,9 @@ Starts the three services (bundled model, torch on CPU unless ``--device``, k=3)
 functions below with one host-wide clock, then sends requests one after another from one client
 (its channel kept, as a user's is) and prints, per kind of request, the medians of: the client's
 wall time, the compute (the target's prefill and verifies, the draft's prefill and proposals) and
-what is left, the per-request cost of the split (calls, hops, thread wake-ups), then the
-timeline of the last request of each kind.
+what is left, the per-request cost of the split (calls, hops, thread wake-ups); then one-token
+requests on the kept client against a new channel each; then the timeline of the last request
+of each kind.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def main() -> int:
                 t0 = time.monotonic_ns()
                 client.generate_text(prompt, max_tokens=n, k=3, ignore_eos=True)
                 marks.setdefault(name, []).append((t0, time.monotonic_ns()))
+        # A channel per request (what a client that does not keep its channel pays) against the one above.
+        channel = {"one client": [], "a channel each": []}
+        for _ in range(args.requests):
+            t0 = time.perf_counter()
+            client.generate_text("hello", max_tokens=1, k=0, ignore_eos=True)
+            channel["one client"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with SpecsplitClient(stack.orchestrator_address, timeout=120) as fresh:
+                fresh.generate_text("hello", max_tokens=1, k=0, ignore_eos=True)
+            channel["a channel each"].append(time.perf_counter() - t0)
         time.sleep(1.5)                              # the probes write every half second
         calls = [tuple(c) for f in glob.glob(os.path.join(out, "calls-*.json")) for c in json.load(open(f))]
     print(f"one request at a time, k=3, {args.device}, bundled model; medians of {args.requests} requests (ms)")
@@ -84,6 +95,8 @@ def main() -> int:
         print(f"{name:28s} {statistics.median(walls):7.2f} {statistics.median(comp):8.2f} "
               f"{statistics.median(w - c for w, c in zip(walls, comp)):7.2f}   "
               + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    print("one-token requests, k=0: " + ", ".join(f"{name} {1e3 * statistics.median(v):.2f} ms"
+                                                   for name, v in channel.items()))
     for name, spans in marks.items():
         a, b = spans[-1]
         print(f"\n--- {name}: the last one, {(b - a) / 1e6:.2f} ms (ms from the client's call)")

@@ -53,6 +53,26 @@ def test_generate_and_generate_text_equal_the_blocking_client(stack):
     assert events[-1].drafted > 0 and events[-1].rounds == len(events) - 2   # chunks: prefill, rounds
 
 
+def test_wait_ready_connects_or_says_unavailable(stack):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]                  # nothing listens there once this closes
+
+    async def main():
+        async with AsyncSpecsplitClient(stack.address, timeout=TIMEOUT) as c:
+            assert await c.wait_ready() is c
+        async with AsyncSpecsplitClient(f"127.0.0.1:{closed}", timeout=TIMEOUT) as c:
+            try:
+                await c.wait_ready(0.5)
+            except SpecsplitError as exc:
+                return exc.code
+        return None
+
+    assert run(main()) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_leaving_the_stream_early_cancels_and_frees_the_slots(stack):
     async def main():
         async with AsyncSpecsplitClient(stack.address, timeout=TIMEOUT, token=GEN) as c:

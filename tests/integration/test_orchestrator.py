@@ -250,6 +250,21 @@ def test_stream_interval_sends_fewer_bigger_chunks_with_the_same_output(workers,
         server.stop(0).wait(5)
 
 
+def test_wait_ready_connects_or_says_unavailable(orch):
+    with SpecsplitClient(orch[1], timeout=TIMEOUT) as c:
+        assert c.wait_ready() is c and c.status()["orchestrator"]["active_requests"] >= 0
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]                  # nothing listens there once this closes
+    with SpecsplitClient(f"127.0.0.1:{closed}", timeout=TIMEOUT) as c:
+        t0 = time.monotonic()
+        with pytest.raises(SpecsplitError) as info:
+            c.wait_ready(0.5)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 5.0
+
+
 def test_16_concurrent_streams_join_and_leave(client, reference):
     specs = []
     for i in range(16):
