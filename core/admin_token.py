@@ -6,8 +6,10 @@ the token file of a service (``admin-<port>.token`` there unless
 ``security.admin_token_file`` names another path; mode 0600 in a 0700
 directory, written atomically), the per-process generated token, looking a
 token up for a loopback address (what the CLI, ``specsplit up`` and the
-orchestrator's links to local workers do when no token is given), and token
-fingerprints for audit lines.
+orchestrator's links to local workers do when no token is given), which
+ports this process serves with the generated token (``serve_generated``
+until ``stop_serving``, which also removes the file), and token fingerprints
+for audit lines.
 
 Must not know: gRPC, services. A token file is only read for loopback
 addresses: a token of this machine is never sent elsewhere.

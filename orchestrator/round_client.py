@@ -4,9 +4,10 @@ Owns: one ``Decode`` call per admitted request (its committed tokens come
 back as events, off the rounds' critical path), cancelling it when the
 client goes away, the ``ControlRounds`` actions the reload and the draft
 address need (pause / settle / abort / park / resume, configure, status),
-turning the call's messages and status into the scheduler's event records,
-and feeding the orchestrator's metrics from them (round time split,
-acceptance, outcomes).
+turning the call's messages and status into the scheduler's event records
+(one per round, also when several rounds came in one message), and feeding
+the orchestrator's metrics from them (round time split, acceptance,
+outcomes).
 
 Must not know: how rounds run, models, tensors, frameworks. The target's
 scheduler is the single owner of the batch; this side never sees a round.

@@ -6,7 +6,9 @@ deadlines, and the per-round Propose/Verify exchanges over ONE persistent
 bidirectional stream per worker: a round puts one batched request on the
 stream and reads exactly one response within a bounded wait. The draft's
 Propose goes over its data plane instead (``rounds.data_plane``, same
-contract, no threads) when its status advertises one. A timeout or a
+contract, no threads) when its status advertises one, and so do its prefill
+and the releases flushed between rounds (the Prefill / Release calls when it
+does not, or predates prefill on the data plane). A timeout or a
 stream error cancels the stream and raises ``WorkerUnavailable``; the next
 round opens a fresh stream (lazy reconnect). Per-item ``ItemError``s become
 ``ItemFailures`` so only those requests end.

@@ -2,7 +2,9 @@
 Prefill and the persistent Verify stream, and ``start``.
 
 Owns: the target's messages only: a DecodeRequest checked into a
-``GenerationRequest`` and its events back as DecodeEvents; ControlRounds actions;
+``GenerationRequest`` and its events back as DecodeEvents (chunks held for the
+caller's ``stream_interval``, the last ones riding on the final event with
+``chunk_in_final``); ControlRounds actions;
 Prefill / Verify items into records and their results back. The plumbing both
 workers share is ``worker.service``; the round loop is ``target_service.rounds``.
 

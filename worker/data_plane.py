@@ -5,7 +5,8 @@ free port), TLS / mTLS with the gRPC server's own certificate, key and client
 CA (``core.frames.server_context``; plaintext when gRPC is plaintext), one
 thread per connection at a time (threads are reused for later connections, so
 the worker's inline-run threads stay the same few), frames in and answers out
-in order through ``handle`` (bytes -> bytes; the servicer's round handling),
+in order through ``handle`` (bytes -> bytes; the servicer's round handling;
+each connection polls for its next frame for ``poll_s`` before blocking),
 closing only the connection whose frame is too large or undecodable, the count
 of frames answered, and stopping (listener and every connection) on shutdown.
 
