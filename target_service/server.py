@@ -88,6 +88,8 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
     max_k = worker.cfg.spec.max_k
     if not 0 <= req.k <= max_k:
         raise ValueError(f"k: {req.k} is out of range [0, {max_k}]")
+    if req.stream_interval < 0:
+        raise ValueError(f"stream_interval: {req.stream_interval} must be >= 0 (0 or 1: every round)")
     resume = np.asarray(req.resume_output, dtype=np.int64)
     if mc is not None:
         check_token_range(resume, vocab, "resume_output")
@@ -150,8 +152,9 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
         self.max_tensor_bytes = worker.cfg.security.max_tensor_bytes
 
     def Decode(self, request: tpb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[tpb.DecodeEvent]:
-        """One request through the round loop: a chunk per round, then the final event
-        (a failure after the first chunk is an ``error`` event, so what streamed stays)."""
+        """One request through the round loop: a chunk per round (or per ``stream_interval``
+        tokens), then the final event (a failure after the first chunk is an ``error`` event,
+        so what streamed stays)."""
         def check() -> GenerationRequest:
             self.worker.lifecycle.require_serving("Decode")
             return decode_request(request, self.worker)

@@ -158,6 +158,7 @@ def test_decode_and_control_refuse_bad_input_naming_the_field(stack):
            (dict(request_id="a", prompt=[], max_tokens=4), "prompt"),
            (dict(request_id="a", prompt=[1], max_tokens=0), "max_tokens"),
            (dict(request_id="a", prompt=[1], max_tokens=4, k=9), "k"),
+           (dict(request_id="a", prompt=[1], max_tokens=4, stream_interval=-2), "stream_interval"),
            (dict(request_id="a", prompt=[99999], max_tokens=4), "prompt"),
            (dict(request_id="a", prompt=[1], max_tokens=4, resume_output=[1, 2, 3, 4]), "resume_output"),
            # Called directly, the target refuses a prompt past the model's positions (both numbers named).
