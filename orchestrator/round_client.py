@@ -117,11 +117,13 @@ class RemoteHandle:
             self._rounds.observe_chunk(ev)
             self._pending.append(ev)
 
-    def ready_tokens(self) -> list[TokensEvent]:
+    def ready_tokens(self, weights_version: str | None = None) -> list[TokensEvent]:
         """The token events already received and not returned (the other rounds of the message
-        the last one came in), without waiting: a stream sends them on in one message."""
+        the last one came in), without waiting, up to one of other weights than
+        ``weights_version``: a stream sends them on in one message."""
         out: list[TokensEvent] = []
-        while self._pending and isinstance(self._pending[0], TokensEvent):
+        while self._pending and isinstance(self._pending[0], TokensEvent) and (
+                weights_version is None or self._pending[0].weights_version == weights_version):
             out.append(self._pending.popleft())
         return out
 

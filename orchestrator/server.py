@@ -334,11 +334,13 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
                 continue
             if isinstance(ev, TokensEvent):
                 # NOTE: the rounds that came in one message (the target's stream_interval) go
-                # on in one chunk; each round is still checked for stop strings on its own, so
-                # the output is the same whatever the interval.
+                # on in one chunk, never across a weight swap (a chunk has one weights_version);
+                # each round is still checked for stop strings on its own, so the output is the
+                # same whatever the interval.
                 tokens: list[int] = []
                 text, accepted, drafted = "", 0, 0
-                for part in [ev, *getattr(handle, "ready_tokens", list)()]:
+                ready = getattr(handle, "ready_tokens", None)
+                for part in [ev, *(ready(ev.weights_version) if ready is not None else ())]:
                     if stop.stopped:
                         break                              # rounds finished after the stop string
                     text += stop.push(decoder.push(list(part.tokens)))

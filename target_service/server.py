@@ -184,6 +184,9 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
             # (the releases), and they all ride on it. Anything but a final event sends what
             # is held on its own first, in order.
             if isinstance(ev, TokensEvent):
+                if held and held[-1].weights_version != ev.weights_version:
+                    yield _chunks_proto(held)        # NOTE: one message never spans a weight swap
+                    held = []
                 held.append(ev)
                 if ev.last and request.chunk_in_final:
                     continue

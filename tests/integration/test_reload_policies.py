@@ -29,9 +29,10 @@ pytestmark = pytest.mark.integration
 
 
 # --- in-flight policies ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["wait", "abort", "recompute"])
-def test_inflight_policies(stacks, models, ref, policy):
-    s = stacks(models["A"], "A")
+@pytest.mark.parametrize("policy,interval", [("wait", 1), ("abort", 1), ("recompute", 1), ("recompute", 5)])
+def test_inflight_policies(stacks, models, ref, policy, interval):
+    """interval: the orchestrator's stream_interval (held chunks never span the weight swap)."""
+    s = stacks(models["A"], "A", stream_interval=interval)
     s.slow_rounds(0.004)
     p, n = PROMPTS[1], 200
     inflight = in_thread(lambda: run_gen(s.client, p, n, k=3))
