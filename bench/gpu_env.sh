@@ -10,3 +10,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+# What the session scripts share: NCCL with NVLink multicast off (KINDS.md), a filter for the
+# services' log lines, and the run's date, GPUs and commit in $out/env.txt.
+quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
+gpu_prologue() {
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+  { date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader; git log --oneline -1; } | tee "$out/env.txt"
+}

@@ -21,9 +21,7 @@
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-profile}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
-{ date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader; git log --oneline -1; } | tee "$out/env.txt"
+gpu_prologue
 case "$mode" in
 profile)
   timeout 150 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt"

@@ -11,9 +11,7 @@
 # NCCL with NVLink multicast off. Set-up: bench/gpu_env.sh (the pinned wheels in .whl/).
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-tests}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
-{ date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader; git log --oneline -1; } | tee "$out/env.txt"
+gpu_prologue
 case "$mode" in
 tests)
   timeout 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_tp_gpu.py \

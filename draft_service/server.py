@@ -60,6 +60,11 @@ def _float_or_bits(hidden: np.ndarray) -> np.ndarray:
     return hidden if hidden.dtype == np.uint16 else wire.as_float32(hidden)
 
 
+def _prefill_results(items: Any, results: list[Any]) -> list[dpb.DraftPrefillResult]:
+    """Per prefill item (proto, in order) its result message: an error, or nothing (success)."""
+    return [result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {}) for it, res in zip(items, results)]
+
+
 def _proposal(res: Proposal) -> dict[str, Any]:
     out = dpb.Proposal(drafts=res.drafts.tolist())
     if res.draft_probs is not None:
@@ -79,8 +84,7 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
             # NOTE: releases first: a request id that finished and joins again must find its old cache gone.
             self._run(context, "Release", lambda: self.worker.release(list(request.release_request_ids)))
         results = self._run(context, "Prefill", lambda: self.worker.prefill(items))
-        return dpb.DraftPrefillResponse(results=[result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {})
-                                                 for it, res in zip(request.items, results)])
+        return dpb.DraftPrefillResponse(results=_prefill_results(request.items, results))
 
     def _answer_propose(self, msg: dpb.ProposeRequest) -> dpb.ProposeResponse:
         """One Propose message -> its response: the one handling of both transports (the
@@ -90,33 +94,31 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
         NOTE: releases before the prefill (a finished id that joins again must find its old
         cache gone) and the prefill before the items (a joiner's first Propose may follow in
         the same message). Device work runs inline on the message's thread (``DeviceThread``)."""
-        prefill: list[Any] = []
-        prefill_error: list[wire.ItemError] = []
-
-        def before(msg: dpb.ProposeRequest) -> None:
-            if msg.release_request_ids:
-                ids = list(msg.release_request_ids)
-                self._round_results("release", lambda: self.worker.release(ids, inline=True), 0, msg.round)
-            if msg.prefill_items:
-                items = decode_items(msg.prefill_items, lambda i, it: _decode_prefill(i, it, self.max_tensor_bytes))
-                try:
-                    results = self.worker.prefill(items, inline=True)
-                except Exception as exc:  # noqa: BLE001 - the whole prefill failed: said once, as the RPC would
-                    prefill_error.append(wire.item_error_for(exc))
-                    if prefill_error[0].code == grpc.StatusCode.INTERNAL:
-                        self.log.exception("prefill_failed", round=msg.round)
-                    return
-                prefill.extend(result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {})
-                               for it, res in zip(msg.prefill_items, results))
-
+        if msg.release_request_ids:
+            ids = list(msg.release_request_ids)
+            self._round_results("release", lambda: self.worker.release(ids, inline=True), 0, msg.round)
+        prefilled = self._prefill_in_message(msg) if msg.prefill_items else []
         resp = self._round_answer(msg, "propose", lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
                                   lambda items, round_: self.worker.propose(items, round_) if items else [],
                                   lambda rid, res: result_proto(dpb.ProposeResult, rid, res, _proposal),
-                                  dpb.ProposeResponse, before=before)
-        resp.prefill_results.extend(prefill)
-        if prefill_error:
-            resp.prefill_error.CopyFrom(wire.item_error_to_proto(prefill_error[0]))
+                                  dpb.ProposeResponse)
+        if isinstance(prefilled, wire.ItemError):
+            resp.prefill_error.CopyFrom(wire.item_error_to_proto(prefilled))
+        else:
+            resp.prefill_results.extend(prefilled)
         return resp
+
+    def _prefill_in_message(self, msg: dpb.ProposeRequest) -> list[dpb.DraftPrefillResult] | wire.ItemError:
+        """A message's ``prefill_items`` (what the Prefill RPC does): a result per item, or the
+        error of the whole prefill (e.g. no weights), said once as the RPC's status says it."""
+        items = decode_items(msg.prefill_items, lambda i, it: _decode_prefill(i, it, self.max_tensor_bytes))
+        try:
+            return _prefill_results(msg.prefill_items, self.worker.prefill(items, inline=True))
+        except Exception as exc:  # noqa: BLE001 - the whole prefill failed
+            err = wire.item_error_for(exc)
+            if err.code == grpc.StatusCode.INTERNAL:
+                self.log.exception("prefill_failed", round=msg.round)
+            return err
 
     def Propose(self, request_iterator: Iterator[dpb.ProposeRequest],
                 context: grpc.ServicerContext) -> Iterator[dpb.ProposeResponse]:

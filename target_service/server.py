@@ -171,6 +171,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
             handle.cancel()
         interval = max(int(request.stream_interval), 1)
         held: list[TokensEvent] = []             # chunks not sent yet, oldest first
+        n_held = 0                               # their tokens
         while True:
             ev = handle.next_event(EVENT_POLL_S)
             if ev is None:
@@ -186,13 +187,14 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
             if isinstance(ev, TokensEvent):
                 if held and held[-1].weights_version != ev.weights_version:
                     yield _chunks_proto(held)        # NOTE: one message never spans a weight swap
-                    held = []
+                    held, n_held = [], 0
                 held.append(ev)
+                n_held += len(ev.tokens)
                 if ev.last and request.chunk_in_final:
                     continue
-                if ev.timing is None or sum(len(e.tokens) for e in held) >= interval:
+                if ev.timing is None or n_held >= interval:
                     yield _chunks_proto(held)
-                    held = []
+                    held, n_held = [], 0
                 continue
             if isinstance(ev, FinalEvent) and request.chunk_in_final:
                 yield _event_proto(ev, held)

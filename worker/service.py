@@ -127,13 +127,11 @@ class WorkerServicerMixin:
 
     def _round_answer(self, msg: Any, step: str, decode: Callable[[int, Any], Any],
                       run: Callable[[list[Any], int], list[Any]], encode: Callable[[str, Any], Any],
-                      response: Callable[..., Any], before: Callable[[Any], None] | None = None) -> Any:
+                      response: Callable[..., Any]) -> Any:
         """One round message (Propose, Verify) -> its answer, whichever transport carried it (the
-        gRPC stream or the data plane): decode its items (``decode_items``), run ``before(msg)``
-        (e.g. releases), run the batch, and return ``response(round, compute_seconds, results)``."""
+        gRPC stream or the data plane): decode its items (``decode_items``), run the batch, and
+        return ``response(round, compute_seconds, results)``."""
         items = decode_items(msg.items, decode)
-        if before is not None:
-            before(msg)
         results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
         return response(round=msg.round, compute_seconds=seconds, results=[
             encode(it.request_id, res) for it, res in zip(msg.items, results)])

@@ -5,9 +5,11 @@ Bounded: every wait here has a deadline; the timed sends run on threads joined w
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -16,9 +18,16 @@ from core import frames
 MAX = 1 << 20
 
 
-def _pair(poll_s: float) -> tuple[frames.FrameSocket, socket.socket]:
+@contextlib.contextmanager
+def _pair(poll_s: float) -> Iterator[tuple[frames.FrameSocket, socket.socket]]:
+    """A polling FrameSocket and its raw peer, both closed at the end."""
     a, b = socket.socketpair()
-    return frames.FrameSocket(a, MAX, poll_s), b
+    fs = frames.FrameSocket(a, MAX, poll_s)
+    try:
+        yield fs, b
+    finally:
+        fs.close()
+        b.close()
 
 
 def _send_later(sock: socket.socket, data: bytes, after_s: float) -> threading.Thread:
@@ -28,34 +37,25 @@ def _send_later(sock: socket.socket, data: bytes, after_s: float) -> threading.T
 
 
 def test_a_frame_that_lands_while_polling_is_read_at_once():
-    fs, peer = _pair(poll_s=5.0)
-    try:
+    with _pair(poll_s=5.0) as (fs, peer):
         t = _send_later(peer, frames.encode(b"first"), 0.05)
         t0 = time.monotonic()
         assert fs.recv(time.monotonic() + 10) == b"first"
         assert time.monotonic() - t0 < 2.0                      # not the whole poll window
         t.join(5)
-    finally:
-        fs.close()
-        peer.close()
 
 
 def test_frames_after_the_poll_window_and_back_to_back_frames_are_read_whole():
-    fs, peer = _pair(poll_s=0.01)
-    try:
+    with _pair(poll_s=0.01) as (fs, peer):
         t = _send_later(peer, frames.encode(b"late") + frames.encode(b"x" * 70_000) + frames.encode(b""), 0.2)
         assert fs.recv(time.monotonic() + 10) == b"late"        # the window passed: the blocking read got it
         assert fs.recv(time.monotonic() + 10) == b"x" * 70_000  # bytes read past a frame are kept
         assert fs.recv(time.monotonic() + 10) == b""
         t.join(5)
-    finally:
-        fs.close()
-        peer.close()
 
 
 def test_polling_keeps_the_deadline_and_a_closed_peer_is_peer_closed():
-    fs, peer = _pair(poll_s=30.0)
-    try:
+    with _pair(poll_s=30.0) as (fs, peer):
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             fs.recv(time.monotonic() + 0.2)                     # the poll is cut to the deadline
@@ -63,5 +63,3 @@ def test_polling_keeps_the_deadline_and_a_closed_peer_is_peer_closed():
         peer.close()
         with pytest.raises(frames.PeerClosed):
             fs.recv(time.monotonic() + 10)
-    finally:
-        fs.close()
