@@ -23,6 +23,7 @@ BENCHES = {
     "tp": "bench.tp",              # target verify step, one device vs tensor-parallel (issue 14)
     "propose-host": "bench.propose_host",  # host µs per registry step and per greedy Propose, replays stubbed
     "gemm": "bench.gemm",          # the ~1B projections at decode shapes: cuBLAS layouts / libraries (issue 10)
+    "prefill": "bench.prefill",    # a prefill eager vs replayed from a prefill graph, target and draft (issue 10)
     "adaptive": "bench.adaptive",  # adaptive k vs every fixed k on prompts where drafting pays and where not (issue 10)
 }
 
@@ -52,7 +53,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, nargs="+", default=None,
                    help="services bench: the orchestrator's stream_interval values, side by side (default 1)")
     p.add_argument("--poll-us", type=int, nargs="+", default=None,
-                   help="services bench: the workers' data_plane_poll_us values, side by side (default 0)")
+                   help="services bench: the workers' data_plane_poll_us values, side by side (default: theirs, -1 = auto)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive")

@@ -87,10 +87,10 @@ def in_rounds(split: dict, seconds: float) -> float:
 
 
 def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int = 1,
-                   stream_interval: int = 1, poll_us: int = 0) -> StackOptions:
+                   stream_interval: int = 1, poll_us: int | None = None) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
-    if poll_us:
+    if poll_us is not None:                      # None: the workers' default (auto)
         extra += ("--data-plane-poll-us", str(poll_us))
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
@@ -117,7 +117,7 @@ def main(args) -> int:
     rows = []
     first_ref: dict[int, list] = {}
     intervals = list(dict.fromkeys(getattr(args, "stream_interval", None) or [1]))
-    polls = list(dict.fromkeys(getattr(args, "poll_us", None) or [0]))
+    polls = list(dict.fromkeys(getattr(args, "poll_us", None) or [None]))
     runs = [(tp, variant, si, poll) for tp in target_tps(args) for variant in variants for si in intervals
             for poll in polls]
     for tp, variant, si, poll in runs:
@@ -161,7 +161,7 @@ def main(args) -> int:
           f"/ total, share of wall time in rounds")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {r['poll_us']:5d} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
               f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")

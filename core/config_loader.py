@@ -61,12 +61,18 @@ HELP: dict[str, str] = {
                        "stream)",
     "data_plane_poll_us": "draft and target: microseconds a data-plane reader polls for the next frame (the "
                           "draft: the next round; the target: the draft's answer) before it blocks; 0 = block at "
-                          "once. Polling keeps a core busy while it waits and spares each exchange the wake-up of "
-                          "a blocked thread",
+                          "once; -1 = auto: 2000 on a host where the process may use 8 or more CPUs, else 0. Polling keeps a "
+                          "core busy while it waits and spares each exchange the wake-up of a blocked thread",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
     "cache.max_len": "KV-cache positions per request (prompt + output + k)",
     "graphs.enabled": "allow CUDA-graph capture",
     "graphs.batch_buckets": "comma-separated ascending batch buckets captured as graphs",
+    "graphs.prefill_graphs": "capture prefill graphs per prompt width (unset = on CUDA only; true = every "
+                             "device; false = off; prompts are padded to the width)",
+    "graphs.prefill_widths": "comma-separated ascending prompt widths captured as prefill graphs (longer prompts "
+                             "run eagerly)",
+    "graphs.prefill_tokens": "rows of the largest prefill graph: a width is captured at the batch buckets with "
+                             "bucket x width <= this",
     "server.host": "listen address",
     "server.port": "listen port (0 = pick a free one; printed at start)",
     "server.metrics_port": "Prometheus HTTP port (unset = off, 0 = pick)",

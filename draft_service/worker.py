@@ -42,8 +42,10 @@ class DraftWorker(Worker):
         return check_draft(target_ck, mtp)
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> DraftEngine:
+        g = self.cfg.graphs
         return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
-                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=self.cfg.graphs.fused_propose)
+                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=g.fused_propose,
+                           prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0) -> list[Proposal | ItemError]:

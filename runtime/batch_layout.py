@@ -86,6 +86,24 @@ def context_spans(max_len: int) -> tuple[int, ...]:
     return tuple(spans) + (max_len,)
 
 
+def prefill_graph_widths(widths: tuple[int, ...], tokens: int, max_len: int,
+                         buckets: tuple[int, ...]) -> dict[int, int]:
+    """Prompt widths captured as prefill graphs -> the largest batch bucket each is captured
+    at: buckets with bucket * width <= ``tokens`` (the widest graph's rows), widths <= max_len.
+    A width no bucket fits is left out (those prompts run eagerly)."""
+    out = {}
+    for w in sorted(widths):
+        fit = [b for b in buckets if b * w <= tokens]
+        if w <= max_len and fit:
+            out[w] = fit[-1]
+    return out
+
+
+def prefill_width(widths: dict[int, int], n: int, batch: int) -> int | None:
+    """The smallest captured prefill width holding ``n`` tokens at this batch, or None (eager)."""
+    return next((w for w, top in widths.items() if w >= n and batch <= top), None)
+
+
 def single_token_places(places: list[tuple[int, int] | None], scratch_slot: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """One token per row at (slot, position) = places[i], or on the scratch slot at position 0

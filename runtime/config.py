@@ -224,11 +224,32 @@ class GraphConfig:
     # this one's tokens (runtime/decode_ahead.py); on CUDA only (no effect on a CPU, where
     # nothing would overlap) and never on a tensor-parallel target.
     decode_ahead: bool = True
+    # Prefills replay a graph captured per (prompt width, batch bucket), the prompt padded to
+    # the smallest width that holds it: an eager prefill runs every op of every layer from
+    # Python (7.9 ms for a short prompt of the bundled model on an H200). None: on CUDA only
+    # (on a CPU the "graph" is the step itself, so padding would only add work); True: on
+    # every device (how CI tests the path); False: off. Longer prompts, and batches above
+    # the buckets that fit ``prefill_tokens``, run eagerly.
+    prefill_graphs: bool | None = None
+    prefill_widths: tuple[int, ...] = (16, 32, 64, 128, 256)
+    # The rows (batch bucket x width) of the largest prefill graph: each width is captured
+    # at the buckets with bucket * width <= this.
+    prefill_tokens: int = 1024
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
         _check(len(b) >= 1 and all(isinstance(x, int) and x >= 1 for x in b) and list(b) == sorted(set(b)),
                "graphs.batch_buckets", "a non-empty strictly ascending tuple of integers >= 1", b)
+        w = self.prefill_widths
+        _check(len(w) >= 1 and all(isinstance(x, int) and x >= 1 for x in w) and list(w) == sorted(set(w)),
+               "graphs.prefill_widths", "a non-empty strictly ascending tuple of integers >= 1", w)
+        _check(isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1, "graphs.prefill_tokens",
+               "an integer >= 1", self.prefill_tokens)
+
+    def prefill_widths_on(self, device: str) -> tuple[int, ...]:
+        """The prompt widths a worker on ``device`` captures prefill graphs at (() = none)."""
+        on = device.startswith("cuda") if self.prefill_graphs is None else self.prefill_graphs
+        return self.prefill_widths if on and self.enabled else ()
 
 
 @dataclass(frozen=True)

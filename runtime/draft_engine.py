@@ -44,7 +44,8 @@ import numpy as np
 
 from runtime import random_stream, sampling
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows, single_token_places
+from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
+                                  prefill_width, single_token_places)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
 from runtime.fused_propose import FusedPropose, propose_kind_name, substep_places
@@ -72,7 +73,7 @@ class _DraftRequest:
 class DraftEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry, ahead_drafting: bool = False,
-                 fused_propose: bool = True) -> None:
+                 fused_propose: bool = True, prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
         # As the target: checkpoint names as views, plus the fused buffers the forward uses.
         fused = fuse_projections(ops, params, [MTP_LAYER_PREFIX])
@@ -94,6 +95,12 @@ class DraftEngine:
             kinds.insert(1, (self._catchup_wide, 2 * self.catchup_width))
         for name, width in kinds:
             registry.register(self._kind(name, width))
+        # Prefill graphs (as the target's, runtime/target_engine.py): a prompt's pairs start at
+        # position 0, so a width-W prefill reads W cache rows: one span, W.
+        self._prefill_widths = prefill_graph_widths(prefill_widths, prefill_tokens, self.cache.max_len,
+                                                    registry.buckets)
+        for w, top in self._prefill_widths.items():
+            registry.register(self._kind(f"prefill{w}", w, spans=(w,), max_batch=top))
         # NOTE: registered after catch-up and substep: capture_all captures kinds in this
         # order per bucket, and the propose kinds' one warm-up relies on those steps
         # having run at the same shapes first (runtime/fused_propose.py).
@@ -109,7 +116,8 @@ class DraftEngine:
         self._tail_pos: dict[str, int] = {}
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
-    def _kind(self, name: str, width: int) -> StepKind:
+    def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
+              max_batch: int | None = None) -> StepKind:
         scratch = self.cache.scratch_slot
         return StepKind(
             name=name,
@@ -121,8 +129,9 @@ class DraftEngine:
                     InputSpec("read_slots", (), "int64", scratch),
                     InputSpec("last_index", (), "int64", 0)),
             eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
-            spans=context_spans(self.cache.max_len),
+            spans=context_spans(self.cache.max_len) if spans is None else spans,
             span_of=lambda x: attend_need(x["positions"]),
+            max_batch=max_batch,
         )
 
     # --- the captured step ---------------------------------------------------
@@ -214,7 +223,7 @@ class DraftEngine:
         body = [r for r in reqs if len(r.tokens) > 0]
         if body:
             try:
-                self._catch_up(body, [0] * len(body), [states[r.request_id].slot for r in body])
+                self._catch_up(body, [0] * len(body), [states[r.request_id].slot for r in body], prefill=True)
             except Exception:
                 for r in reqs:
                     self.release(r.request_id)
@@ -222,11 +231,16 @@ class DraftEngine:
         for r in body:
             states[r.request_id].length = len(r.tokens)
 
-    def _catch_up(self, reqs, starts: list[int], slots: list[int]):
+    def _catch_up(self, reqs, starts: list[int], slots: list[int], prefill: bool = False):
+        """Write each request's new pairs from ``starts``; a prefill (every start 0) wider than the
+        catch-up kinds replays a prefill graph when one holds it."""
         longest = max(len(r.tokens) for r in reqs)
+        wide = prefill_width(self._prefill_widths, longest, len(reqs)) if prefill else None
         kind, width = ((self._catchup_kind, self.catchup_width) if longest <= self.catchup_width else
                        (self._catchup_wide, 2 * self.catchup_width)
                        if self._catchup_wide is not None and longest <= 2 * self.catchup_width else
+                       (f"prefill{wide}", wide)
+                       if wide is not None and self.registry.can_replay(f"prefill{wide}", len(reqs), wide) else
                        (None, longest))
         return self._run_rows(kind, *self._catchup_rows(reqs, starts, slots, width), width)
 

@@ -50,13 +50,17 @@ class SpecEngine:
         self.target_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
         self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
                                    cfg.cache, cfg.spec.max_k, self.target_registry,
-                                   decode_ahead=None if cfg.graphs.decode_ahead else False)
+                                   decode_ahead=None if cfg.graphs.decode_ahead else False,
+                                   prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
+                                   prefill_tokens=cfg.graphs.prefill_tokens)
         self.draft: DraftEngine | None = None
         if use_draft and cfg.spec.max_k > 0:
             draft_ck = check_draft(target_ck, resolve_draft_path(cfg.target_path, cfg.draft_path))
             self.draft_registry = GraphRegistry(self.ops, cfg.graphs.batch_buckets)
             self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck, bf16_bits=True)),
-                                     cfg.cache, cfg.spec.max_k, self.draft_registry, fused_propose=fused_propose)
+                                     cfg.cache, cfg.spec.max_k, self.draft_registry, fused_propose=fused_propose,
+                                     prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
+                                     prefill_tokens=cfg.graphs.prefill_tokens)
 
     def capture_graphs(self) -> None:
         self.target_registry.capture_all()

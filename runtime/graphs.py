@@ -65,6 +65,9 @@ class StepKind:
     # Warm-up runs before this kind's captures (None: capture_all's ``warmup``). A kind
     # built only of steps that other kinds captured first at the same shapes needs fewer.
     warmup: int | None = None
+    # The largest batch bucket this kind is captured at (None: every bucket); a larger
+    # batch runs eagerly. Wide steps (prefills) are captured at the small buckets only.
+    max_batch: int | None = None
 
 
 @dataclass
@@ -90,7 +93,8 @@ class _Plan:
     floats: tuple[tuple[str, tuple[int, ...], float], ...]
     spans: tuple[int, ...]
     mirror: Any                     # host twin of the packed buffer (Ops.host_mirror), None without ints
-    # Host staging of numpy compute inputs, [max_bucket, ...] per (name, numpy dtype).
+    top: int                        # the kind's largest captured bucket (its static buffers' rows)
+    # Host staging of numpy compute inputs, [top, ...] per (name, numpy dtype).
     host_rows: dict[tuple[str, Any], np.ndarray] = field(default_factory=dict)
 
 
@@ -203,9 +207,10 @@ class GraphRegistry:
                 return  # idempotent
             try:
                 self._pool = self._new_pool()
-                max_b = self.buckets[-1]
+                tops = {name: self._top_bucket(kind) for name, kind in self.kinds.items()}
                 for kind in self.kinds.values():
-                    self._allocate_static(kind, max_b)
+                    if tops[kind.name] is not None:
+                        self._allocate_static(kind, tops[kind.name])
                 # NOTE: largest bucket (and largest span) first, so the smaller
                 # graphs' allocations fit inside the pool memory the largest one
                 # already reserved.
@@ -214,11 +219,18 @@ class GraphRegistry:
                     # short warm-up (StepKind.warmup) relies on the kinds registered before
                     # it having run its inner steps at this bucket's shapes already.
                     for kind in self.kinds.values():
+                        if tops[kind.name] is None or bucket > tops[kind.name]:
+                            continue
                         for span in sorted(kind.spans or (0,), reverse=True):
                             self._capture_one(kind, bucket, span, warmup if kind.warmup is None else kind.warmup)
             except Exception:
                 self.clear()
                 raise
+
+    def _top_bucket(self, kind: StepKind) -> int | None:
+        """The largest bucket ``kind`` is captured at (None: none is small enough)."""
+        fit = [b for b in self.buckets if kind.max_batch is None or b <= kind.max_batch]
+        return fit[-1] if fit else None
 
     def _allocate_static(self, kind: StepKind, max_b: int) -> None:
         """Static inputs at the largest bucket: int64 inputs as views of one flat
@@ -240,7 +252,7 @@ class GraphRegistry:
                 floats.append((s.name, tuple(s.row_shape), s.pad))
         self._static[kind.name] = static
         self._plans[kind.name] = _Plan(tuple(int_plan), tuple(floats), tuple(sorted(kind.spans)),
-                                       self.ops.host_mirror(packed) if ints else None)
+                                       self.ops.host_mirror(packed) if ints else None, max_b)
 
     @staticmethod
     def _pad_template(kind: StepKind, max_b: int) -> np.ndarray:
@@ -355,7 +367,7 @@ class GraphRegistry:
                 dt = np.uint16 if value.dtype == np.uint16 else np.float32
                 rows = plan.host_rows.get((name, dt))
                 if rows is None:
-                    rows = plan.host_rows[(name, dt)] = np.full((self.buckets[-1], *row_shape), pad, dtype=dt)
+                    rows = plan.host_rows[(name, dt)] = np.full((plan.top, *row_shape), pad, dtype=dt)
                 rows[:b] = value
                 if b < bucket:
                     rows[b:bucket] = pad

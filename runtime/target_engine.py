@@ -35,7 +35,8 @@ import numpy as np
 
 from runtime import acceptance, random_stream, sampling
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_need, attend_span, context_spans, layout_rows
+from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
+                                  prefill_width)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
 from runtime.decode_ahead import AheadGate, AheadStats, PendingStep
@@ -61,7 +62,8 @@ def request_seed(params: SamplingParams) -> int:
 
 class TargetEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
-                 max_k: int, registry: GraphRegistry, decode_ahead: bool | None = None) -> None:
+                 max_k: int, registry: GraphRegistry, decode_ahead: bool | None = None,
+                 prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
         # Target-only greedy rounds queue their next step ahead (runtime/decode_ahead.py).
         # None: on CUDA only (on a CPU the "graph" is the step itself, nothing overlaps).
@@ -94,6 +96,22 @@ class TargetEngine:
             span_of=lambda x: attend_need(x["positions"]),
         ))
         self._verify_kind = f"verify{width}"
+        # Prefill graphs: one kind per prompt width, captured at the buckets that fit
+        # prefill_tokens; a prompt is padded to the smallest width that holds it. A prefill
+        # starts at position 0, so a width-W prompt reads W cache rows: one span, W.
+        self._prefill_widths = prefill_graph_widths(prefill_widths, prefill_tokens, self.cache.max_len,
+                                                    registry.buckets)
+        for w, top in self._prefill_widths.items():
+            registry.register(StepKind(
+                name=f"prefill{w}",
+                fn=ops.compile_step(lambda _w=w, **kw: self._prefill_step(**kw, attend_len=_w)),
+                inputs=(InputSpec("tokens", (w,), "int64", 0),
+                        InputSpec("write_slots", (w,), "int64", scratch),
+                        InputSpec("positions", (w,), "int64", 0),
+                        InputSpec("read_slots", (), "int64", scratch),
+                        InputSpec("last_index", (), "int64", 0)),
+                max_batch=top,
+            ))
 
     # --- the captured step ---------------------------------------------------
     def _step(self, tokens, write_slots, positions, read_slots, attend_len=None):
@@ -185,12 +203,7 @@ class TargetEngine:
         states = [self.cache.allocate(r.request_id) for r in reqs]
         try:
             rows = [Row(s.slot, 0, np.asarray(r.prompt, dtype=np.int64)) for s, r in zip(states, reqs)]
-            width = max(len(r.prompt) for r in reqs)
-            lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
-            hidden, best, logits = self._run_prefill(
-                {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
-                 "read_slots": lay.read_slots, "last_index": lay.last_index},
-                attend_span(lay.positions, self.cache.max_len))
+            hidden, best, logits = self._prefill_rows(rows, max(len(r.prompt) for r in reqs))
             seeds = [request_seed(r.params) for r in reqs]
             sampled = [i for i, r in enumerate(reqs) if r.resume_token is None and not r.params.greedy]
             extra, logits_np = [], None
@@ -235,6 +248,20 @@ class TargetEngine:
             self.requests[r.request_id] = _TargetRequest(r.params, seeds[i], first)
             out.append(PrefillResult(r.request_id, first, hidden_np[i, :n].copy()))
         return out
+
+    def _prefill_rows(self, rows: list[Row], width: int) -> tuple:
+        """The prefill forward of ``rows`` (the longest ``width`` tokens): a prefill graph's
+        replay when one holds them (rows padded to its width), else eager at their own width."""
+        w = prefill_width(self._prefill_widths, width, len(rows))
+        if w is not None and self.registry.can_replay(f"prefill{w}", len(rows)):
+            lay = layout_rows(rows, w, self.cache.scratch_slot, self.cache.max_len)
+            return self.registry.run(f"prefill{w}", {
+                "tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                "read_slots": lay.read_slots, "last_index": lay.last_index})[0]
+        lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
+        return self._run_prefill({"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                                  "read_slots": lay.read_slots, "last_index": lay.last_index},
+                                 attend_span(lay.positions, self.cache.max_len))
 
     def _sample(self, logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
         """The numpy path's token at ``position`` (logits [V])."""

@@ -34,7 +34,8 @@ PREFILL = "prefill"
 
 class TPTargetEngine(TargetEngine):
     def __init__(self, ops: Ops, plan: TPPlan, params: Params, cache_cfg: CacheConfig, max_k: int,
-                 registry: GraphRegistry, group: Any) -> None:
+                 registry: GraphRegistry, group: Any, prefill_widths: tuple[int, ...] = (),
+                 prefill_tokens: int = 1024) -> None:
         self.plan, self.group = plan, group
         # Rank 0 sets this to hand each eager prefill's inputs to the other ranks first.
         self.announce: Callable[[Any], None] | None = None
@@ -43,7 +44,10 @@ class TPTargetEngine(TargetEngine):
         # and the logits the host sees are the full model's.
         # NOTE: no decode-ahead on a TP group: a step queued ahead reads its token on the device,
         # and the other ranks take host inputs only (target_service/tp_worker.py).
-        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry, decode_ahead=False)
+        # Prefill graphs replay through the registry: rank 0's announcing registry hands each
+        # replay to the other ranks as it does the verify's (target_service/tp_worker.py).
+        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry, decode_ahead=False,
+                         prefill_widths=prefill_widths, prefill_tokens=prefill_tokens)
         self.full_cfg: ModelConfig = plan.cfg
         a, b = plan.vocab_rows
         if plan.head_is_embedding_view():

@@ -33,7 +33,7 @@ from rounds.draft_health import DraftLink
 from rounds.scheduler import (GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
                                     Scheduler)
 from rounds.worker_clients import DraftClient
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, poll_seconds
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core.errors import FailedPrecondition
 from core.wire import ItemError
@@ -280,7 +280,7 @@ class RoundHost:
             # client CA and shows its own certificate (one CA for the whole deployment).
             ca, cert, key = sec.tls_client_ca, sec.tls_cert, sec.tls_key
         return DraftClient(address, timeout_s=self.draft_timeout_s, max_message_bytes=c.server.max_message_bytes,
-                           tls_ca=ca, client_cert=cert, client_key=key, data_plane_poll_s=c.data_plane_poll_us / 1e6)
+                           tls_ca=ca, client_cert=cert, client_key=key, data_plane_poll_s=poll_seconds(c.data_plane_poll_us))
 
     def _target_status(self) -> Any:
         st = self.worker.status()

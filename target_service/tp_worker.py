@@ -125,8 +125,10 @@ class TPTargetWorker(TargetWorker):
         return self.read_weights(checked)
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> TPTargetEngine:
+        g = self.cfg.graphs
         engine = TPTargetEngine(self.ops, self._plan(model_cfg), params, self.cfg.cache, self.cfg.spec.max_k,
-                                self.registry, self.group)
+                                self.registry, self.group, prefill_widths=g.prefill_widths_on(self.cfg.runtime.device),
+                                prefill_tokens=g.prefill_tokens)
         if self.rank == 0:
             engine.announce = self._send
         return engine

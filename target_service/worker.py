@@ -37,8 +37,10 @@ class TargetWorker(Worker):
         return check_target(target, running)             # draft_path is the draft's business
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> TargetEngine:
+        g = self.cfg.graphs
         return TargetEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
-                            decode_ahead=None if self.cfg.graphs.decode_ahead else False)
+                            decode_ahead=None if g.decode_ahead else False,
+                            prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def verify(self, items: list[VerifyRequest | ItemError], round_: int = 0) -> list[VerifyResult | ItemError]:

@@ -7,11 +7,27 @@ Must not know: how values are read (``core.config_loader``) or the orchestrator'
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from core.config import SecurityConfig, ServerConfig
 from core.config import check as _check
 from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+
+
+# The automatic data-plane poll (docs/performance.md § Session 9): on the 16-core H200 host,
+# polling 2 ms took a batch-1 round's overhead from 0.44 to 0.27 ms (+18 % tokens/s); on a
+# 2-core host the polling core is the one the relay needs, and it bought nothing.
+AUTO_POLL_US = 2000
+AUTO_POLL_CPUS = 8
+
+
+def poll_seconds(poll_us: int, cpus: int | None = None) -> float:
+    """Seconds a data-plane reader polls before it blocks, for ``data_plane_poll_us`` (-1 = auto)."""
+    if poll_us >= 0:
+        return poll_us / 1e6
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    return AUTO_POLL_US / 1e6 if cpus >= AUTO_POLL_CPUS else 0.0
 
 
 @dataclass(frozen=True)
@@ -33,7 +49,8 @@ class WorkerConfig:
     # --- draft only: the per-round data plane beside gRPC (worker/data_plane.py), on server.host ---
     data_plane_port: int = 0             # 0 = pick a free port (advertised in GetStatus), -1 = off (gRPC stream only)
     # --- both: how long a data-plane reader polls for the next frame before it blocks (microseconds) ---
-    data_plane_poll_us: int = 0
+    # -1 = auto: AUTO_POLL_US where this process may run on AUTO_POLL_CPUS or more CPUs, else 0.
+    data_plane_poll_us: int = -1
     # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
     draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with
                                          # mTLS serving: security.tls_client_ca, showing security.tls_cert
@@ -45,8 +62,9 @@ class WorkerConfig:
         _check(isinstance(self.tp, int) and 1 <= self.tp <= 64, "tp", "an integer in [1, 64]", self.tp)
         _check(isinstance(self.data_plane_port, int) and -1 <= self.data_plane_port <= 65535, "data_plane_port",
                "an integer in [-1, 65535] (0 = pick a free port, -1 = off)", self.data_plane_port)
-        _check(isinstance(self.data_plane_poll_us, int) and 0 <= self.data_plane_poll_us <= 1_000_000,
-               "data_plane_poll_us", "an integer in [0, 1000000] (0 = block at once)", self.data_plane_poll_us)
+        _check(isinstance(self.data_plane_poll_us, int) and -1 <= self.data_plane_poll_us <= 1_000_000,
+               "data_plane_poll_us", "an integer in [-1, 1000000] (0 = block at once, -1 = auto)",
+               self.data_plane_poll_us)
         _check(self.tp == 1 or self.role == "target", "tp",
                "1 for the draft (the draft runs on one device; only the target is tensor-parallel)", self.tp)
         _check(self.tp == 1 or self.runtime.backend == "torch", "tp",

@@ -34,7 +34,7 @@ from core.startup import StartupError
 from runtime.lifecycle import State
 from specsplit.v1 import common_pb2 as pb
 from worker.base import Worker, WorkerStatus
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, poll_seconds
 from worker.data_plane import DataPlaneServer
 from worker.swap import IN_PLACE, RECAPTURE
 
@@ -335,7 +335,7 @@ def _start_data_plane(cfg: WorkerConfig, handle: Callable[[bytes], bytes], log: 
         ctx = frames.server_context(sec.tls_cert, sec.tls_key, sec.tls_client_ca) if sec.tls_cert else None
         return DataPlaneServer(cfg.server.host, cfg.data_plane_port, handle,
                                max_frame_bytes=cfg.server.max_message_bytes, ssl_context=ctx, log=log,
-                               name=f"{cfg.role}-data-plane", poll_s=cfg.data_plane_poll_us / 1e6).start()
+                               name=f"{cfg.role}-data-plane", poll_s=poll_seconds(cfg.data_plane_poll_us)).start()
     except OSError as exc:      # ssl.SSLError is an OSError too
         raise StartupError("data plane", f"cannot listen on {cfg.server.host}:{cfg.data_plane_port}: "
                            f"{exc.strerror or exc}") from None

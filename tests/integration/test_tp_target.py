@@ -25,6 +25,7 @@ from rounds.scheduler_types import FinalEvent, GenerationRequest
 from rounds.worker_clients import TargetClient
 from tests.integration.test_round_loop import _drain
 from runtime.checkpoint import index_checkpoint, load_tensors, save_target
+from runtime.batch_layout import prefill_width
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.tokenizer import ByteTokenizer
@@ -42,7 +43,9 @@ def _cfg(role: str, tp: int = 1) -> WorkerConfig:
     return WorkerConfig(role=role, target_path=str(TINY), weights_version="A", tp=tp,
                         runtime=RuntimeConfig(backend="torch", device="cpu"),
                         spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=4, max_len=256),
-                        graphs=GraphConfig(batch_buckets=(1, 4)), server=ServerConfig(host="127.0.0.1", port=0),
+                        # Prefill graphs on the CPU too: rank 0's prefills replay on every rank.
+                        graphs=GraphConfig(batch_buckets=(1, 4), prefill_graphs=True),
+                        server=ServerConfig(host="127.0.0.1", port=0),
                         security=SecurityConfig())
 
 
@@ -133,6 +136,10 @@ def test_tp2_through_recapture_and_in_place_reloads(tp_stack, tmp_path):
     assert st.state == pb.LIFECYCLE_STATE_LOADED and st.weights_version == "B"
     st = _admin(stub, "CaptureGraphs", pb.CaptureGraphsRequest())
     assert st.state == pb.LIFECYCLE_STATE_READY and st.graph_keys
+    assert any(k.startswith("prefill") for k in st.graph_keys), st.graph_keys
+    engine = target.worker.engine                                    # the prompts' prefill replays a graph
+    w = prefill_width(engine._prefill_widths, max(len(p) for p in _prompts()), N_PROMPTS)
+    assert w is not None and engine.registry.can_replay(f"prefill{w}", N_PROMPTS)
     replays = target.worker.status().graph_replays
     assert _generate(rounds, "recap", 0) == ref_b
     assert target.worker.status().graph_replays > replays            # rank 0 replayed its graphs

@@ -63,3 +63,15 @@ def test_polling_keeps_the_deadline_and_a_closed_peer_is_peer_closed():
         peer.close()
         with pytest.raises(frames.PeerClosed):
             fs.recv(time.monotonic() + 10)
+
+
+def test_the_automatic_poll_follows_the_cpus_the_process_may_use():
+    from core.config import ConfigError
+    from worker.config import AUTO_POLL_CPUS, AUTO_POLL_US, WorkerConfig, poll_seconds
+
+    assert poll_seconds(-1, cpus=2) == 0.0 and poll_seconds(-1, cpus=AUTO_POLL_CPUS - 1) == 0.0
+    assert poll_seconds(-1, cpus=AUTO_POLL_CPUS) == poll_seconds(-1, cpus=64) == AUTO_POLL_US / 1e6
+    assert poll_seconds(0, cpus=64) == 0.0 and poll_seconds(500, cpus=1) == 0.0005       # explicit values win
+    assert WorkerConfig(role="draft", target_path=None).data_plane_poll_us == -1          # auto by default
+    with pytest.raises(ConfigError, match="data_plane_poll_us"):
+        WorkerConfig(role="draft", target_path=None, data_plane_poll_us=-2)

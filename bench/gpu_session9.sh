@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 9 on the GPU host (one H200: draft and target share cuda:0), one device call per mode:
+#
+#   bash bench/gpu_session9.sh OUT_DIR first   # session 8's per-request path: the round loop's GPU tests,
+#                                              # one request's time outside compute, bench services with
+#                                              # data_plane_poll_us 0 and 2000 side by side at batch 1
+#   bash bench/gpu_session9.sh OUT_DIR final   # the rest of the GPU tests, bench peer (tiny, batch 1 and 8;
+#                                              # ~1B, batch 1), stream_interval 1 and 4 at batch 8
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-first}"
+gpu_prologue
+case "$mode" in
+first)
+  timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 --prompts 8 \
+    --max-tokens 128 --poll-us 0 2000 2>&1 | quiet | tee "$out/poll.txt" | tail -6
+  timeout 120 python3 scripts/request_timeline.py --device cuda:0 2>&1 | quiet | tee "$out/request_timeline.txt" | head -8
+  timeout 260 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py --durations=0 2>&1 \
+    | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -30
+  ;;
+final)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 \
+    --deselect tests/gpu/test_reload_gpu.py --deselect tests/gpu/test_stack_gpu.py \
+    --deselect tests/gpu/test_loop_gpu.py 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -30
+  timeout 150 python3 -m specsplit bench peer --device cuda:0 --small --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
