@@ -4,8 +4,12 @@
 #   bash bench/gpu_session9.sh OUT_DIR first   # session 8's per-request path: the round loop's GPU tests,
 #                                              # one request's time outside compute, bench services with
 #                                              # data_plane_poll_us 0 and 2000 side by side at batch 1
-#   bash bench/gpu_session9.sh OUT_DIR final   # the rest of the GPU tests, bench peer (tiny, batch 1 and 8;
-#                                              # ~1B, batch 1), stream_interval 1 and 4 at batch 8
+#   bash bench/gpu_session9.sh OUT_DIR prefill # prefill graphs: their GPU tests, bench prefill (eager vs graph),
+#                                              # the request timeline again, bench peer (tiny, batch 1)
+#   bash bench/gpu_session9.sh OUT_DIR final   # every GPU test but reload and stack (the loop tests again)
+#   bash bench/gpu_session9.sh OUT_DIR last    # bench prefill with a profile of two prefills, 20 RECAPTURE
+#                                              # reloads (bench.reload_probe), the stack test, bench peer
+#                                              # (~1B and bundled at batch 1, bundled at batch 8)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -19,13 +23,29 @@ first)
   timeout 260 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py --durations=0 2>&1 \
     | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -30
   ;;
+prefill)
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_prefill_gpu.py 2>&1 \
+    | tee "$out/prefill_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -12
+  timeout 150 python3 -m specsplit bench prefill --backend torch --device cuda:0 2>&1 | quiet | tee "$out/bench_prefill.txt"
+  timeout 120 python3 scripts/request_timeline.py --device cuda:0 2>&1 | quiet | tee "$out/request_timeline.txt" | head -6
+  timeout 150 python3 -m specsplit bench peer --device cuda:0 --small --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_tiny.txt" | tail -3
+  ;;
 final)
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 \
-    --deselect tests/gpu/test_reload_gpu.py --deselect tests/gpu/test_stack_gpu.py \
-    --deselect tests/gpu/test_loop_gpu.py 2>&1 \
-    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -30
-  timeout 150 python3 -m specsplit bench peer --device cuda:0 --small --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
-    | quiet | tee "$out/bench_peer_tiny.txt" | tail -4
+  timeout 560 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu --durations=0 \
+    --deselect tests/gpu/test_reload_gpu.py --deselect tests/gpu/test_stack_gpu.py 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -60
+  ;;
+last)
+  timeout 120 python3 -m specsplit bench prefill --backend torch --device cuda:0 2>&1 | quiet | tee "$out/bench_prefill.txt"
+  SPECSPLIT_RELOAD_CYCLES=20 timeout 150 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
+    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
+  timeout 100 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_stack_gpu.py 2>&1 \
+    | tee "$out/stack.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -6
+  timeout 200 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer.txt" | tail -4
+  timeout 100 python3 -m specsplit bench peer --device cuda:0 --small --batch 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_b8.txt" | tail -2
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

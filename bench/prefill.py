@@ -33,9 +33,9 @@ from runtime.target_engine import TargetEngine
 from runtime.types import DraftPrefillRequest, PrefillRequest
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"
-WIDTHS = (16, 32, 64, 128, 256)
+WIDTHS = GraphConfig().prefill_widths
 BUCKETS = (1, 2, 4, 8)
-CASES = ((1, 8), (1, 30), (1, 100), (1, 250), (4, 30), (1, 400))   # (batch, prompt tokens); 400: eager always
+CASES = ((1, 8), (1, 30), (1, 100), (1, 250), (1, 500), (4, 30), (1, 800))   # (batch, prompt tokens); 800: eager
 MAX_LEN = 1024
 
 
@@ -82,10 +82,30 @@ def _time_prefills(ops, target, draft, prompts, reps: int) -> tuple[float, float
     return statistics.median(t_ms), statistics.median(d_ms), first
 
 
+def _profile(ops, target, prompts, label: str) -> str:
+    """A Torch profiler summary of one target prefill (graphs live): GPU busy, host gap, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_round import _kernel_summary
+
+    reqs = [PrefillRequest(f"prof-{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    ops.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        target.prefill(reqs)
+        wall = time.perf_counter() - t0
+    for r in reqs:
+        target.release(r.request_id)
+    s = _kernel_summary(prof, wall, 6)
+    top = ", ".join(f"{t['name'][:40]} {t['calls']}x {t['total_us']:.0f} us" for t in s["top"])
+    return (f"profile, target prefill {label}: wall {s['wall_ms']} ms, GPU busy {s['gpu_busy_ms']} ms, "
+            f"{s['kernels']} kernels; top: {top}")
+
+
 def main(args) -> int:
     rng = np.random.default_rng(0)
     reps = 20
-    rows, captures = [], []
+    rows, captures, profiles = [], [], []
     for model, build in (("tiny", _bundled), ("1b" if args.device.startswith("cuda") else "small", _random)):
         ops, target, draft, vocab = build(args.device, args.k)
         prompts = {case: [tuple(int(x) for x in rng.integers(0, vocab, case[1])) for _ in range(case[0])]
@@ -103,13 +123,16 @@ def main(args) -> int:
             rows.append({"model": model, "batch": case[0], "prompt": case[1], "target_eager_ms": round(te, 3),
                          "target_graph_ms": round(tg, 3), "draft_eager_ms": round(de, 3),
                          "draft_graph_ms": round(dg, 3), "same_first_tokens": fe == fg})
+        if args.device.startswith("cuda") and model == "tiny":
+            profiles += [_profile(ops, target, prompts[case], f"{model} B={case[0]} prompt {case[1]}")
+                         for case in ((1, 8), (1, 30))]
         target.registry.clear()
         draft.registry.clear()
     if args.json:
         print(json.dumps({"rows": rows, "captures": captures}))
         return 0
     print(f"bench prefill: torch {args.device}, widths {WIDTHS}, batch buckets {BUCKETS}, medians of {reps} (ms; "
-          "a prompt of 400 tokens runs eagerly either way)")
+          "a prompt of 800 tokens runs eagerly either way)")
     print(f"{'model':6s} {'B':>2s} {'prompt':>6s}   {'target eager':>12s} {'graph':>7s} {'ratio':>6s}   "
           f"{'draft eager':>11s} {'graph':>7s} {'ratio':>6s}  same first tokens")
     for r in rows:
@@ -118,4 +141,6 @@ def main(args) -> int:
               f"{r['draft_eager_ms']:11.3f} {r['draft_graph_ms']:7.3f} x{r['draft_eager_ms'] / r['draft_graph_ms']:5.2f}"
               f"  {r['same_first_tokens']}")
     print("; ".join(captures))
+    for p in profiles:
+        print(p)
     return 0

@@ -226,12 +226,13 @@ class GraphConfig:
     decode_ahead: bool = True
     # Prefills replay a graph captured per (prompt width, batch bucket), the prompt padded to
     # the smallest width that holds it: an eager prefill runs every op of every layer from
-    # Python (7.9 ms for a short prompt of the bundled model on an H200). None: on CUDA only
+    # Python (6.7 ms for an 8-token prompt of the bundled model on an H200, 0.7 ms from a
+    # graph: `bench prefill`, docs/performance.md § Session 9). None: on CUDA only
     # (on a CPU the "graph" is the step itself, so padding would only add work); True: on
     # every device (how CI tests the path); False: off. Longer prompts, and batches above
     # the buckets that fit ``prefill_tokens``, run eagerly.
     prefill_graphs: bool | None = None
-    prefill_widths: tuple[int, ...] = (16, 32, 64, 128, 256)
+    prefill_widths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
     # The rows (batch bucket x width) of the largest prefill graph: each width is captured
     # at the buckets with bucket * width <= this.
     prefill_tokens: int = 1024

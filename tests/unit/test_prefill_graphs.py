@@ -71,8 +71,8 @@ def test_a_kind_is_captured_only_up_to_its_max_batch():
 
 def test_config_checks_and_the_device_default():
     assert GraphConfig().prefill_widths_on("cpu") == ()
-    assert GraphConfig().prefill_widths_on("cuda:0") == (16, 32, 64, 128, 256)
-    assert GraphConfig(prefill_graphs=True).prefill_widths_on("cpu") == (16, 32, 64, 128, 256)
+    assert GraphConfig().prefill_widths_on("cuda:0") == (16, 32, 64, 128, 256, 512)
+    assert GraphConfig(prefill_graphs=True).prefill_widths_on("cpu") == (16, 32, 64, 128, 256, 512)
     assert GraphConfig(prefill_graphs=False).prefill_widths_on("cuda:1") == ()
     assert GraphConfig(enabled=False).prefill_widths_on("cuda:0") == ()
     for bad in ((), (32, 16), (0, 8), (8, 8)):
