@@ -7,6 +7,9 @@
 #   bash bench/gpu_session9.sh OUT_DIR prefill # prefill graphs: their GPU tests, bench prefill (eager vs graph),
 #                                              # the request timeline again, bench peer (tiny, batch 1)
 #   bash bench/gpu_session9.sh OUT_DIR final   # every GPU test but reload and stack (the loop tests again)
+#   bash bench/gpu_session9.sh OUT_DIR fix     # after final: the prefill tests alone, 20 RECAPTURE reloads,
+#                                              # bench prefill, bench peer (~1B and bundled, batch 1), the
+#                                              # runtime.compile test last
 #   bash bench/gpu_session9.sh OUT_DIR last    # bench prefill with a profile of two prefills, 20 RECAPTURE
 #                                              # reloads (bench.reload_probe), the stack test, bench peer
 #                                              # (~1B and bundled at batch 1, bundled at batch 8)
@@ -46,6 +49,18 @@ last)
     | quiet | tee "$out/bench_peer.txt" | tail -4
   timeout 100 python3 -m specsplit bench peer --device cuda:0 --small --batch 8 --prompts 8 --max-tokens 128 2>&1 \
     | quiet | tee "$out/bench_peer_b8.txt" | tail -2
+  ;;
+fix)
+  # After the compile test's timeout in 'final' (prefill kinds were torch.compiled: now never).
+  timeout 70 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_prefill_gpu.py 2>&1 \
+    | tee "$out/prefill_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -6
+  SPECSPLIT_RELOAD_CYCLES=20 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
+    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
+  timeout 90 python3 -m specsplit bench prefill --backend torch --device cuda:0 2>&1 | quiet | tee "$out/bench_prefill.txt"
+  timeout 190 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer.txt" | tail -4
+  timeout 190 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py -k compiled \
+    --durations=0 2>&1 | tee "$out/compile_test.log" | grep -E "passed|failed|error|Error|^[0-9.]+s call" | tail -6
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

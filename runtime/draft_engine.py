@@ -38,6 +38,7 @@ the next catch-up overwrites it (DESIGN § The speculative round, steps 1-2).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +101,8 @@ class DraftEngine:
         self._prefill_widths = prefill_graph_widths(prefill_widths, prefill_tokens, self.cache.max_len,
                                                     registry.buckets)
         for w, top in self._prefill_widths.items():
-            registry.register(self._kind(f"prefill{w}", w, spans=(w,), max_batch=top))
+            # NOTE: the plain step, never the compiled one (as the target's prefill kinds).
+            registry.register(self._kind(f"prefill{w}", w, spans=(w,), max_batch=top, fn=self._step))
         # NOTE: registered after catch-up and substep: capture_all captures kinds in this
         # order per bucket, and the propose kinds' one warm-up relies on those steps
         # having run at the same shapes first (runtime/fused_propose.py).
@@ -117,11 +119,11 @@ class DraftEngine:
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
     def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
-              max_batch: int | None = None) -> StepKind:
+              max_batch: int | None = None, fn: Any = None) -> StepKind:
         scratch = self.cache.scratch_slot
         return StepKind(
             name=name,
-            fn=self._compiled,
+            fn=self._compiled if fn is None else fn,
             inputs=(InputSpec("prev_hidden", (width, self.cfg.hidden_size), "compute", 0.0),
                     InputSpec("tokens", (width,), "int64", 0),
                     InputSpec("write_slots", (width,), "int64", scratch),

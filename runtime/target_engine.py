@@ -99,12 +99,15 @@ class TargetEngine:
         # Prefill graphs: one kind per prompt width, captured at the buckets that fit
         # prefill_tokens; a prompt is padded to the smallest width that holds it. A prefill
         # starts at position 0, so a width-W prompt reads W cache rows: one span, W.
+        # NOTE: never through ops.compile_step: each width would be another torch.compile of
+        # the forward (runtime.compile's start-up went past 300 s on an H200 with them); the
+        # graph alone removes the Python per op, which is what a prefill pays eagerly.
         self._prefill_widths = prefill_graph_widths(prefill_widths, prefill_tokens, self.cache.max_len,
                                                     registry.buckets)
         for w, top in self._prefill_widths.items():
             registry.register(StepKind(
                 name=f"prefill{w}",
-                fn=ops.compile_step(lambda _w=w, **kw: self._prefill_step(**kw, attend_len=_w)),
+                fn=lambda _w=w, **kw: self._prefill_step(**kw, attend_len=_w),
                 inputs=(InputSpec("tokens", (w,), "int64", 0),
                         InputSpec("write_slots", (w,), "int64", scratch),
                         InputSpec("positions", (w,), "int64", 0),
