@@ -57,9 +57,9 @@ fix)
   SPECSPLIT_RELOAD_CYCLES=20 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
     tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
   timeout 90 python3 -m specsplit bench prefill --backend torch --device cuda:0 2>&1 | quiet | tee "$out/bench_prefill.txt"
-  timeout 190 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
+  timeout 205 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
     | quiet | tee "$out/bench_peer.txt" | tail -4
-  timeout 190 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py -k compiled \
+  timeout 175 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py -k compiled \
     --durations=0 2>&1 | tee "$out/compile_test.log" | grep -E "passed|failed|error|Error|^[0-9.]+s call" | tail -6
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
