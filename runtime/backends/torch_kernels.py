@@ -43,7 +43,10 @@ _BLOCK_N = 64
 _TARGET_PROGRAMS = 256
 # Query rows one attention program holds (G query heads per K/V head times T
 # new tokens); above this the model keeps the plain attention (long prefills).
-MAX_QUERY_ROWS = 64
+# NOTE: 32, not 64: a program of 64 query rows (the bundled model's 32-token prefill
+# graph, fp32, head dim 64) took 206 us per layer on an H200 against ~9 us at 32 rows;
+# the prefill 2.09 -> 0.58 ms with it at 32 (`bench prefill`, docs/performance.md § Session 9).
+MAX_QUERY_ROWS = 32
 
 
 @triton.jit
