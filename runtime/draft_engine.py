@@ -4,7 +4,8 @@ Owns: the MTP weights plus the draft's own copy of the target's embedding,
 final norm and output head; the draft KV cache; per-request draft state
 (pairs written, sampling params, seed); the step kinds the graph registry
 captures: ``catchup`` (k+1 padded positions), ``substep`` (1) and, for a
-whole greedy propose in one graph, ``propose{k}`` (runtime/fused_propose.py);
+whole greedy propose in one graph, ``propose{k}`` (runtime/fused_propose.py),
+and ``prefill{W}`` per prompt width W (a prefill's pairs from position 0);
 what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
 run by the worker before a batch; one bad item never fails the others).
 
@@ -38,8 +39,8 @@ the next catch-up overwrites it (DESIGN § The speculative round, steps 1-2).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 

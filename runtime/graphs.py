@@ -233,7 +233,7 @@ class GraphRegistry:
         return fit[-1] if fit else None
 
     def _allocate_static(self, kind: StepKind, max_b: int) -> None:
-        """Static inputs at the largest bucket: int64 inputs as views of one flat
+        """Static inputs at the kind's largest bucket: int64 inputs as views of one flat
         buffer (one upload per step, see ``_replay``), compute-dtype inputs as their own buffers."""
         static: dict[str, Tensor] = {}
         ints = [s for s in kind.inputs if s.dtype == "int64"]

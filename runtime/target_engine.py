@@ -2,7 +2,8 @@
 
 Owns: the target's weights on the device, its KV cache, per-request decoding
 state (committed length, last token, sampling params, seed) and the
-step kinds the graph registry captures (``verify`` at k+1 positions); what
+step kinds the graph registry captures (``verify`` at k+1 positions, ``prefill{W}``
+per prompt width W); what
 each of its requests must satisfy (``check_prefill`` / ``check_verify``, run
 by the worker before a batch; one bad item never fails the others).
 
