@@ -61,7 +61,8 @@ HELP: dict[str, str] = {
                        "stream)",
     "data_plane_poll_us": "draft and target: microseconds a data-plane reader polls for the next frame (the "
                           "draft: the next round; the target: the draft's answer) before it blocks; 0 = block at "
-                          "once; -1 = auto: 2000 on a host where the process may use 8 or more CPUs, else 0. Polling keeps a "
+                          "once; -1 = auto: 2000 where the process may use 8 or more CPUs (its affinity, capped by a cgroup CPU "
+                          "limit), else 0. Polling keeps a "
                           "core busy while it waits and spares each exchange the wake-up of a blocked thread",
     "cache.max_slots": "KV-cache request slots (concurrent requests)",
     "cache.max_len": "KV-cache positions per request (prompt + output + k)",

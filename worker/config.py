@@ -22,11 +22,24 @@ AUTO_POLL_US = 2000
 AUTO_POLL_CPUS = 8
 
 
+def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's
+    CPU limit leaves the affinity at the whole node's cores)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = open(cpu_max).read().split()[:2]
+    except (OSError, ValueError):
+        return cpus
+    if quota == "max" or int(period) <= 0:
+        return cpus
+    return max(1, min(cpus, -(-int(quota) // int(period))))
+
+
 def poll_seconds(poll_us: int, cpus: int | None = None) -> float:
     """Seconds a data-plane reader polls before it blocks, for ``data_plane_poll_us`` (-1 = auto)."""
     if poll_us >= 0:
         return poll_us / 1e6
-    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    cpus = usable_cpus() if cpus is None else cpus
     return AUTO_POLL_US / 1e6 if cpus >= AUTO_POLL_CPUS else 0.0
 
 
@@ -49,7 +62,7 @@ class WorkerConfig:
     # --- draft only: the per-round data plane beside gRPC (worker/data_plane.py), on server.host ---
     data_plane_port: int = 0             # 0 = pick a free port (advertised in GetStatus), -1 = off (gRPC stream only)
     # --- both: how long a data-plane reader polls for the next frame before it blocks (microseconds) ---
-    # -1 = auto: AUTO_POLL_US where this process may run on AUTO_POLL_CPUS or more CPUs, else 0.
+    # -1 = auto: AUTO_POLL_US where this process may use AUTO_POLL_CPUS or more CPUs (usable_cpus), else 0.
     data_plane_poll_us: int = -1
     # --- target only: how the round loop reaches the draft service (address: ControlRounds CONFIGURE) ---
     draft_tls_ca: str | None = None      # CA to verify the draft's certificate (TLS to the draft); unset with

@@ -75,3 +75,19 @@ def test_the_automatic_poll_follows_the_cpus_the_process_may_use():
     assert WorkerConfig(role="draft", target_path=None).data_plane_poll_us == -1          # auto by default
     with pytest.raises(ConfigError, match="data_plane_poll_us"):
         WorkerConfig(role="draft", target_path=None, data_plane_poll_us=-2)
+
+
+def test_usable_cpus_follow_a_container_cpu_limit(tmp_path):
+    import os
+
+    from worker.config import usable_cpus
+
+    affinity = len(os.sched_getaffinity(0))
+    f = tmp_path / "cpu.max"
+    f.write_text("max 100000\n")
+    assert usable_cpus(str(f)) == affinity                         # no quota
+    f.write_text("150000 100000\n")
+    assert usable_cpus(str(f)) == min(affinity, 2)                 # 1.5 CPUs -> 2
+    f.write_text("20000 100000\n")
+    assert usable_cpus(str(f)) == 1
+    assert usable_cpus(str(tmp_path / "absent")) == affinity       # no cgroup v2 file
