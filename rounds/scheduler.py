@@ -269,7 +269,7 @@ class Scheduler:
             # NOTE: caches of requests a failed target call ended are freed before anyone
             # joins: a retry under the same request id must not find its old cache there.
             self._flush_unreleased()
-            emitted = self._prefill_both(lives, failed, draft_loss_ends_them=False)
+            emitted = self._prefill_target(lives, failed)
         except Exception as exc:  # noqa: BLE001 - the whole prefill call failed: only the joiners end
             err = error_of(exc)
             log.warning("prefill_failed", round=self.round, error=str(err), requests=len(lives))
@@ -280,32 +280,51 @@ class Scheduler:
                 self._end_error(x, err)
             return
         self._running.extend(lives)
+        # NOTE: the prefill's token goes to its client before the draft's prefill runs: a
+        # request's first token waits for the target alone (the draft's prefill took ~1 ms
+        # of a short request's ~4 ms on the H200 host; docs/performance.md § Session 9). A
+        # request whose draft prefill item then fails ends with that error after it.
         self._join(lives, emitted, failed, "admitted")
+        joined = [x for x in lives if x.seq.request_id not in failed]
+        self._prefill_draft(joined, failed, draft_loss_ends_them=False)
+        for x in joined:
+            if x.seq.request_id in failed:
+                self._end_error(x, failed[x.seq.request_id])
 
     def _prefill_both(self, lives: list[_Live], failed: dict[str, RequestError], *,
                       draft_loss_ends_them: bool) -> dict[str, list[int]]:
-        """The one admission path (new requests, and resumed ones after a reload): the target's
-        prefill, then the draft's for those that draft. Returns the tokens emitted per request;
-        per-item failures land in ``failed``. A failed whole draft call either ends the drafting
-        requests (``draft_loss_ends_them``) or, with a draft link, hands the loss to it (the
-        requests go on target-only). Raises when the whole target call fails."""
-        seqs = [x.seq for x in lives]
+        """The target's prefill, then the draft's for those that draft (resumed requests after a
+        reload: nothing is emitted before both hold them). Returns the tokens emitted per request;
+        per-item failures land in ``failed``. Raises when the whole target call fails."""
         # NOTE: target first, then the draft: the draft's prompt pairs are the target's
-        # prefill hidden states. Items the target failed never reach the draft. resume=True
-        # re-prefills requests that hold output (prompt + output so far); new ones as usual.
-        emitted = admit(GuardedTarget(self.target, failed), None, seqs, resume=True)
-        if self.draft is not None:
-            drafting = [s for s in seqs if s.k > 0 and s.finish_reason is None and s.request_id not in failed]
-            try:
-                attach_draft(GuardedDraft(self.draft, failed), drafting)
-            except Exception as exc:  # noqa: BLE001 - those requests end, or go on target-only
-                err = error_of(exc)
-                if self.on_draft_lost is not None and not draft_loss_ends_them:
-                    self.draft_failed(err)
-                else:
-                    for s in drafting:
-                        failed.setdefault(s.request_id, err)
+        # prefill hidden states. Items the target failed never reach the draft.
+        emitted = self._prefill_target(lives, failed)
+        self._prefill_draft(lives, failed, draft_loss_ends_them=draft_loss_ends_them)
         return emitted
+
+    def _prefill_target(self, lives: list[_Live], failed: dict[str, RequestError]) -> dict[str, list[int]]:
+        """The target's prefill (resume=True re-prefills requests that hold output: prompt +
+        output so far; new ones as usual) -> the tokens emitted per request."""
+        return admit(GuardedTarget(self.target, failed), None, [x.seq for x in lives], resume=True)
+
+    def _prefill_draft(self, lives: list[_Live], failed: dict[str, RequestError], *,
+                       draft_loss_ends_them: bool) -> None:
+        """The draft's prefill of the requests that draft (the target prefilled them). A failed
+        whole draft call either ends them (``draft_loss_ends_them``) or, with a draft link, hands
+        the loss to it (the requests go on target-only); per-item failures land in ``failed``."""
+        if self.draft is None:
+            return
+        drafting = [x.seq for x in lives
+                    if x.seq.k > 0 and x.seq.finish_reason is None and x.seq.request_id not in failed]
+        try:
+            attach_draft(GuardedDraft(self.draft, failed), drafting)
+        except Exception as exc:  # noqa: BLE001 - those requests end, or go on target-only
+            err = error_of(exc)
+            if self.on_draft_lost is not None and not draft_loss_ends_them:
+                self.draft_failed(err)
+            else:
+                for s in drafting:
+                    failed.setdefault(s.request_id, err)
 
     def _join(self, lives: list[_Live], emitted: dict[str, list[int]], failed: dict[str, RequestError],
               what: str) -> None:

@@ -3,7 +3,8 @@
 Starts the three services (bundled model, torch on CPU unless ``--device``, k=3) with
 ``scripts/request_probe`` on PYTHONPATH, so the workers and the orchestrator record calls of the
 functions below with one host-wide clock, then sends requests one after another from one client
-(its channel kept, as a user's is) and prints, per kind of request, the medians of: the client's
+(its channel kept, as a user's is) and prints, per kind of request, the medians of: the first token's time
+from the call, the client's
 wall time, the compute (the target's prefill and verifies, the draft's prefill and proposals) and
 what is left, the per-request cost of the split (calls, hops, thread wake-ups); then one-token
 requests on the kept client against a new channel each; then the timeline of the last request
@@ -57,14 +58,17 @@ def main() -> int:
     opts = StackOptions(model=str(TINY), backend="torch", draft_device=args.device, target_device=args.device, k=3,
                         max_batch=4, metrics=True, log_level="WARNING", extra_env=probe)
     marks: dict[str, list[tuple[int, int]]] = {}
+    firsts: dict[str, list[float]] = {}             # ms from the call to the first token
     with Stack(opts) as stack, SpecsplitClient(stack.orchestrator_address, timeout=120) as client:
         for name, prompt, n in kinds:
             for _ in range(3):                       # warm-up
                 client.generate_text(prompt, max_tokens=n, k=3, ignore_eos=True)
             for _ in range(args.requests):
-                t0 = time.monotonic_ns()
-                client.generate_text(prompt, max_tokens=n, k=3, ignore_eos=True)
+                t0, first = time.monotonic_ns(), None
+                for ev in client.generate(prompt, max_tokens=n, k=3, ignore_eos=True):
+                    first = first or time.monotonic_ns()     # the first chunk (or the final event)
                 marks.setdefault(name, []).append((t0, time.monotonic_ns()))
+                firsts.setdefault(name, []).append((first - t0) / 1e6)
         # A channel per request (what a client that does not keep its channel pays) against the one above.
         channel = {"one client": [], "a channel each": []}
         for _ in range(args.requests):
@@ -78,7 +82,7 @@ def main() -> int:
         time.sleep(1.5)                              # the probes write every half second
         calls = [tuple(c) for f in glob.glob(os.path.join(out, "calls-*.json")) for c in json.load(open(f))]
     print(f"one request at a time, k=3, {args.device}, bundled model; medians of {args.requests} requests (ms)")
-    print(f"{'request':28s} {'wall':>7s} {'compute':>8s} {'left':>7s}   compute parts")
+    print(f"{'request':28s} {'first':>7s} {'wall':>7s} {'compute':>8s} {'left':>7s}   compute parts")
     for name, spans in marks.items():
         walls, comp, parts = [], [], {}
         for a, b in spans:
@@ -92,7 +96,7 @@ def main() -> int:
             for k, v in per.items():
                 parts.setdefault(k, []).append(v)
         med = {k: statistics.median(v) for k, v in parts.items()}
-        print(f"{name:28s} {statistics.median(walls):7.2f} {statistics.median(comp):8.2f} "
+        print(f"{name:28s} {statistics.median(firsts[name]):7.2f} {statistics.median(walls):7.2f} {statistics.median(comp):8.2f} "
               f"{statistics.median(w - c for w, c in zip(walls, comp)):7.2f}   "
               + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
     print("one-token requests, k=0: " + ", ".join(f"{name} {1e3 * statistics.median(v):.2f} ms"

@@ -7,6 +7,7 @@ failures the way the gRPC clients report them.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -231,6 +232,41 @@ def test_the_last_request_ending_frees_its_deferred_draft_release_before_the_cli
         sched.stop()
     # Regression: the flush came after the client was told (CI saw a draft slot still held).
     assert [e for e in log if e != "flush 0"] == ["flush 1", "outcome OK"] * 2, log
+
+
+class GatedPrefill:
+    """The draft port, with its prefill held until ``go`` is set (everything else passes through)."""
+
+    def __init__(self, port) -> None:
+        self.port, self.go, self.entered = port, threading.Event(), threading.Event()
+
+    def prefill(self, reqs):
+        self.entered.set()
+        assert self.go.wait(EVENT_TIMEOUT_S), "the test never let the draft's prefill go"
+        return self.port.prefill(reqs)
+
+    def __getattr__(self, name):
+        return getattr(self.port, name)
+
+
+def test_the_first_token_reaches_the_client_before_the_drafts_prefill(engines, reference):
+    """The prefill's token is streamed as soon as the target's prefill returns; the draft's
+    prefill (held here) runs after it, and the request then goes on speculatively as usual."""
+    draft = GatedPrefill(engines.draft)
+    sched = make_scheduler(engines.target, draft)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    try:
+        h = sched.submit(GenerationRequest("early", prompt_of(3, 8), params, 3))
+        first = h.next_event(timeout=10.0)          # the draft's prefill is still held
+        assert isinstance(first, TokensEvent) and len(first.tokens) == 1, first
+        wait_for(draft.entered.is_set, "the draft's prefill to start")
+        draft.go.set()
+        tokens, final, _ = drain(h)
+    finally:
+        draft.go.set()
+        sched.stop()
+    assert isinstance(final, FinalEvent) and tuple(first.tokens) + tuple(tokens) == reference(prompt_of(3, 8), params)
+    assert final.stats.drafted > 0 and slots_free(engines)
 
 
 # --- failures ----------------------------------------------------------------------------------------
