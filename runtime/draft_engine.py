@@ -237,15 +237,19 @@ class DraftEngine:
     def _catch_up(self, reqs, starts: list[int], slots: list[int], prefill: bool = False):
         """Write each request's new pairs from ``starts``; a prefill (every start 0) wider than the
         catch-up kinds replays a prefill graph when one holds it."""
-        longest = max(len(r.tokens) for r in reqs)
-        wide = prefill_width(self._prefill_widths, longest, len(reqs)) if prefill else None
-        kind, width = ((self._catchup_kind, self.catchup_width) if longest <= self.catchup_width else
-                       (self._catchup_wide, 2 * self.catchup_width)
-                       if self._catchup_wide is not None and longest <= 2 * self.catchup_width else
-                       (f"prefill{wide}", wide)
-                       if wide is not None and self.registry.can_replay(f"prefill{wide}", len(reqs), wide) else
-                       (None, longest))
+        kind, width = self._catchup_step(max(len(r.tokens) for r in reqs), len(reqs), prefill)
         return self._run_rows(kind, *self._catchup_rows(reqs, starts, slots, width), width)
+
+    def _catchup_step(self, longest: int, batch: int, prefill: bool) -> tuple[str | None, int]:
+        """(step kind, width) of a catch-up whose longest row has ``longest`` pairs; kind None: eager."""
+        if longest <= self.catchup_width:
+            return self._catchup_kind, self.catchup_width
+        if self._catchup_wide is not None and longest <= 2 * self.catchup_width:
+            return self._catchup_wide, 2 * self.catchup_width
+        wide = prefill_width(self._prefill_widths, longest, batch) if prefill else None
+        if wide is not None and self.registry.can_replay(f"prefill{wide}", batch, wide):
+            return f"prefill{wide}", wide
+        return None, longest
 
     def _catchup_rows(self, reqs, starts: list[int], slots: list[int], width: int) -> tuple[list[Row], np.ndarray]:
         """Each request's new pairs as a Row, and their hidden rows padded to [B, width, d]."""

@@ -257,15 +257,13 @@ class TargetEngine:
         """The prefill forward of ``rows`` (the longest ``width`` tokens): a prefill graph's
         replay when one holds them (rows padded to its width), else eager at their own width."""
         w = prefill_width(self._prefill_widths, width, len(rows))
-        if w is not None and self.registry.can_replay(f"prefill{w}", len(rows)):
-            lay = layout_rows(rows, w, self.cache.scratch_slot, self.cache.max_len)
-            return self.registry.run(f"prefill{w}", {
-                "tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
-                "read_slots": lay.read_slots, "last_index": lay.last_index})[0]
-        lay = layout_rows(rows, width, self.cache.scratch_slot, self.cache.max_len)
-        return self._run_prefill({"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
-                                  "read_slots": lay.read_slots, "last_index": lay.last_index},
-                                 attend_span(lay.positions, self.cache.max_len))
+        graph = w is not None and self.registry.can_replay(f"prefill{w}", len(rows))
+        lay = layout_rows(rows, w if graph else width, self.cache.scratch_slot, self.cache.max_len)
+        arrays = {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+                  "read_slots": lay.read_slots, "last_index": lay.last_index}
+        if graph:
+            return self.registry.run(f"prefill{w}", arrays)[0]
+        return self._run_prefill(arrays, attend_span(lay.positions, self.cache.max_len))
 
     def _sample(self, logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
         """The numpy path's token at ``position`` (logits [V])."""

@@ -9,25 +9,14 @@ from core.config import ConfigError
 from core.params import SamplingParams
 from runtime.backends import make_ops
 from runtime.batch_layout import prefill_graph_widths, prefill_width
-from runtime.checkpoint import save_safetensors, save_target
-from runtime.config import CacheConfig, EngineConfig, GraphConfig, ModelConfig, RuntimeConfig, SpecConfig
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
-from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
 from runtime.types import DraftPrefillRequest, PrefillRequest
 
-CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+from tests.unit.test_graphs import model_dir  # noqa: F401  (the same small model, a fixture)
+
 WIDTHS, TOKENS = (4, 8, 16), 32          # width 16 at buckets 1, 2; width 8 up to 4; width 4 up to 4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prefill_graphs_model")
-    t = {k: v * (10 if v.ndim == 2 else 1) for k, v in init_params(CFG, 0, target_tensor_shapes(CFG)).items()}
-    save_target(d, CFG, t)
-    save_safetensors(d / "mtp.safetensors", init_params(CFG, 1, mtp_tensor_shapes(CFG)))
-    return d
 
 
 def _cfg(model_dir, backend="torch", prefill_graphs=True):
