@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 10 on the GPU host (one H200: draft and target share cuda:0), one device call per mode:
+#
+#   bash bench/gpu_session10.sh OUT_DIR first   # what session 9 left unverified: the round loop's GPU tests
+#                                               # (the first token before the draft's prefill), bench graphs
+#                                               # (verify against the weight floor), bench peer at batch 8
+#                                               # (bundled), then the runtime.compile test with what is left
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-first}"
+gpu_prologue
+left() { echo $(( ${1:-585} - SECONDS )); }
+case "$mode" in
+first)
+  timeout 140 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py --durations=0 2>&1 \
+    | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert|^[0-9.]+s call" | tail -20
+  timeout 110 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -20
+  timeout 100 python3 -m specsplit bench peer --device cuda:0 --small --batch 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_b8.txt" | tail -3
+  timeout "$(left)" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py -k compiled \
+    --durations=0 2>&1 | tee "$out/compile_test.log" | grep -E "^\[gpu|passed|failed|error|Error|^[0-9.]+s call" | tail -6
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
