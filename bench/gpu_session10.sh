@@ -5,6 +5,8 @@
 #                                               # (the first token before the draft's prefill), bench graphs
 #                                               # (verify against the weight floor), bench peer at batch 8
 #                                               # (bundled), then the runtime.compile test with what is left
+#   bash bench/gpu_session10.sh OUT_DIR relay   # what relaying each round's chunks costs the round loop: bench
+#                                               # services at batch 8 and 1 with stream_interval 1 and 16
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -20,6 +22,12 @@ first)
     | quiet | tee "$out/bench_peer_b8.txt" | tail -3
   timeout "$(left)" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fastpath_gpu.py -k compiled \
     --durations=0 2>&1 | tee "$out/compile_test.log" | grep -E "^\[gpu|passed|failed|error|Error|^[0-9.]+s call" | tail -6
+  ;;
+relay)
+  timeout 200 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
+    --max-tokens 128 --stream-interval 1 16 1 16 2>&1 | quiet | tee "$out/relay_b8.txt" | tail -9
+  timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 1 --prompts 8 \
+    --max-tokens 128 --stream-interval 1 16 2>&1 | quiet | tee "$out/relay_b1.txt" | tail -5
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
