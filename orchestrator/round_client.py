@@ -1,8 +1,9 @@
 """The orchestrator's view of the round loop that runs in the target service.
 
-Owns: one ``Decode`` call per admitted request (its committed tokens come
-back as events, off the rounds' critical path), cancelling it when the
-client goes away, the ``ControlRounds`` actions the reload and the draft
+Owns: each admitted request's place on the one DecodeStream to the target
+(``orchestrator.decode_mux``: its committed tokens come back as events, off the
+rounds' critical path, batched per round for all requests), cancelling it when
+the client goes away, the ``ControlRounds`` actions the reload and the draft
 address need (pause / settle / abort / park / resume, configure, status),
 turning the call's messages and status into the scheduler's event records
 (one per round, also when several rounds came in one message), and feeding
@@ -26,6 +27,7 @@ from rounds.scheduler_types import (ErrorEvent, Event, FinalEvent, GenerationReq
                                           RequestError, RoundTiming, TokensEvent)
 from runtime.round_driver import SeqStats
 from core import wire
+from orchestrator.decode_mux import DecodeMux
 from specsplit.v1 import target_pb2 as tpb
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
@@ -196,6 +198,11 @@ class RemoteRounds:
         # Requests whose Decode call broke with the target gone: their draft caches may be left
         # behind (the target's round loop died with them); the orchestrator releases them.
         self.orphaned: set[str] = set()
+        # NOTE: a generation's only deadline is this generous bound: a dead target ends
+        # the stream at once (the channel breaks), and cancel() ends a request when its
+        # client leaves; requests move to a fresh stream at half the deadline.
+        self._mux = DecodeMux(lambda requests: self.target.stub.DecodeStream(requests, timeout=self.decode_deadline_s),
+                              decode_deadline_s)
 
     # --- requests ----------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RemoteHandle:
@@ -213,9 +220,7 @@ class RemoteRounds:
                                 max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
                                 ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output),
                                 chunk_in_final=True, stream_interval=self.stream_interval)
-        # NOTE: a generation's only deadline is this generous bound: a dead target ends
-        # the call at once (the channel breaks), and cancel() ends it when the client leaves.
-        return self.target.stub.Decode(msg, timeout=self.decode_deadline_s)
+        return self._mux.join(msg)
 
     def finished(self, handle: RemoteHandle, ev: Event) -> None:
         with self._lock:
@@ -255,6 +260,7 @@ class RemoteRounds:
             handles = list(self._open)
         for h in handles:
             h._call.cancel()
+        self._mux.close()
 
     # --- control -------------------------------------------------------------------------
     def control(self, action: int, timeout: float | None = None, **fields: Any) -> tpb.ControlRoundsResponse:

@@ -40,7 +40,7 @@ from runtime.adaptive_k import RoundCosts
 from runtime.micro_batch import run_round_micro
 from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, detach_draft,
                                   run_round)
-from rounds.scheduler_types import (Event, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
+from rounds.scheduler_types import (Event, EventOutbox, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
 
 log = structlog.get_logger("rounds.scheduler")
 
@@ -87,6 +87,7 @@ class Scheduler:
         # call degrades every request to target-only decoding instead of ending any of them.
         self.on_draft_lost: Callable[[RequestError], None] | None = None
         self._unreleased: set[str] = set()           # target caches of requests a failed target call ended
+        self._dirty: set[EventOutbox] = set()        # outboxes holding events not flushed yet
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="specsplit-scheduler", daemon=True)
 
@@ -99,9 +100,10 @@ class Scheduler:
     def speculation_available(self) -> bool:
         return self.draft is not None
 
-    def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises ``QueueFull`` when max_batch live + max_queue waiting are taken."""
-        handle = RequestHandle(req, self._wake)
+    def submit(self, req: GenerationRequest, outbox: EventOutbox | None = None) -> RequestHandle:
+        """Queue a request; raises ``QueueFull`` when max_batch live + max_queue waiting are taken.
+        ``outbox``: its events go there, flushed at round boundaries (``EventOutbox``)."""
+        handle = RequestHandle(req, self._wake, outbox)
         with self._cv:
             if self._stopping:
                 raise WorkerUnavailable("the orchestrator is shutting down")
@@ -225,7 +227,20 @@ class Scheduler:
                 log.exception("scheduler_step_failed", round=self.round)
                 for live in list(self._running):
                     self._end_error(live, error_of(exc))
+            # NOTE: once per boundary, after the round's events and the finished requests'
+            # final events: their readers wake once for all of them.
+            self._flush()
         self._shutdown()
+
+    def _put(self, handle: RequestHandle, ev: Event) -> None:
+        box = handle.push(ev)
+        if box is not None:
+            self._dirty.add(box)
+
+    def _flush(self) -> None:
+        for box in self._dirty:
+            box.flush()
+        self._dirty.clear()
 
     def _step(self) -> None:
         # NOTE: cancellations are honoured before admission so a cancelled
@@ -240,7 +255,7 @@ class Scheduler:
             joining, self._waiting = self._waiting[:room], self._waiting[room:]
             self._n_running = len(self._running) + len(joining) + len(self._parked)
         for h in dropped:
-            h.events.put(FinalEvent(FINISH_CANCELLED, (), len(h.request.prompt), SeqStats(), self.weights_version))
+            self._put(h, FinalEvent(FINISH_CANCELLED, (), len(h.request.prompt), SeqStats(), self.weights_version))
             self.observer.on_outcome(FINISH_CANCELLED, "CANCELLED")
         if joining:
             self._admit(joining)
@@ -285,6 +300,7 @@ class Scheduler:
         # of a short request's ~4 ms on the H200 host; docs/performance.md § Session 9). A
         # request whose draft prefill item then fails ends with that error after it.
         self._join(lives, emitted, failed, "admitted")
+        self._flush()
         joined = [x for x in lives if x.seq.request_id not in failed]
         self._prefill_draft(joined, failed, draft_loss_ends_them=False)
         for x in joined:
@@ -403,7 +419,7 @@ class Scheduler:
         stream may carry these tokens with the final event instead of on their own."""
         if tokens:
             live.streamed.extend(tokens)
-            live.handle.events.put(TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version,
+            self._put(live.handle, TokensEvent(tuple(tokens), self.round, accepted, drafted, self.weights_version,
                                                timing, last))
 
     def _retire(self) -> None:
@@ -500,7 +516,7 @@ class Scheduler:
                 self._n_running -= 1
         if not self._running and not self._stopping:
             self._flush_draft_releases()
-        live.handle.events.put(event)
+        self._put(live.handle, event)
         reason = event.finish_reason if isinstance(event, FinalEvent) else None
         self.observer.on_outcome(reason, code)
         log.info("finished", request_id=live.seq.request_id, round=self.round, finish_reason=reason, code=code,
@@ -521,6 +537,7 @@ class Scheduler:
             controls, self._controls = self._controls, []
             self._n_running = 0
         for h in waiting:
-            h.events.put(ErrorEvent(err.code, err.message, ()))
+            self._put(h, ErrorEvent(err.code, err.message, ()))
+        self._flush()
         for _fn, fut in controls:
             fut.set_exception(err)

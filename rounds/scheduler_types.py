@@ -101,18 +101,64 @@ class QueueFull(Exception):
     """The admission queue is full (RESOURCE_EXHAUSTED)."""
 
 
-class RequestHandle:
-    """A submitted request: read its events; ``cancel`` from any thread."""
+class EventOutbox:
+    """The events of many requests for one reader (a target's DecodeStream), handed over at
+    round boundaries: the scheduler adds a round's events without waking the reader and
+    flushes once. Why: every woken reader competes with the round loop for the process's
+    GIL; one wake-up per round for the whole batch instead of one per request took an
+    in-process batch of 8 from 1.17 to 0.74 ms a round on the H200 host
+    (``scripts/round_host_probe.py``, docs/performance.md § Session 10).
 
-    def __init__(self, req: GenerationRequest, wake: Callable[[], None]) -> None:
+    Items are (``who``, event): a ``RequestHandle`` for the scheduler's events, or a request
+    id for events its reader adds itself (a refused join)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: list[tuple[Any, Event]] = []
+        self._flushed = False
+
+    def add(self, who: Any, ev: Event) -> None:
+        with self._cv:
+            self._items.append((who, ev))
+
+    def flush(self) -> None:
+        """Wake the reader if anything was added since it last took."""
+        with self._cv:
+            if self._items:
+                self._flushed = True
+                self._cv.notify()
+
+    def take(self, timeout: float) -> list[tuple[Any, Event]]:
+        """Everything added so far, oldest first; waits up to ``timeout`` for a flush."""
+        with self._cv:
+            if not self._flushed:
+                self._cv.wait(timeout)
+            items, self._items, self._flushed = self._items, [], False
+            return items
+
+
+class RequestHandle:
+    """A submitted request: read its events; ``cancel`` from any thread. With an ``outbox``
+    its events go there instead of to its own queue (``next_event`` then has none)."""
+
+    def __init__(self, req: GenerationRequest, wake: Callable[[], None], outbox: EventOutbox | None = None) -> None:
         self.request = req
         self.events: queue.Queue[Event] = queue.Queue()
+        self.outbox = outbox
         self._cancelled = threading.Event()
         self._wake = wake
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def push(self, ev: Event) -> EventOutbox | None:
+        """Scheduler side: hand ``ev`` over; returns the outbox to flush, None when delivered."""
+        if self.outbox is None:
+            self.events.put(ev)
+            return None
+        self.outbox.add(self, ev)
+        return self.outbox
 
     def next_event(self, timeout: float) -> Event | None:
         try:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import structlog
 
 from rounds.draft_health import DraftLink
-from rounds.scheduler import (GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
+from rounds.scheduler import (EventOutbox, GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
                                     Scheduler)
 from rounds.worker_clients import DraftClient
 from worker.config import WorkerConfig, poll_seconds
@@ -124,8 +124,9 @@ class RoundHost:
         self.scheduler.start()
 
     # --- requests ---------------------------------------------------------------------
-    def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request (raises ``QueueFull``); its events stream from the handle."""
+    def submit(self, req: GenerationRequest, outbox: EventOutbox | None = None) -> RequestHandle:
+        """Queue a request (raises ``QueueFull``); its events stream from the handle (or, with
+        ``outbox``, from that: a DecodeStream's requests share one)."""
         mc = self.worker.model_cfg
         sched = self.scheduler
         sched.eos_token_id = mc.eos_token_id if mc is not None else None
@@ -135,7 +136,7 @@ class RoundHost:
             # (RESUME_PARKED); otherwise rounds report what the worker serves.
             sched.weights_version = self.worker.weights_version
         self._clamp_batch()
-        return sched.submit(req)
+        return sched.submit(req, outbox)
 
     @property
     def paused(self) -> bool:

@@ -442,6 +442,76 @@ class DecodeEvent(_message.Message):
 Global___DecodeEvent: _TypeAlias = DecodeEvent  # noqa: Y015
 
 @_typing.final
+class DecodeStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOIN_FIELD_NUMBER: _builtins.int
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _builtins.int
+    cancel_request_id: _builtins.str
+    @_builtins.property
+    def join(self) -> Global___DecodeRequest: ...
+    def __init__(
+        self,
+        *,
+        join: Global___DecodeRequest | None = ...,
+        cancel_request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel_request_id", b"cancel_request_id", "join", b"join"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel_request_id", b"cancel_request_id", "join", b"join"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["join", "cancel_request_id"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___DecodeStreamRequest: _TypeAlias = DecodeStreamRequest  # noqa: Y015
+
+@_typing.final
+class DecodeStreamEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def event(self) -> Global___DecodeEvent: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        event: Global___DecodeEvent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeStreamEvent: _TypeAlias = DecodeStreamEvent  # noqa: Y015
+
+@_typing.final
+class DecodeStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeStreamEvent]:
+        """Oldest first; a request's events keep their order."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___DecodeStreamEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeStreamResponse: _TypeAlias = DecodeStreamResponse  # noqa: Y015
+
+@_typing.final
 class ControlRoundsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -95,6 +95,11 @@ class TargetServiceStub:
                 request_serializer=specsplit_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/specsplit.v1.TargetService/DecodeStream',
+                request_serializer=specsplit_dot_v1_dot_target__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.ControlRounds = channel.unary_unary(
                 '/specsplit.v1.TargetService/ControlRounds',
                 request_serializer=specsplit_dot_v1_dot_target__pb2.ControlRoundsRequest.SerializeToString,
@@ -192,6 +197,22 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Generation for many requests over one stream (the orchestrator keeps one
+        open per target): each `join` is a DecodeRequest as above, each
+        `cancel_request_id` takes one of this stream's requests out at the next
+        round boundary; the events of every request come back batched, one
+        response per round boundary with the events of each request that had any,
+        each as Decode would send it. A join the target refuses gets an `error`
+        event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
+        stream stays open. Ending the stream from the caller's side cancels every
+        request still on it. Why: one message and one handler wake-up per round
+        instead of one per request (docs/performance.md § Session 10).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ControlRounds(self, request, context):
         """Admin: the round loop's admission and in-flight requests (pause, settle,
         abort, park, resume), its configuration (draft address, batch limits) and
@@ -263,6 +284,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_target__pb2.DecodeEvent.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=specsplit_dot_v1_dot_target__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_target__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'ControlRounds': grpc.unary_unary_rpc_method_handler(
                     servicer.ControlRounds,
@@ -594,6 +620,33 @@ class TargetService:
             '/specsplit.v1.TargetService/Decode',
             specsplit_dot_v1_dot_target__pb2.DecodeRequest.SerializeToString,
             specsplit_dot_v1_dot_target__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.TargetService/DecodeStream',
+            specsplit_dot_v1_dot_target__pb2.DecodeStreamRequest.SerializeToString,
+            specsplit_dot_v1_dot_target__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

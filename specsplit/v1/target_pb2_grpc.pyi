@@ -63,6 +63,18 @@ class TargetServiceStub:
     (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
     when max_batch running + max_queue waiting are taken.
     """
+    DecodeStream: _grpc.StreamStreamMultiCallable[_target_pb2.DecodeStreamRequest, _target_pb2.DecodeStreamResponse]
+    """Generation for many requests over one stream (the orchestrator keeps one
+    open per target): each `join` is a DecodeRequest as above, each
+    `cancel_request_id` takes one of this stream's requests out at the next
+    round boundary; the events of every request come back batched, one
+    response per round boundary with the events of each request that had any,
+    each as Decode would send it. A join the target refuses gets an `error`
+    event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
+    stream stays open. Ending the stream from the caller's side cancels every
+    request still on it. Why: one message and one handler wake-up per round
+    instead of one per request (docs/performance.md § Session 10).
+    """
     ControlRounds: _grpc.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]
     """Admin: the round loop's admission and in-flight requests (pause, settle,
     abort, park, resume), its configuration (draft address, batch limits) and
@@ -102,6 +114,18 @@ class TargetServiceAsyncStub(TargetServiceStub):
     Cancelling the call takes the request out at the next round boundary
     (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
     when max_batch running + max_queue waiting are taken.
+    """
+    DecodeStream: _aio.StreamStreamMultiCallable[_target_pb2.DecodeStreamRequest, _target_pb2.DecodeStreamResponse]  # type: ignore[assignment]
+    """Generation for many requests over one stream (the orchestrator keeps one
+    open per target): each `join` is a DecodeRequest as above, each
+    `cancel_request_id` takes one of this stream's requests out at the next
+    round boundary; the events of every request come back batched, one
+    response per round boundary with the events of each request that had any,
+    each as Decode would send it. A join the target refuses gets an `error`
+    event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
+    stream stays open. Ending the stream from the caller's side cancels every
+    request still on it. Why: one message and one handler wake-up per round
+    instead of one per request (docs/performance.md § Session 10).
     """
     ControlRounds: _aio.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]  # type: ignore[assignment]
     """Admin: the round loop's admission and in-flight requests (pause, settle,
@@ -211,6 +235,24 @@ class TargetServiceServicer(metaclass=_abc_1.ABCMeta):
         Cancelling the call takes the request out at the next round boundary
         (its caches freed on both workers). Needs LOADED or READY; RESOURCE_EXHAUSTED
         when max_batch running + max_queue waiting are taken.
+        """
+
+    @_abc_1.abstractmethod
+    def DecodeStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_target_pb2.DecodeStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_target_pb2.DecodeStreamResponse], _abc.AsyncIterator[_target_pb2.DecodeStreamResponse]]:
+        """Generation for many requests over one stream (the orchestrator keeps one
+        open per target): each `join` is a DecodeRequest as above, each
+        `cancel_request_id` takes one of this stream's requests out at the next
+        round boundary; the events of every request come back batched, one
+        response per round boundary with the events of each request that had any,
+        each as Decode would send it. A join the target refuses gets an `error`
+        event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
+        stream stays open. Ending the stream from the caller's side cancels every
+        request still on it. Why: one message and one handler wake-up per round
+        instead of one per request (docs/performance.md § Session 10).
         """
 
     @_abc_1.abstractmethod

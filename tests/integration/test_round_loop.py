@@ -254,3 +254,66 @@ def test_drain_needs_a_policy_and_resume_all_reopens_admission(stack):
     assert resp.count == 0 and resp.status.admission_paused
     resp = rounds.resume_all(None, timeout=TIMEOUT)
     assert not resp.status.admission_paused
+
+
+def _stream_requests(q):
+    """A DecodeStream request iterator fed from ``q`` (None: half-close)."""
+    while (msg := q.get(timeout=TIMEOUT)) is not None:
+        yield msg
+
+
+def test_decode_stream_batches_requests_refuses_bad_joins_and_cancels(stack):
+    """DecodeStream: several requests on one stream give the tokens one Decode call each gives;
+    a round's events of all of them come in one message; a bad join and a duplicate id get their
+    error event while the others go on; a cancel ends one request; after the caller half-closes,
+    the stream ends with its last request."""
+    import queue
+
+    rounds, draft_address = stack
+    rounds.configure(draft_address, 4, 8, TIMEOUT)
+    stub, prompts = rounds.target.stub, _prompts(3)
+    join = {f"s{i}": dict(request_id=f"s{i}", prompt=list(p), max_tokens=24, ignore_eos=True, k=3)
+            for i, p in enumerate(prompts)}
+    ref = {rid: [t for ev in stub.Decode(tpb.DecodeRequest(**f), timeout=TIMEOUT) if ev.WhichOneof("event") == "chunk"
+                 for t in ev.chunk.tokens] for rid, f in join.items()}
+    q: queue.Queue = queue.Queue()
+    rounds.pause_admission()                      # all three join at one boundary; s0 is still queued below
+    try:
+        for f in join.values():
+            q.put(tpb.DecodeStreamRequest(join=tpb.DecodeRequest(**f)))
+        q.put(tpb.DecodeStreamRequest(join=tpb.DecodeRequest(**join["s0"])))                     # duplicate
+        q.put(tpb.DecodeStreamRequest(join=tpb.DecodeRequest(**{**join["s1"], "request_id": "bad", "k": 9})))
+        q.put(tpb.DecodeStreamRequest(join=tpb.DecodeRequest(**{**join["s2"], "request_id": "long",
+                                                                  "max_tokens": 400})))
+        responses = stub.DecodeStream(_stream_requests(q), timeout=TIMEOUT)
+        got: dict[str, list] = {}
+        per_message: list[set] = []
+        resumed = cancelled = False
+        for resp in responses:
+            per_message.append({e.request_id for e in resp.events})
+            for e in resp.events:
+                got.setdefault(e.request_id, []).append(e.event)
+            if not resumed and "bad" in got and len(got.get("s0", [])) == 1:
+                rounds.resume_admission()             # both refusals are in: let the batch run
+                resumed = True
+            if not cancelled and len(got.get("long", [])) >= 3:
+                q.put(tpb.DecodeStreamRequest(cancel_request_id="long"))
+                q.put(None)                           # half-close: the stream ends after the last request
+                cancelled = True
+    finally:
+        rounds.resume_admission()
+    dup, = got["s0"][:1]
+    assert dup.WhichOneof("event") == "error" and dup.error.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "already running" in dup.error.error.message
+    bad, = got["bad"]
+    assert bad.WhichOneof("event") == "error" and "k: 9" in bad.error.error.message
+    for rid in join:
+        evs = got[rid][1:] if rid == "s0" else got[rid]
+        tokens = [t for ev in evs if ev.WhichOneof("event") == "chunk" for t in ev.chunk.tokens]
+        final = evs[-1].final
+        tokens += [t for c in final.last_chunks for t in c.tokens]
+        assert evs[-1].WhichOneof("event") == "final" and final.finish_reason == "length" and tokens == ref[rid], rid
+    assert got["long"][-1].final.finish_reason == "cancelled"
+    # The rounds' events went out together: messages carried several requests each.
+    assert max(len(m) for m in per_message) >= 3, per_message
+    assert rounds.status().active_requests == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rounds.scheduler import (ErrorEvent, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
+from rounds.scheduler import (ErrorEvent, EventOutbox, FinalEvent, GenerationRequest, ItemFailures, QueueFull,
                                     RequestError, RoundTiming, Scheduler, TokensEvent, WorkerUnavailable)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SpecConfig
@@ -267,6 +267,59 @@ def test_the_first_token_reaches_the_client_before_the_drafts_prefill(engines, r
         sched.stop()
     assert isinstance(final, FinalEvent) and tuple(first.tokens) + tuple(tokens) == reference(prompt_of(3, 8), params)
     assert final.stats.drafted > 0 and slots_free(engines)
+
+
+class CountingOutbox(EventOutbox):
+    """Records, at every flush that wakes the reader, which requests' events it hands over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes: list[list[str]] = []
+
+    def flush(self) -> None:
+        with self._cv:
+            if self._items and not self._flushed:
+                self.flushes.append([who.request_id for who, _ in self._items])
+        super().flush()
+
+
+def test_an_outbox_gets_one_flush_per_round_with_every_requests_events(engines, reference):
+    """Requests sharing an outbox (a DecodeStream) wake their reader once per round boundary for
+    all of them, and the first token (prefill) is flushed before the draft's prefill runs."""
+    draft = GatedPrefill(engines.draft)
+    sched = make_scheduler(engines.target, draft, max_batch=3)
+    box = CountingOutbox()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    events: dict[str, list] = {}
+    try:
+        sched.pause_admission()
+        handles = [sched.submit(GenerationRequest(f"o{i}", prompt_of(i, 6 + i), params, 3), box) for i in range(3)]
+        sched.resume_admission()
+        first = box.take(10.0)                     # the draft's prefill is still held
+        assert box.flushes, "the first tokens were not flushed before the draft's prefill"
+        assert sorted(who.request_id for who, _ in first) == ["o0", "o1", "o2"], first
+        assert all(isinstance(ev, TokensEvent) and len(ev.tokens) == 1 for _, ev in first)
+        for who, ev in first:
+            events.setdefault(who.request_id, []).append(ev)
+        wait_for(draft.entered.is_set, "the draft's prefill to start")
+        draft.go.set()
+        for _ in range(200):
+            for who, ev in box.take(10.0):
+                events.setdefault(who.request_id, []).append(ev)
+            if all(evs and isinstance(evs[-1], FinalEvent) for evs in events.values()) and len(events) == 3:
+                break
+        assert all(h.next_event(0) is None for h in handles)     # nothing on the handles' own queues
+    finally:
+        draft.go.set()
+        sched.stop()
+    for i in range(3):
+        *chunks, final = events[f"o{i}"]
+        assert isinstance(final, FinalEvent)
+        assert tuple(t for c in chunks for t in c.tokens) == reference(prompt_of(i, 6 + i), params)
+    # One flush per boundary: after the admission's, every flush carried all three requests' events
+    # until the first of them finished.
+    rounds = box.flushes[1:]
+    assert len(rounds) >= 3 and all(sorted(set(f)) == ["o0", "o1", "o2"] for f in rounds[:2]), box.flushes
 
 
 # --- failures ----------------------------------------------------------------------------------------
