@@ -448,8 +448,11 @@ class DecodeStreamRequest(_message.Message):
     JOIN_FIELD_NUMBER: _builtins.int
     CANCEL_REQUEST_ID_FIELD_NUMBER: _builtins.int
     cancel_request_id: _builtins.str
+    """One of this stream's requests to take out (its final event says "cancelled")."""
     @_builtins.property
-    def join(self) -> Global___DecodeRequest: ...
+    def join(self) -> Global___DecodeRequest:
+        """A request to run, as Decode takes it; its id must not be running on this stream."""
+
     def __init__(
         self,
         *,

@@ -205,9 +205,10 @@ class TargetServiceServicer:
         response per round boundary with the events of each request that had any,
         each as Decode would send it. A join the target refuses gets an `error`
         event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
-        stream stays open. Ending the stream from the caller's side cancels every
-        request still on it. Why: one message and one handler wake-up per round
-        instead of one per request (docs/performance.md § Session 10).
+        stream stays open. Cancelling the call cancels every request still on it;
+        half-closing it ends the call once its last request has ended. Why: one
+        message and one handler wake-up per round instead of one per request
+        (docs/performance.md § Session 10).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,9 +71,10 @@ class TargetServiceStub:
     response per round boundary with the events of each request that had any,
     each as Decode would send it. A join the target refuses gets an `error`
     event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
-    stream stays open. Ending the stream from the caller's side cancels every
-    request still on it. Why: one message and one handler wake-up per round
-    instead of one per request (docs/performance.md § Session 10).
+    stream stays open. Cancelling the call cancels every request still on it;
+    half-closing it ends the call once its last request has ended. Why: one
+    message and one handler wake-up per round instead of one per request
+    (docs/performance.md § Session 10).
     """
     ControlRounds: _grpc.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]
     """Admin: the round loop's admission and in-flight requests (pause, settle,
@@ -123,9 +124,10 @@ class TargetServiceAsyncStub(TargetServiceStub):
     response per round boundary with the events of each request that had any,
     each as Decode would send it. A join the target refuses gets an `error`
     event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
-    stream stays open. Ending the stream from the caller's side cancels every
-    request still on it. Why: one message and one handler wake-up per round
-    instead of one per request (docs/performance.md § Session 10).
+    stream stays open. Cancelling the call cancels every request still on it;
+    half-closing it ends the call once its last request has ended. Why: one
+    message and one handler wake-up per round instead of one per request
+    (docs/performance.md § Session 10).
     """
     ControlRounds: _aio.UnaryUnaryMultiCallable[_target_pb2.ControlRoundsRequest, _target_pb2.ControlRoundsResponse]  # type: ignore[assignment]
     """Admin: the round loop's admission and in-flight requests (pause, settle,
@@ -250,9 +252,10 @@ class TargetServiceServicer(metaclass=_abc_1.ABCMeta):
         response per round boundary with the events of each request that had any,
         each as Decode would send it. A join the target refuses gets an `error`
         event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
-        stream stays open. Ending the stream from the caller's side cancels every
-        request still on it. Why: one message and one handler wake-up per round
-        instead of one per request (docs/performance.md § Session 10).
+        stream stays open. Cancelling the call cancels every request still on it;
+        half-closing it ends the call once its last request has ended. Why: one
+        message and one handler wake-up per round instead of one per request
+        (docs/performance.md § Session 10).
         """
 
     @_abc_1.abstractmethod
