@@ -1,79 +1,182 @@
-"""The target's round host in one process, no gRPC: B target-only clients drain their events (diagnostic).
+"""The target's round host in one process, no gRPC: what waking the readers of a round's events costs.
 
-Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [PROFILE_ROWS]
+Owns: a ``TargetWorker`` (graphs captured) under a ``RoundHost`` with no draft, BATCH client
+threads each running target-only requests of MAX_TOKENS tokens one after another, and how
+their events reach them:
+  per-request  each reader waits on its request's own queue, woken per event (as the target's
+               Decode handlers were, one per request);
+  --outbox     the requests share one ``EventOutbox`` and one reader thread, woken once per
+               round boundary (as a DecodeStream is);
+  --late       nobody is woken before a request ends (a floor: no reader work during rounds).
+Prints tokens/s and the scheduler's round wall / target time per round; with --profile N, the
+scheduler thread's cProfile (top N by own time).
+
+Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--profile N]
+Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
-import sys, time, threading
-import numpy as np
-sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
-from core.config import SecurityConfig, ServerConfig
-from core.params import SamplingParams
-from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
-from worker.config import WorkerConfig
-from rounds.scheduler_types import GenerationRequest, FinalEvent, ErrorEvent
-from target_service.rounds import RoundHost
-from target_service.worker import TargetWorker
-model, dev, B, N = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-LATE = "--late" in sys.argv                  # clients read their events only when the request ends
-sys.argv = [a for a in sys.argv if a != "--late"]
-if LATE:
-    import queue
-    import rounds.scheduler_types as ST
 
-    class _Quiet(queue.Queue):
-        """put() wakes the reader only for the last event (no wake-up per round)."""
-        def __init__(self):
-            super().__init__(); self.done = threading.Event()
-        def put(self, item, block=True, timeout=None):
-            with self.mutex:
-                self.queue.append(item)
-            if isinstance(item, (FinalEvent, ErrorEvent)):
-                self.done.set()
-    _init = ST.RequestHandle.__init__
-    def _handle_init(self, req, wake):
-        _init(self, req, wake); self.events = _Quiet()
-    ST.RequestHandle.__init__ = _handle_init
-cfg = WorkerConfig(role="target", target_path=model, weights_version="v1",
-    runtime=RuntimeConfig(backend="torch", device=dev, dtype="float32"),
-    spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=max(B, 8), max_len=1024),
-    graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
-    server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
-PROFILE = len(sys.argv) > 5
-if PROFILE:                      # the scheduler thread's profile, printed when it stops
-    import cProfile, pstats
-    import rounds.scheduler as S
-    _loop = S.Scheduler._loop
-    def _profiled(self):
-        pr = cProfile.Profile(); pr.enable()
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.config import SecurityConfig, ServerConfig  # noqa: E402
+from core.params import SamplingParams  # noqa: E402
+from rounds import scheduler as scheduler_mod  # noqa: E402
+from rounds import scheduler_types  # noqa: E402
+from rounds.scheduler_types import ErrorEvent, EventOutbox, FinalEvent, GenerationRequest  # noqa: E402
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig  # noqa: E402
+from target_service.rounds import RoundHost  # noqa: E402
+from target_service.worker import TargetWorker  # noqa: E402
+from worker.config import WorkerConfig  # noqa: E402
+
+PROMPT = tuple(range(1, 33))
+WAIT_S = 120.0
+
+
+class _WakeAtEnd(queue.Queue):
+    """A handle's queue that wakes its reader only for the request's last event (--late)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+    def put(self, item, block=True, timeout=None) -> None:
+        with self.mutex:
+            self.queue.append(item)
+        if isinstance(item, (FinalEvent, ErrorEvent)):
+            self.done.set()
+
+
+def _late_handles() -> None:
+    init = scheduler_types.RequestHandle.__init__
+
+    def handle_init(self, req, wake, outbox=None):
+        init(self, req, wake, outbox)
+        self.events = _WakeAtEnd()
+    scheduler_types.RequestHandle.__init__ = handle_init
+
+
+def _profile_scheduler(rows: int) -> None:
+    import cProfile
+    import pstats
+
+    loop = scheduler_mod.Scheduler._loop
+
+    def profiled(self):
+        pr = cProfile.Profile()
+        pr.enable()
         try:
-            _loop(self)
+            loop(self)
         finally:
-            pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(int(sys.argv[5]))
-    S.Scheduler._loop = _profiled
-t = TargetWorker(cfg); t.load_weights(model, "", "v1"); t.capture_graphs()
-host = RoundHost(t, cfg)
-host.configure("", B, 64, 30.0)
-def one(i, n):
-    h = host.submit(GenerationRequest(f"q{i}-{n}", tuple(range(1, 33)), SamplingParams(max_tokens=N, ignore_eos=True), 0))
-    toks = 0
-    if LATE:
-        h.events.done.wait(60)
-    while True:
-        ev = h.next_event(1.0)
-        if isinstance(ev, (FinalEvent, ErrorEvent)):
-            return toks
-        if ev is not None:
-            toks += len(ev.tokens)
-def client(i, reps, out):
-    for n in range(reps):
-        out[i] += one(i, n)
-for reps, label in ((1, "warm"), (2, "run")):
-    out = [0] * B
-    tm0 = host.scheduler.timing; r0, w0, t0s = tm0.rounds, tm0.wall_s, tm0.target_s
-    t0 = time.perf_counter()
-    th = [threading.Thread(target=client, args=(i, reps, out)) for i in range(B)]
-    [x.start() for x in th]; [x.join() for x in th]
-    dt = time.perf_counter() - t0
-    tm = host.scheduler.timing
-    r = tm.rounds - r0
-    print(f"{label}: B={B} {sum(out)/dt:.1f} tok/s; rounds {r}, round wall {1e3*(tm.wall_s-w0)/max(r,1):.3f} ms, target {1e3*(tm.target_s-t0s)/max(r,1):.3f} ms; eng ahead {t.engine.ahead_stats}")
-host.close(); t.close()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(rows)
+    scheduler_mod.Scheduler._loop = profiled
+
+
+class _OutboxReader:
+    """One thread reading a shared outbox; sets each request's event when its last event came."""
+
+    def __init__(self, box: EventOutbox) -> None:
+        self.box, self.tokens, self.done = box, {}, {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def expect(self, rid: str) -> threading.Event:
+        with self._lock:
+            self.tokens[rid], self.done[rid] = 0, threading.Event()
+            return self.done[rid]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for who, ev in self.box.take(0.25):
+                with self._lock:
+                    if isinstance(ev, (FinalEvent, ErrorEvent)):
+                        self.done[who.request_id].set()
+                    else:
+                        self.tokens[who.request_id] += len(ev.tokens)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("device")
+    ap.add_argument("batch", type=int)
+    ap.add_argument("max_tokens", type=int)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--outbox", action="store_true")
+    mode.add_argument("--late", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
+    a = ap.parse_args()
+    if a.late:
+        _late_handles()
+    if a.profile:
+        _profile_scheduler(a.profile)
+    cfg = WorkerConfig(role="target", target_path=a.model, weights_version="v1",
+                       runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
+                       spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
+                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
+                       server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
+    worker = TargetWorker(cfg)
+    worker.load_weights(a.model, "", "v1")
+    worker.capture_graphs()
+    host = RoundHost(worker, cfg)
+    host.configure("", a.batch, 64, 30.0)
+    box = EventOutbox() if a.outbox else None
+    reader = _OutboxReader(box) if box is not None else None
+    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+
+    def one(rid: str) -> int:
+        done = reader.expect(rid) if reader is not None else None
+        h = host.submit(GenerationRequest(rid, PROMPT, params, 0), box)
+        if reader is not None:
+            done.wait(WAIT_S)
+            return reader.tokens[rid]
+        if a.late:
+            h.events.done.wait(WAIT_S)
+        tokens = 0
+        for _ in range(100_000):
+            ev = h.next_event(WAIT_S)
+            if ev is None or isinstance(ev, (FinalEvent, ErrorEvent)):
+                return tokens
+            tokens += len(ev.tokens)
+        return tokens
+
+    for reps, label in ((1, "warm-up"), (2, "run")):
+        counts = [0] * a.batch
+
+        def client(i: int) -> None:
+            for n in range(reps):
+                counts[i] += one(f"q{label}{i}-{n}")
+        tm = host.scheduler.timing
+        r0, w0, t0s = tm.rounds, tm.wall_s, tm.target_s
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.batch)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        dt = time.perf_counter() - t0
+        r = max(tm.rounds - r0, 1)
+        print(f"{label}: batch {a.batch} {sum(counts) / dt:.1f} tok/s; {r} rounds, round wall "
+              f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, target {1e3 * (tm.target_s - t0s) / r:.3f} ms; "
+              f"queued ahead {worker.engine.ahead_stats}")
+    if reader is not None:
+        reader.stop()
+    host.close()
+    worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -28,7 +28,6 @@ import grpc
 from core import wire
 from rounds.scheduler import EventOutbox, GenerationRequest, QueueFull, RequestError, RequestHandle
 from rounds.scheduler_types import ErrorEvent, FinalEvent
-from runtime.request_checks import check_request_id
 from specsplit.v1 import target_pb2 as tpb
 from target_service.decode_messages import EventHold, error_event_proto
 
@@ -70,8 +69,7 @@ class DecodeSession:
     def _join(self, req: tpb.DecodeRequest) -> None:
         rid = req.request_id
         try:
-            check_request_id(rid, "request_id")
-            greq = self._check(req)
+            greq = self._check(req)                   # names the bad field (the id too)
             with self._lock:
                 if rid in self._holds:
                     raise ValueError(f"request_id: {rid!r} is already running on this stream")

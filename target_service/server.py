@@ -25,7 +25,6 @@ from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyRe
 from core import wire
 from worker.service import (WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
                             start_worker_service)
-from specsplit.v1 import common_pb2
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
 from target_service.rounds import (ABORT, CONFIGURE, DRAIN, DRAIN_ABORT, DRAIN_PARK, DRAIN_WAIT, PARK, PAUSE, RESUME,
