@@ -4,8 +4,9 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
   - ``GraphRegistry.run`` per step kind (draft substep, catch-up, propose{k},
     target verify) at batch 1 and 4,
   - a whole greedy ``DraftEngine.propose`` at k = max_k: the fused path (one
-    propose{k} replay) and the per-substep path (catch-up + k-1 substeps),
-  - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 (decode
+    propose{k} replay) at batch 1 and 8 and the per-substep path (catch-up + k-1
+    substeps) at batch 1,
+  - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 and 8 (decode
     ahead does not queue: the call has drafts),
   - the draft registry's capture time with and without the propose kinds,
 each with every graph replay replaced by a no-op ("stubbed"), so what is left
@@ -35,6 +36,7 @@ from core.params import SamplingParams
 ITERS, REPEATS = 400, 7
 BUCKETS = (1, 2, 4, 8)
 CONTEXT = 100            # pairs already in the draft cache
+WHOLE_BATCHES = (1, 8)   # batches of the whole-engine rows
 
 
 class _NoReplay:
@@ -128,50 +130,61 @@ def main(args) -> int:
             rows.append({"what": f"run {name}", "batch": b, "host_us_stubbed": round(stubbed, 1),
                          "host_us_with_replay": None if real is None else round(real, 1)})
 
-    # Whole greedy proposes at batch 1, k = max_k: each call continues the request by k+1 pairs
-    # and is then rolled back (the draft's pair count), so every call is the same propose.
+    # Whole greedy proposes at batch 1 and 8, k = max_k: each call continues every request by
+    # k+1 pairs and is then rolled back (the draft's pair count), so every call is the same propose.
     for fused in (True, False):
         if fused and not fused_kinds:
             continue
         dr = engines[fused].draft
-        dr.prefill([DraftPrefillRequest("b0", rng.integers(0, 256, CONTEXT),
-                                        rng.standard_normal((CONTEXT, d)).astype(np.float32), SamplingParams())])
-        state = dr.cache.get("b0")
-        new = ProposeRequest("b0", CONTEXT, rng.integers(0, 256, k + 1),
-                             rng.standard_normal((k + 1, d)).astype(np.float32), k)
+        for b in WHOLE_BATCHES if fused else (1,):
+            ids = [f"b{fused:d}-{b}-{i}" for i in range(b)]
+            dr.prefill([DraftPrefillRequest(r, rng.integers(0, 256, CONTEXT),
+                                            rng.standard_normal((CONTEXT, d)).astype(np.float32), SamplingParams())
+                        for r in ids])
+            states = [dr.cache.get(r) for r in ids]
+            news = [ProposeRequest(r, CONTEXT, rng.integers(0, 256, k + 1),
+                                   rng.standard_normal((k + 1, d)).astype(np.float32), k) for r in ids]
 
-        def one(dr=dr, state=state, new=new):
-            dr.propose([new])
-            state.length = CONTEXT
+            def one(dr=dr, states=states, news=news):
+                dr.propose(news)
+                for st in states:
+                    st.length = CONTEXT
 
-        before = dr.fused_proposes if fused else None
-        one()
-        assert (dr.fused_proposes > before) if fused else True
-        _stub(dr.registry, True)
-        stubbed = _us(one, ops.synchronize)
-        _stub(dr.registry, False)
-        wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
-        rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep"), "batch": 1,
-                     "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+            before = dr.fused_proposes if fused else None
+            one()
+            assert (dr.fused_proposes > before) if fused else True
+            _stub(dr.registry, True)
+            stubbed = _us(one, ops.synchronize)
+            _stub(dr.registry, False)
+            wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
+            rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep"), "batch": b,
+                         "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+            for r in ids:
+                dr.release(r)
 
-    # A whole greedy TargetEngine.verify of k drafts at batch 1, rolled back the same way (its
-    # length and last token), so every call is the same verify.
+    # A whole greedy TargetEngine.verify of k drafts at batch 1 and 8, rolled back the same way
+    # (each request's length and last token), so every call is the same verify.
     tgt = engines[True].target
-    tgt.prefill([PrefillRequest("v0", rng.integers(0, 256, CONTEXT), SamplingParams())])
-    vstate, vreq = tgt.cache.get("v0"), tgt.requests["v0"]
-    length, last = vstate.length, vreq.last_token
-    verify = VerifyRequest("v0", rng.integers(0, 256, k), None)
+    for b in WHOLE_BATCHES:
+        ids = [f"v{b}-{i}" for i in range(b)]
+        tgt.prefill([PrefillRequest(r, rng.integers(0, 256, CONTEXT), SamplingParams()) for r in ids])
+        saved = [(tgt.cache.get(r), tgt.requests[r], tgt.cache.get(r).length, tgt.requests[r].last_token)
+                 for r in ids]
+        verifies = [VerifyRequest(r, rng.integers(0, 256, k), None) for r in ids]
 
-    def check(tgt=tgt, vstate=vstate, vreq=vreq):
-        tgt.verify([verify])
-        vstate.length, vreq.last_token = length, last
+        def check(tgt=tgt, saved=saved, verifies=verifies):
+            tgt.verify(verifies)
+            for st, req, length, last in saved:
+                st.length, req.last_token = length, last
 
-    _stub(tgt.registry, True)
-    stubbed = _us(check, ops.synchronize)
-    _stub(tgt.registry, False)
-    wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
-    rows.append({"what": f"verify k={k} (whole engine call)", "batch": 1, "host_us_stubbed": round(stubbed, 1),
-                 "wall_us": None if wall is None else round(wall, 1)})
+        _stub(tgt.registry, True)
+        stubbed = _us(check, ops.synchronize)
+        _stub(tgt.registry, False)
+        wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
+        rows.append({"what": f"verify k={k} (whole engine call)", "batch": b, "host_us_stubbed": round(stubbed, 1),
+                     "wall_us": None if wall is None else round(wall, 1)})
+        for r in ids:
+            tgt.release(r)
 
     out = {"device": device, "k": k, "buckets": BUCKETS, "context": CONTEXT, "rows": rows,
            "draft_capture_s": {"with propose kinds": round(capture_s[True], 3),

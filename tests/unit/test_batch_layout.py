@@ -1,0 +1,46 @@
+"""runtime/batch_layout.py: ``layout_rows`` against a per-row reference (ragged rows, padding, errors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.batch_layout import Row, layout_rows
+
+
+def reference(rows, width, scratch):
+    b = len(rows)
+    tokens = np.zeros((b, width), np.int64)
+    write = np.full((b, width), scratch, np.int64)
+    pos = np.empty((b, width), np.int64)
+    for i, r in enumerate(rows):
+        m = len(r.tokens)
+        tokens[i, :m], write[i, :m] = r.tokens, r.slot
+        pos[i] = np.minimum(np.arange(width) + r.start, r.start + m - 1)   # padding at the last position
+    return tokens, write, pos
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ragged_rows_pack_as_row_by_row(seed):
+    rng = np.random.default_rng(seed)
+    width, scratch = int(rng.integers(1, 9)), 99
+    rows = [Row(int(rng.integers(0, 16)), int(rng.integers(0, 500)), rng.integers(0, 1000, int(rng.integers(1, width + 1))))
+            for _ in range(int(rng.integers(1, 12)))]
+    lay = layout_rows(rows, width, scratch, 1024)
+    tokens, write, pos = reference(rows, width, scratch)
+    assert (lay.tokens == tokens).all() and (lay.write_slots == write).all() and (lay.positions == pos).all()
+    assert lay.read_slots.tolist() == [r.slot for r in rows] and lay.lengths.tolist() == [len(r.tokens) for r in rows]
+    assert lay.last_index.tolist() == [i * width + len(r.tokens) - 1 for i, r in enumerate(rows)]
+    assert all(a.dtype == np.int64 for a in (lay.tokens, lay.write_slots, lay.positions, lay.read_slots))
+
+
+def test_list_tokens_and_an_empty_batch():
+    lay = layout_rows([Row(3, 10, [5, 6])], 4, 7, 64)
+    assert lay.tokens.tolist() == [[5, 6, 0, 0]] and lay.positions.tolist() == [[10, 11, 11, 11]]
+    assert layout_rows([], 4, 7, 64).tokens.shape == (0, 4)
+
+
+@pytest.mark.parametrize("m", [0, 5])
+def test_a_row_of_no_tokens_or_too_many_names_it(m):
+    with pytest.raises(ValueError, match=f"row 1 has {m} tokens; expected 1..4"):
+        layout_rows([Row(0, 0, np.array([1])), Row(1, 0, np.arange(m))], 4, 7, 64)
