@@ -32,13 +32,18 @@ from specsplit.v1 import target_pb2 as tpb
 from target_service.decode_messages import EventHold, error_event_proto
 
 EVENT_POLL_S = 0.25                # how often a waiting writer checks that its caller is still there
+RESPONSE_BYTES = 1 << 20           # a response holds events up to about this size (one bigger event goes alone)
 
 
 class DecodeSession:
     """The state of one DecodeStream call (module doc)."""
 
-    def __init__(self, rounds: Any, check: Callable[[tpb.DecodeRequest], GenerationRequest], log: Any) -> None:
+    def __init__(self, rounds: Any, check: Callable[[tpb.DecodeRequest], GenerationRequest], log: Any,
+                 max_message_bytes: int = 64 << 20) -> None:
         self.rounds, self._check, self.log = rounds, check, log
+        # NOTE: responses stay well under the message limit: a round in which many requests
+        # end carries each one's whole output in its final event.
+        self.response_bytes = max(1, min(RESPONSE_BYTES, max_message_bytes // 4))
         self.outbox = EventOutbox()
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}    # open requests by id
@@ -115,9 +120,7 @@ class DecodeSession:
         while True:
             items = self.outbox.take(EVENT_POLL_S)
             if items:
-                resp = self._response(items)
-                if resp.events:
-                    yield resp
+                yield from self._responses(items)
             elif not context.is_active():
                 self._cancel_all()
                 return
@@ -125,12 +128,24 @@ class DecodeSession:
                 if self._input_done and not self._holds:
                     return
 
-    def _response(self, items: list[tuple[Any, Any]]) -> tpb.DecodeStreamResponse:
-        """One message for everything taken: each request's events through its hold, in order."""
-        resp = tpb.DecodeStreamResponse()
+    def _responses(self, items: list[tuple[Any, Any]]) -> list[tpb.DecodeStreamResponse]:
+        """Everything taken as messages: each request's events through its hold, in order, in as
+        few responses as ``response_bytes`` allows (usually one)."""
+        out: list[tpb.DecodeStreamResponse] = []
+        resp, size = tpb.DecodeStreamResponse(), 0
+
+        def add(rid: str, event: tpb.DecodeEvent) -> None:
+            nonlocal resp, size
+            n = event.ByteSize() + len(rid) + 8
+            if resp.events and size + n > self.response_bytes:
+                out.append(resp)
+                resp, size = tpb.DecodeStreamResponse(), 0
+            resp.events.add(request_id=rid, event=event)
+            size += n
+
         for who, ev in items:
             if isinstance(who, str):                     # a refused join: no hold, nothing streamed
-                resp.events.add(request_id=who, event=error_event_proto(ev.code, ev.message))
+                add(who, error_event_proto(ev.code, ev.message))
                 continue
             rid = who.request_id
             with self._lock:
@@ -139,9 +154,11 @@ class DecodeSession:
                 continue
             msgs, done = hold.feed(ev)
             for m in msgs:
-                resp.events.add(request_id=rid, event=m)
+                add(rid, m)
             if done or isinstance(ev, (FinalEvent, ErrorEvent)):
                 with self._lock:
                     self._holds.pop(rid, None)
                     self._handles.pop(rid, None)
-        return resp
+        if resp.events:
+            out.append(resp)
+        return out

@@ -109,7 +109,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
     def DecodeStream(self, request_iterator: Iterator[tpb.DecodeStreamRequest],
                      context: grpc.ServicerContext) -> Iterator[tpb.DecodeStreamResponse]:
         """Many requests over one stream (``target_service.decode_stream``)."""
-        session = DecodeSession(self.rounds, lambda msg: self._check_join(msg), self.log)
+        session = DecodeSession(self.rounds, self._check_join, self.log, self.worker.cfg.server.max_message_bytes)
         return session.serve(request_iterator, context)
 
     def _check_join(self, request: tpb.DecodeRequest) -> GenerationRequest:
