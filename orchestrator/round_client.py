@@ -220,6 +220,12 @@ class RemoteRounds:
                                 max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
                                 ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output),
                                 chunk_in_final=True, stream_interval=self.stream_interval)
+        # NOTE: refused here, not sent: a message over the channel's limit would end the shared
+        # stream, and every request on it with it.
+        limit = getattr(self.target, "max_message_bytes", None)
+        if limit is not None and msg.ByteSize() > limit:
+            raise RequestError("RESOURCE_EXHAUSTED", f"the request's DecodeRequest is {msg.ByteSize()} bytes, above "
+                                                     f"max_message_bytes={limit}")
         return self._mux.join(msg)
 
     def finished(self, handle: RemoteHandle, ev: Event) -> None:

@@ -217,7 +217,7 @@ class _WorkerClient:
                  max_message_bytes: int, tls_ca: str | None = None, client_cert: str | None = None,
                  client_key: str | None = None, admin_token: str | None = None,
                  token_source: Callable[[], str | None] | None = None) -> None:
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s, self.max_message_bytes = address, timeout_s, max_message_bytes
         # Where the admin token comes from again when the worker refuses it (a restarted worker
         # with a generated token wrote a new one to its token file).
         self._token_source = token_source

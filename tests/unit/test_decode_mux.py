@@ -151,3 +151,21 @@ def test_an_old_stream_takes_no_joins_and_half_closes_after_its_last_request(mux
     assert next(a).final.finish_reason == "length"
     assert calls[0].half_closed.wait(TIMEOUT)
     b.cancel()
+
+
+def test_a_join_over_the_message_limit_is_refused_before_it_reaches_the_stream():
+    """One oversized message would end the shared stream for every request on it: RemoteRounds
+    refuses it (RESOURCE_EXHAUSTED) and sends nothing."""
+    from types import SimpleNamespace
+
+    from core.params import SamplingParams
+    from orchestrator.round_client import RemoteRounds
+    from rounds.scheduler_types import GenerationRequest
+
+    def never(*a, **kw):
+        raise AssertionError("the oversized join was sent")
+    rounds = RemoteRounds(SimpleNamespace(max_message_bytes=1024, stub=SimpleNamespace(DecodeStream=never)))
+    with pytest.raises(RequestError) as info:
+        rounds.submit(GenerationRequest("big", tuple(range(2000)), SamplingParams(max_tokens=4), 0))
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "max_message_bytes=1024" in info.value.message
+    assert rounds.open_calls() == 0
