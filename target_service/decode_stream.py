@@ -44,6 +44,7 @@ class DecodeSession:
         # NOTE: responses stay well under the message limit: a round in which many requests
         # end carries each one's whole output in its final event.
         self.response_bytes = max(1, min(RESPONSE_BYTES, max_message_bytes // 4))
+        self.max_message_bytes = max_message_bytes
         self.outbox = EventOutbox()
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}    # open requests by id
@@ -137,6 +138,12 @@ class DecodeSession:
         def add(rid: str, event: tpb.DecodeEvent) -> None:
             nonlocal resp, size
             n = event.ByteSize() + len(rid) + 8
+            if n > self.max_message_bytes - 64:
+                # NOTE: an event no message may carry ends its own request (as a Decode call
+                # would), never the stream every other request shares.
+                event = error_event_proto("RESOURCE_EXHAUSTED", f"an event of {n} bytes is above "
+                                          f"max_message_bytes={self.max_message_bytes}")
+                n = event.ByteSize() + len(rid) + 8
             if resp.events and size + n > self.response_bytes:
                 out.append(resp)
                 resp, size = tpb.DecodeStreamResponse(), 0

@@ -46,3 +46,15 @@ def test_one_round_of_a_batch_is_one_response():
         items.append((SimpleNamespace(request_id=f"r{i}"), TokensEvent((i, i), 3, 1, 1, "v1", None)))
     (resp,) = s._responses(items)
     assert [list(e.event.chunk.tokens) for e in resp.events] == [[i, i] for i in range(8)]
+
+
+def test_an_event_no_message_may_carry_ends_only_its_request():
+    s = session(2048)
+    for rid in ("long", "short"):
+        s._holds[rid] = EventHold(1, True)
+    out = s._responses([(SimpleNamespace(request_id="long"), FinalEvent("length", tuple(range(2000)), 4, SeqStats(), "v1")),
+                        (SimpleNamespace(request_id="short"), FinalEvent("length", (1, 2), 4, SeqStats(), "v1"))])
+    events = {e.request_id: e.event for r in out for e in r.events}
+    assert events["long"].error.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "max_message_bytes=2048" in events["long"].error.error.message
+    assert list(events["short"].final.output) == [1, 2]
