@@ -68,8 +68,10 @@ class TargetServiceStub:
     open per target): each `join` is a DecodeRequest as above, each
     `cancel_request_id` takes one of this stream's requests out at the next
     round boundary; the events of every request come back batched, one
-    response per round boundary with the events of each request that had any,
-    each as Decode would send it. A join the target refuses gets an `error`
+    response per round boundary with the events of each request that had any
+    (several when they hold more than about 1 MiB), each as Decode would send
+    it; an event above max_message_bytes ends its own request with
+    RESOURCE_EXHAUSTED, never the stream. A join the target refuses gets an `error`
     event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
     stream stays open. Cancelling the call cancels every request still on it;
     half-closing it ends the call once its last request has ended. Why: one
@@ -121,8 +123,10 @@ class TargetServiceAsyncStub(TargetServiceStub):
     open per target): each `join` is a DecodeRequest as above, each
     `cancel_request_id` takes one of this stream's requests out at the next
     round boundary; the events of every request come back batched, one
-    response per round boundary with the events of each request that had any,
-    each as Decode would send it. A join the target refuses gets an `error`
+    response per round boundary with the events of each request that had any
+    (several when they hold more than about 1 MiB), each as Decode would send
+    it; an event above max_message_bytes ends its own request with
+    RESOURCE_EXHAUSTED, never the stream. A join the target refuses gets an `error`
     event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
     stream stays open. Cancelling the call cancels every request still on it;
     half-closing it ends the call once its last request has ended. Why: one
@@ -249,8 +253,10 @@ class TargetServiceServicer(metaclass=_abc_1.ABCMeta):
         open per target): each `join` is a DecodeRequest as above, each
         `cancel_request_id` takes one of this stream's requests out at the next
         round boundary; the events of every request come back batched, one
-        response per round boundary with the events of each request that had any,
-        each as Decode would send it. A join the target refuses gets an `error`
+        response per round boundary with the events of each request that had any
+        (several when they hold more than about 1 MiB), each as Decode would send
+        it; an event above max_message_bytes ends its own request with
+        RESOURCE_EXHAUSTED, never the stream. A join the target refuses gets an `error`
         event (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ...); the
         stream stays open. Cancelling the call cancels every request still on it;
         half-closing it ends the call once its last request has ended. Why: one
