@@ -9,6 +9,8 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
   - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 and 8 (decode
     ahead does not queue: the call has drafts),
   - the draft registry's capture time with and without the propose kinds,
+  - a round's Propose message on the host at batch 1 and 8: the target's encode, the
+    draft's decode and answer, the target's decode (``_wire_rows``; no replay to stub),
 each with every graph replay replaced by a no-op ("stubbed"), so what is left
 is the host's Python, numpy and copies (on CPU the eager stand-in graph would
 otherwise hide it inside a CPU forward pass). On CUDA it also prints the same
@@ -81,6 +83,61 @@ def _engine(device: str, k: int, fused: bool) -> SpecEngine:
                        spec=SpecConfig(max_k=k, default_k=k), cache=CacheConfig(max_slots=8, max_len=1024),
                        graphs=GraphConfig(batch_buckets=BUCKETS))
     return SpecEngine(cfg) if fused else SpecEngine(cfg, fused_propose=False)
+
+
+class _Captured:
+    """A data plane that keeps the sent frame and answers with a given response."""
+
+    usable = True
+
+    def __init__(self) -> None:
+        self.body, self.response = b"", None
+
+    def send(self, msg):
+        self.body = msg.SerializeToString()
+        return lambda what: self.response
+
+
+def _wire_rows(d: int, k: int, rng) -> list[dict]:
+    """A round's Propose message on the host, both sides, at batch 1 and 8 (hidden rows [k+1, d]
+    float32 per item): the target's encode (``DraftClient.propose_async`` up to the bytes), the
+    draft's parse and item decode, its response encode, the target's parse and collect."""
+    from draft_service.server import _decode_propose, _proposal
+    from rounds.worker_clients import DraftClient
+    from runtime.types import Proposal
+    from specsplit.v1 import draft_pb2
+    from worker.service import decode_items, result_proto
+
+    rows = []
+    for b in WHOLE_BATCHES:
+        reqs = [ProposeRequest(f"w{i}", CONTEXT, rng.integers(0, 256, k + 1),
+                               rng.standard_normal((k + 1, d)).astype(np.float32), k) for i in range(b)]
+        client = DraftClient.__new__(DraftClient)       # the message path only: no channel, no socket
+        client._data, client._pending_release, client._next_round = _Captured(), [], lambda: 1
+        collect = client.propose_async(reqs)
+        body = client._data.body
+        props = [Proposal(r.request_id, rng.integers(0, 256, k), None) for r in reqs]
+
+        def draft_side(body=body, props=props):
+            msg = draft_pb2.ProposeRequest()
+            msg.ParseFromString(body)
+            decode_items(msg.items, lambda i, it: _decode_propose(i, it, None))
+            return draft_pb2.ProposeResponse(round=msg.round, results=[
+                result_proto(draft_pb2.ProposeResult, p.request_id, p, _proposal) for p in props]).SerializeToString()
+        answer = draft_side()
+
+        def target_decode(answer=answer, collect=collect, client=client):
+            resp = draft_pb2.ProposeResponse()
+            resp.ParseFromString(answer)
+            client._data.response = resp
+            return collect()
+        rows += [{"what": "propose message: target encode", "batch": b,
+                  "host_us_stubbed": round(_us(lambda reqs=reqs: client.propose_async(reqs), lambda: None), 1)},
+                 {"what": "propose message: draft side", "batch": b,
+                  "host_us_stubbed": round(_us(draft_side, lambda: None), 1)},
+                 {"what": "propose message: target decode", "batch": b,
+                  "host_us_stubbed": round(_us(target_decode, lambda: None), 1)}]
+    return rows
 
 
 def main(args) -> int:
@@ -185,6 +242,8 @@ def main(args) -> int:
                      "wall_us": None if wall is None else round(wall, 1)})
         for r in ids:
             tgt.release(r)
+
+    rows += _wire_rows(d, k, rng)
 
     out = {"device": device, "k": k, "buckets": BUCKETS, "context": CONTEXT, "rows": rows,
            "draft_capture_s": {"with propose kinds": round(capture_s[True], 3),

@@ -55,6 +55,12 @@ def encode_tensor(arr: Any, dtype: str | None = None) -> pb.Tensor:
     """numpy array -> Tensor. ``dtype`` None infers it: float32, float16, integers -> int64
     (float64 -> float32). ``dtype="bfloat16"``: a uint16 array is taken as bf16 bit
     patterns, a float array is rounded to bf16."""
+    return fill_tensor(pb.Tensor(), arr, dtype)
+
+
+def fill_tensor(t: pb.Tensor, arr: Any, dtype: str | None = None) -> pb.Tensor:
+    """``encode_tensor`` into ``t``, an empty Tensor field of a message being built (no
+    separate Tensor to copy in: a round's Propose fills one per item)."""
     a = np.asarray(arr)
     if dtype is None:
         if a.dtype == np.float16:
@@ -72,7 +78,17 @@ def encode_tensor(arr: Any, dtype: str | None = None) -> pb.Tensor:
         data = a.astype("<u2") if a.dtype == np.uint16 else float32_to_bf16_bits(a).astype("<u2")
     else:
         data = a.astype(wire, copy=False)
-    return pb.Tensor(dtype=enum, shape=list(a.shape), data=np.ascontiguousarray(data).tobytes())
+    t.dtype = enum
+    t.shape.extend(a.shape)
+    t.data = np.ascontiguousarray(data).tobytes()
+    return t
+
+
+def int64_array(field: Any) -> np.ndarray:
+    """A repeated integer field (token ids) as int64 [n]. NOTE: sliced to a list first (one C
+    copy): numpy reading the protobuf container element by element took ~3x as long, on
+    every item of every round (``bench propose-host``, docs/performance.md § Session 10)."""
+    return np.array(field[:], dtype=np.int64)
 
 
 def is_empty_tensor(t: pb.Tensor) -> bool:
@@ -95,10 +111,10 @@ def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = No
         raise ValueError(f"{field}: {label}; expected one of {list(allowed or _DTYPES)}")
     if allowed is not None and name not in allowed:
         raise ValueError(f"{field}: dtype {name} is not allowed here; expected one of {list(allowed)}")
-    shape = [int(s) for s in t.shape]
+    shape = t.shape[:]                          # a list of Python ints (repeated int64)
     if len(shape) > MAX_TENSOR_DIMS:
         raise ValueError(f"{field}: {len(shape)} dimensions, at most {MAX_TENSOR_DIMS} allowed")
-    if any(s < 0 for s in shape):
+    if shape and min(shape) < 0:
         raise ValueError(f"{field}: shape {shape} has a negative dimension")
     wire = _DTYPES[name][1]
     count = 1

@@ -40,7 +40,7 @@ def _decode_prefill(i: int, item: dpb.DraftPrefillItem, max_bytes: int | None = 
                                          bf16_bits=True, max_bytes=max_bytes)
     if hidden is None:  # "no tensor": valid only with no tokens (a one-token prompt)
         hidden = np.zeros((0, 0), dtype=np.float32)
-    return DraftPrefillRequest(item.request_id, np.asarray(item.tokens, dtype=np.int64),
+    return DraftPrefillRequest(item.request_id, wire.int64_array(item.tokens),
                                _float_or_bits(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
 
 
@@ -51,7 +51,7 @@ def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None)
                               keep_tail=bool(item.keep_tail))
     hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, bf16_bits=True,
                                 max_bytes=max_bytes)
-    return ProposeRequest(item.request_id, int(item.start_position), np.asarray(item.tokens, dtype=np.int64),
+    return ProposeRequest(item.request_id, int(item.start_position), wire.int64_array(item.tokens),
                           _float_or_bits(hidden), int(item.k), keep_tail=bool(item.keep_tail))
 
 

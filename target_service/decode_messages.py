@@ -30,7 +30,7 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
     check_request_id(req.request_id, "request_id")
     mc = worker.model_cfg
     vocab = mc.vocab_size if mc is not None else 0
-    prompt = np.asarray(req.prompt, dtype=np.int64)
+    prompt = wire.int64_array(req.prompt)
     if prompt.size == 0:
         raise ValueError("prompt: must hold at least one token (empty)")
     if mc is not None:

@@ -37,7 +37,7 @@ SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["TargetService"].full_name   # "s
 
 
 def _decode_prefill(i: int, item: tpb.TargetPrefillItem) -> PrefillRequest:
-    return PrefillRequest(item.request_id, np.asarray(item.prompt, dtype=np.int64),
+    return PrefillRequest(item.request_id, wire.int64_array(item.prompt),
                           wire.params_from_proto(item.params, f"items[{i}].params"),
                           int(item.resume_token) if item.HasField("resume_token") else None)
 
@@ -45,7 +45,7 @@ def _decode_prefill(i: int, item: tpb.TargetPrefillItem) -> PrefillRequest:
 def _decode_verify(i: int, item: tpb.VerifyItem, max_bytes: int | None = None) -> VerifyRequest:
     probs = wire.decode_optional_tensor(item, "draft_probs", f"items[{i}].draft_probs", wire.FLOAT_DTYPES,
                                         max_bytes=max_bytes)
-    return VerifyRequest(item.request_id, np.asarray(item.drafts, dtype=np.int64),
+    return VerifyRequest(item.request_id, wire.int64_array(item.drafts),
                          wire.as_float32(probs) if probs is not None else None)
 
 

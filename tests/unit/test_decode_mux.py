@@ -75,6 +75,10 @@ def mux():
     m = DecodeMux(open_call, deadline_s=3600.0)
     yield m, calls
     m.close()
+    for c in calls:
+        c.end()
+    wait_until(lambda: not any(t.name == "specsplit-decode-mux" and t.is_alive() for t in threading.enumerate()),
+               "every stream's reader thread to end")
 
 
 def joins(call: FakeCall) -> list[str]:
