@@ -10,6 +10,10 @@
 #   bash bench/gpu_session10.sh OUT_DIR final   # DecodeStream (one stream for every request): bench services at
 #                                               # batch 8 and 1, the round loop's GPU tests, bench peer (~1B and
 #                                               # bundled at batch 1, bundled at batch 8), the stack test
+#   bash bench/gpu_session10.sh OUT_DIR next    # for the next session, first: what this session built after its
+#                                               # device time (the Propose message's host path, the response split):
+#                                               # bench propose-host on cuda, bench services at batch 8 and 1, the
+#                                               # round loop's GPU tests, 20 RECAPTURE reloads, bench adaptive
 #
 # Diagnostic between them (docs/performance.md § Session 10): scripts/round_host_probe.py MODEL cuda:0 B N [--late]
 #
@@ -45,6 +49,18 @@ final)
     | quiet | tee "$out/bench_peer_b8.txt" | tail -2
   timeout "$(left 575)" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_stack_gpu.py 2>&1 \
     | tee "$out/stack.log" | grep -E "^\[gpu|passed|failed|Error|assert" | tail -6
+  ;;
+next)
+  timeout 90 python3 -m specsplit bench propose-host --backend torch --device cuda:0 2>&1 | quiet \
+    | tee "$out/propose_host.txt" | tail -18
+  timeout 100 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
+  timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py 2>&1 \
+    | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -16
+  SPECSPLIT_RELOAD_CYCLES=20 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
+    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
+  timeout "$(left 585)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
