@@ -13,7 +13,8 @@
 #   bash bench/gpu_session10.sh OUT_DIR next    # for the next session, first: what this session built after its
 #                                               # device time (the Propose message's host path, the response split):
 #                                               # bench propose-host on cuda, bench services at batch 8 and 1, the
-#                                               # round loop's GPU tests, 20 RECAPTURE reloads, bench adaptive
+#                                               # round loop's GPU tests, 20 RECAPTURE reloads
+#   bash bench/gpu_session10.sh OUT_DIR adaptive # bench adaptive (fixed k vs adaptive on the prompt mix), alone
 #
 # Diagnostic between them (docs/performance.md § Session 10): scripts/round_host_probe.py MODEL cuda:0 B N [--late]
 #
@@ -59,7 +60,9 @@ next)
     | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -16
   SPECSPLIT_RELOAD_CYCLES=20 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
     tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
-  timeout "$(left 585)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 \
+  ;;
+adaptive)
+  timeout 580 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 \
     --max-tokens 128 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
