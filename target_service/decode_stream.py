@@ -135,7 +135,7 @@ class DecodeSession:
         out: list[tpb.DecodeStreamResponse] = []
         resp, size = tpb.DecodeStreamResponse(), 0
 
-        def add(rid: str, event: tpb.DecodeEvent) -> None:
+        def add(rid: str, event: tpb.DecodeEvent, refused: bool = False) -> None:
             nonlocal resp, size
             n = event.ByteSize() + len(rid) + 8
             if n > self.max_message_bytes - 64:
@@ -147,12 +147,12 @@ class DecodeSession:
             if resp.events and size + n > self.response_bytes:
                 out.append(resp)
                 resp, size = tpb.DecodeStreamResponse(), 0
-            resp.events.add(request_id=rid, event=event)
+            resp.events.add(request_id=rid, event=event, join_refused=refused)
             size += n
 
         for who, ev in items:
             if isinstance(who, str):                     # a refused join: no hold, nothing streamed
-                add(who, error_event_proto(ev.code, ev.message))
+                add(who, error_event_proto(ev.code, ev.message), refused=True)
                 continue
             rid = who.request_id
             with self._lock:

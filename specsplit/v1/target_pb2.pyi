@@ -475,7 +475,12 @@ class DecodeStreamEvent(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     EVENT_FIELD_NUMBER: _builtins.int
+    JOIN_REFUSED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    join_refused: _builtins.bool
+    """True on the `error` event that answers a refused join: that join never
+    started (its id may be another request's that is still running here).
+    """
     @_builtins.property
     def event(self) -> Global___DecodeEvent: ...
     def __init__(
@@ -483,10 +488,11 @@ class DecodeStreamEvent(_message.Message):
         *,
         request_id: _builtins.str = ...,
         event: Global___DecodeEvent | None = ...,
+        join_refused: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "join_refused", b"join_refused", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

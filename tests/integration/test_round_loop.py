@@ -289,9 +289,12 @@ def test_decode_stream_batches_requests_refuses_bad_joins_and_cancels(stack):
         got: dict[str, list] = {}
         per_message: list[set] = []
         resumed = cancelled = False
+        refused: set[tuple[str, int]] = set()            # (request id, index of its event)
         for resp in responses:
             per_message.append({e.request_id for e in resp.events})
             for e in resp.events:
+                if e.join_refused:
+                    refused.add((e.request_id, len(got.get(e.request_id, []))))
                 got.setdefault(e.request_id, []).append(e.event)
             if not resumed and "bad" in got and len(got.get("s0", [])) == 1:
                 rounds.resume_admission()             # both refusals are in: let the batch run
@@ -304,6 +307,7 @@ def test_decode_stream_batches_requests_refuses_bad_joins_and_cancels(stack):
         rounds.resume_admission()
     dup, = got["s0"][:1]
     assert dup.WhichOneof("event") == "error" and dup.error.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert refused == {("s0", 0), ("bad", 0)}            # the refusals say so; s0's own events do not
     assert "already running" in dup.error.error.message
     bad, = got["bad"]
     assert bad.WhichOneof("event") == "error" and "k: 9" in bad.error.error.message

@@ -35,6 +35,7 @@ def test_a_boundary_with_many_long_finals_is_split_under_the_budget_in_order():
     for i, (_, ev) in enumerate(events[:10]):                  # the last chunk rode on each final
         assert ev.final.finish_reason == "length" and list(ev.final.last_chunks[0].tokens) == [i]
     assert events[-1][1].error.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [e.join_refused for r in out for e in r.events] == [False] * 10 + [True]
     assert not s._holds                                        # every request ended
 
 
