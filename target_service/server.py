@@ -160,8 +160,9 @@ def start(cfg: WorkerConfig, rendezvous: Any = None) -> WorkerService:
     else:
         worker, log = new_worker(cfg, "target", TargetWorker)
     rounds = RoundHost(worker, cfg)
-    # NOTE: every Decode call holds a handler thread for its whole life (the running
-    # batch plus the waiting queue), so the pool is sized for that, not for cfg alone.
+    # NOTE: every Decode call (and every DecodeStream) holds a handler thread for its whole
+    # life: the orchestrator keeps one DecodeStream, but callers of Decode hold one per
+    # request (the running batch plus the waiting queue), so the pool is sized for that.
     cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_workers=max(cfg.server.max_workers,
                                                                                         256)))
     svc = start_worker_service(cfg, worker, TargetServicer(worker, log, rounds),
