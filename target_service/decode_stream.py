@@ -159,7 +159,7 @@ class DecodeSession:
                 hold = self._holds.get(rid)
             if hold is None:
                 continue
-            msgs, done = hold.feed(ev)
+            msgs, done = hold.messages(ev)
             for m in msgs:
                 add(rid, m)
             if done or isinstance(ev, (FinalEvent, ErrorEvent)):

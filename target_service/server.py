@@ -101,7 +101,7 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
                     handle.cancel()
                     return
                 continue
-            msgs, done = hold.feed(ev)
+            msgs, done = hold.messages(ev)
             yield from msgs
             if done:
                 return
