@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, Iterator
 
 import grpc
-import numpy as np
 
 from rounds.scheduler import GenerationRequest, QueueFull, RequestError
 from worker.config import WorkerConfig
