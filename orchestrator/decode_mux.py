@@ -107,12 +107,12 @@ class _Stream:
     def join(self, msg: tpb.DecodeRequest) -> StreamCall:
         call = StreamCall(self, msg.request_id)
         with self._lock:
+            if self.broken:                          # broke since the mux chose it: nothing to join
+                call.end(StreamEnded(grpc.StatusCode.UNAVAILABLE, "target DecodeStream: the stream is closed"))
+                return call
             if msg.request_id in self._calls:
                 raise RequestError("INVALID_ARGUMENT", f"request_id: {msg.request_id!r} is already running")
             self._calls[msg.request_id] = call
-            if self.broken:
-                call.end(StreamEnded(grpc.StatusCode.UNAVAILABLE, "target DecodeStream: the stream is closed"))
-                return call
         self._up.put(tpb.DecodeStreamRequest(join=msg))
         return call
 

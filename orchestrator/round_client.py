@@ -222,9 +222,9 @@ class RemoteRounds:
                                 chunk_in_final=True, stream_interval=self.stream_interval)
         # NOTE: refused here, not sent: a message over the channel's limit would end the shared
         # stream, and every request on it with it.
-        limit = getattr(self.target, "max_message_bytes", None)
-        if limit is not None and msg.ByteSize() > limit:
-            raise RequestError("RESOURCE_EXHAUSTED", f"the request's DecodeRequest is {msg.ByteSize()} bytes, above "
+        size, limit = msg.ByteSize(), self.target.max_message_bytes
+        if size > limit:
+            raise RequestError("RESOURCE_EXHAUSTED", f"the request's DecodeRequest is {size} bytes, above "
                                                      f"max_message_bytes={limit}")
         return self._mux.join(msg)
 

@@ -27,7 +27,8 @@ def usable_cpus(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     CPU limit leaves the affinity at the whole node's cores)."""
     cpus = len(os.sched_getaffinity(0))
     try:
-        quota, period = open(cpu_max).read().split()[:2]
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
     except (OSError, ValueError):
         return cpus
     if quota == "max" or int(period) <= 0:
