@@ -9,7 +9,13 @@ and timed by replay (median of 200):
      under each SDPA backend (cuDNN, memory-efficient, math), and the earlier
      hand-written float32 masked attention; each checked against a float32
      reference.
-  2. ``--compile``: the ~1B target verify step at batch 1, context 256
+  2. The fused split attention (``runtime/backends/torch_kernels.py``) at each
+     minimum of keys per split (``attention_plan``'s ``min_split_keys``: 64 is
+     the finest split, a span at most the minimum runs as one direct launch
+     with no combine), batch 1, 8 and 32, spans 128 to 3,072, the split
+     launch and its combine replayed together; each output against the finest
+     split's.
+  3. ``--compile``: the ~1B target verify step at batch 1, context 256
      (span 512), plain vs ``torch.compile`` (static shapes, and
      ``dynamic=True`` — one compile for every bucket and span), both under a
      CUDA graph; greedy argmax agreement with the plain step is printed.
@@ -105,6 +111,101 @@ def attention_table(device: str) -> list[dict]:
     return rows
 
 
+SPLIT_MINIMA = (64, 128, 256, 512, 1024, 4096)
+REPEATS = 20                    # kernel calls per captured graph (one call is a few microseconds)
+
+
+def _per_call_us(fn) -> tuple:
+    """Microseconds per call of ``fn``, from one graph of REPEATS calls replayed back to back
+    (CUDA events; the replay's own launch spread over the calls)."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(3):
+            out = fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(REPEATS):
+                out = fn()
+    g.replay()
+    times = []
+    for _ in range(30):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPEATS)
+    del g
+    return float(np.median(times)), out
+
+
+def step_split_table(device: str, k: int) -> list[dict]:
+    """The ~1B verify step under a graph at each minimum of keys per split (batch 1 and 8,
+    contexts 256 and 2,048), ms per step."""
+    import torch
+
+    import runtime.backends.torch_kernels as tk
+    from bench.graphs import BIG, MAX_LEN, _random_params
+    from runtime.backends.torch_ops import TorchOps
+    from runtime.batch_layout import Row, layout_rows
+    from runtime.config import CacheConfig
+    from runtime.graphs import GraphRegistry
+    from runtime.model import target_tensor_shapes
+    from runtime.target_engine import TargetEngine
+
+    ops = TorchOps(device, "bfloat16")
+    if ops.kernels is None:
+        return []
+    target = TargetEngine(ops, BIG, _random_params(ops, BIG, target_tensor_shapes(BIG), 0),
+                          CacheConfig(max_slots=8, max_len=MAX_LEN), k, GraphRegistry(ops, (1, 8)))
+    rng = np.random.default_rng(0)
+    rows, saved = [], tk.MIN_SPLIT_KEYS
+    try:
+        for b in (1, 8):
+            for ctx in (256, 2048):
+                lay = layout_rows([Row(i, ctx, rng.integers(0, BIG.vocab_size, k + 1)) for i in range(b)], k + 1, 8, MAX_LEN)
+                inp = {n: torch.as_tensor(getattr(lay, n), device=device)
+                       for n in ("tokens", "write_slots", "positions", "read_slots")}
+                span = target.registry.span_for(target.registry.kinds[target._verify_kind], ctx + k + 1)
+                for least in SPLIT_MINIMA:
+                    tk.MIN_SPLIT_KEYS = least
+                    ms, _ = _replay_ms(lambda: target._step(**inp, attend_len=span), iters=100)
+                    rows.append({"batch": b, "context": ctx, "span": span, "min_split_keys": least, "ms": ms})
+    finally:
+        tk.MIN_SPLIT_KEYS = saved
+    return rows
+
+
+def split_table(device: str) -> list[dict]:
+    """Graph-replay ms of the fused split attention at each minimum of keys per split."""
+    import torch
+
+    from runtime.backends.torch_kernels import Kernels, attention_plan
+
+    h, kvh, d, t, max_len = 16, 4, 128, 4, 4096
+    rows = []
+    for b in (1, 8, 32):
+        cache_k = torch.randn(((b + 1) * max_len, kvh, d), device=device, dtype=torch.bfloat16)
+        cache_v = torch.randn_like(cache_k)
+        slots = torch.arange(b, device=device, dtype=torch.int64)
+        for span in (128, 384, 768, 1536, 3072):
+            ctx = span * 2 // 3
+            q = torch.randn((b, t, h, d), device=device, dtype=torch.bfloat16)
+            pos = torch.arange(ctx, ctx + t, device=device, dtype=torch.int64)[None].expand(b, t).contiguous()
+            ref = None
+            for least in SPLIT_MINIMA:
+                _, per_split, nsplit = attention_plan(b, kvh, h // kvh, t, span, least)
+                us, out = _per_call_us(lambda: Kernels.cache_attention(q, cache_k, cache_v, slots, pos, span,
+                                                                       max_len, least))
+                ref = out.float() if ref is None else ref
+                rows.append({"batch": b, "span": span, "min_split_keys": least, "splits": nsplit,
+                             "keys_per_split": per_split, "us": us,
+                             "max_abs_diff": float((out.float() - ref).abs().max())})
+    return rows
+
+
 def compile_table(device: str, k: int) -> list[dict]:
     import torch
 
@@ -142,6 +243,24 @@ def compile_table(device: str, k: int) -> list[dict]:
 
 def main(args) -> int:
     device = args.device if args.device.startswith("cuda") else "cuda:0"
+    print(f"bench attention: the fused split attention by its minimum keys per split on {device} "
+          "(16 q / 4 kv heads, head dim 128, 4 queries a row, bf16; graph replay medians, us)")
+    table = split_table(device)
+    print(f"{'batch':>5s} {'span':>5s} " + " ".join(f"{'min ' + str(m):>13s}" for m in SPLIT_MINIMA) + "  max |diff|")
+    for i in range(0, len(table), len(SPLIT_MINIMA)):
+        cells = table[i:i + len(SPLIT_MINIMA)]
+        print(f"{cells[0]['batch']:5d} {cells[0]['span']:5d} "
+              + " ".join(f"{c['us']:7.1f} ({c['splits']:3d})" for c in cells)
+              + f"  {max(c['max_abs_diff'] for c in cells):.1e}")
+    print("(splits in brackets; K/V of the small cases stay in the L2 cache across the repeats)")
+    steps = step_split_table(device, args.k)
+    if steps:
+        print(f"the ~1B verify step (k={args.k}) by the attention's minimum keys per split, graph replay ms:")
+        print(f"{'batch':>5s} {'ctx':>5s} {'span':>5s} " + " ".join(f"{'min ' + str(m):>9s}" for m in SPLIT_MINIMA))
+        for i in range(0, len(steps), len(SPLIT_MINIMA)):
+            cells = steps[i:i + len(SPLIT_MINIMA)]
+            print(f"{cells[0]['batch']:5d} {cells[0]['context']:5d} {cells[0]['span']:5d} "
+                  + " ".join(f"{c['ms']:9.3f}" for c in cells))
     print(f"bench attention: decode attention variants on {device} (graph replay medians)")
     print(f"{'batch':>5s} {'span':>5s} {'variant':18s} {'ms':>8s} {'gather ms':>9s} {'rel err':>10s}")
     for r in attention_table(device):

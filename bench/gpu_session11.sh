@@ -5,8 +5,9 @@
 #                                               # variants give now: bench services at batch 8 and 1 with the
 #                                               # round-loop variants fixed / ahead / micro side by side, the round
 #                                               # loop's GPU tests, bench gemm (the ~1B projections' cuBLAS layouts)
-#   bash bench/gpu_session11.sh OUT_DIR kernels # the ~1B verify step: bench graphs plain and with runtime.compile,
-#                                               # one profiled round (bench profile)
+#   bash bench/gpu_session11.sh OUT_DIR kernels # the ~1B verify step: the fused attention's split sweep (bench
+#                                               # attention), bench graphs plain and with runtime.compile, one
+#                                               # profiled round (bench profile)
 #   bash bench/gpu_session11.sh OUT_DIR final   # this session's code: bench services, the loop tests, 20 RECAPTURE
 #                                               # reloads, bench peer at batch 1
 #
@@ -24,6 +25,7 @@ first)
   timeout "$(left)" python3 -m specsplit bench gemm --device cuda:0 2>&1 | quiet | tee "$out/gemm.txt" | tail -30
   ;;
 kernels)
+  timeout 150 python3 -m specsplit bench attention --device cuda:0 2>&1 | quiet | tee "$out/attention.txt" | tail -40
   timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/graphs.txt" | tail -16
   timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/profile.txt" | tail -40
   timeout "$(left)" python3 -m specsplit bench graphs --device cuda:0 --compile 2>&1 | quiet \

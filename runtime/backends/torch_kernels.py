@@ -47,6 +47,9 @@ _TARGET_PROGRAMS = 256
 # graph, fp32, head dim 64) took 206 us per layer on an H200 against ~9 us at 32 rows;
 # the prefill 2.09 -> 0.58 ms with it at 32 (`bench prefill`, docs/performance.md § Session 9).
 MAX_QUERY_ROWS = 32
+# The fewest keys one split of the attention holds (``attention_plan``); read at each
+# launch, so a benchmark may set it before capturing.
+MIN_SPLIT_KEYS = _BLOCK_N
 
 
 @triton.jit
@@ -189,15 +192,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: int) -> tuple[int, int, int]:
+def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: int,
+                   min_split_keys: int | None = None) -> tuple[int, int, int]:
     """(query rows per program M, keys per split, split count) of one attention launch.
+
+    A split holds at least ``min_split_keys`` keys (rounded up to a power-of-two number
+    of blocks): with fewer splits the combine has less to read, and a span of at most
+    that many keys runs as one direct launch with no combine at all.
 
     NOTE: M and the keys per split are compile-time constants of the kernel and Triton
     compiles each new value (~1 s), so both take only powers of two: eager steps with ever
     new spans and widths reuse the kernels compiled for the captured graphs. The split
     count is a runtime argument."""
     blocks = triton.cdiv(span, _BLOCK_N)
-    per_split = _pow2(triton.cdiv(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads)))) * _BLOCK_N
+    least = MIN_SPLIT_KEYS if min_split_keys is None else min_split_keys
+    per_split = _pow2(max(triton.cdiv(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads))),
+                          triton.cdiv(least, _BLOCK_N))) * _BLOCK_N
     return max(16, _pow2(groups * tokens)), per_split, triton.cdiv(span, per_split)
 
 
@@ -247,12 +257,14 @@ class Kernels:
 
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
-                        positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
-        """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]."""
+                        positions: torch.Tensor, span: int, max_len: int,
+                        min_split_keys: int | None = None) -> torch.Tensor:
+        """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
+        (``min_split_keys``: see ``attention_plan``)."""
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
-        m, per_split, nsplit = attention_plan(b, kvh, g, t, span)
+        m, per_split, nsplit = attention_plan(b, kvh, g, t, span, min_split_keys)
         # NOTE: the kernels index read_slots, positions and q as dense [B], [B, T] and
         # [B, T, H, D]; a strided view (a substep's column of a fused propose's inputs) would
         # be read at the wrong rows for every batch row past the first (seen on an H200).

@@ -48,10 +48,11 @@ def kernel_errors() -> dict[str, float]:
     read_slots, positions = torch.tensor([2, 0]), torch.tensor([[60, 61, 62, 63], [10, 11, 12, 13]])
     worst = 0.0
     for span in (64, 100, 128, 192):   # 192 with many programs: 3 splits (not a power of two)
-        for programs in (256, 2):            # many splits (combine kernel) and one split (direct)
+        # many splits (combine kernel), one split (direct), and splits of two blocks each
+        for programs, least in ((256, 64), (2, 64), (256, 128)):
             torch_kernels._TARGET_PROGRAMS = programs
             q = rnd(b, t, h, hd)
-            got = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len)
+            got = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len, least)
             mask = ops.attention_mask(torch.arange(span).reshape(1, 1, span) <= positions.reshape(b, t, 1), h // kvh)
             ref = ops.attention(q, ops.gather_context(kc, read_slots, span, max_len),
                                 ops.gather_context(vc, read_slots, span, max_len), mask)

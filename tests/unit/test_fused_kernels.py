@@ -59,6 +59,19 @@ def test_attention_compiles_few_variants_for_every_eager_span_and_width():
     assert len(variants) <= 80, len(variants)     # (one per span and width would be ~25,000)
 
 
+def test_attention_splits_hold_at_least_the_minimum_keys():
+    from runtime.backends.torch_kernels import MIN_SPLIT_KEYS, attention_plan
+
+    for least in (64, 128, 256, 512, 1024):
+        for span in range(64, 4096 + 1, 64):
+            _, per_split, nsplit = attention_plan(1, 4, 4, 4, span, least)
+            assert per_split >= least and nsplit * per_split >= span and (nsplit - 1) * per_split < span
+            assert (nsplit == 1) == (span <= per_split)
+            if span <= least:
+                assert nsplit == 1
+    assert attention_plan(1, 4, 4, 4, 384) == attention_plan(1, 4, 4, 4, 384, MIN_SPLIT_KEYS)
+
+
 def test_plain_ops_switch_is_per_thread_and_restored():
     import threading
 
