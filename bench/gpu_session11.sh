@@ -7,7 +7,8 @@
 #                                               # loop's GPU tests, bench gemm (the ~1B projections' cuBLAS layouts)
 #   bash bench/gpu_session11.sh OUT_DIR kernels # the ~1B verify step: the fused attention's split sweep (bench
 #                                               # attention), bench graphs plain and with runtime.compile, one
-#                                               # profiled round (bench profile)
+#                                               # profiled round (bench profile), and the bundled model's rounds at
+#                                               # batch 1 and 8 profiled in process (bench profile --small)
 #   bash bench/gpu_session11.sh OUT_DIR final   # this session's code: bench services, the loop tests, 20 RECAPTURE
 #                                               # reloads, bench peer at batch 1
 #
@@ -26,6 +27,8 @@ first)
   ;;
 kernels)
   timeout 150 python3 -m specsplit bench attention --device cuda:0 2>&1 | quiet | tee "$out/attention.txt" | tail -40
+  timeout 100 python3 -m specsplit bench profile --small --batch 1 8 --device cuda:0 2>&1 | quiet \
+    | tee "$out/profile_small.txt" | tail -80
   timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/graphs.txt" | tail -16
   timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/profile.txt" | tail -40
   timeout "$(left)" python3 -m specsplit bench graphs --device cuda:0 --compile 2>&1 | quiet \

@@ -12,6 +12,12 @@ at two contexts (256 and 2,048 tokens), so the before/after of the attention
 work shows in one table. Uses only the engines' public calls, so it runs the
 same on the code before and after a change (docs/performance.md keeps both).
 
+With ``--small``: the bundled model in the in-process engine (graphs at buckets 1 and
+8), greedy, at each ``--batch`` (default 1 and 8), target-only and k drafts side by
+side: tokens/s and rounds of one timed generation, then a profiled generation: GPU
+busy and host gap per round, the top kernels per round, and the top host functions
+by own time (cProfile of the same generation's Python) — where a batch's round goes.
+
 Must not know: gRPC or the services.
 """
 
@@ -108,10 +114,74 @@ def _kernel_summary(prof, wall_s: float, top: int) -> dict:
             "top": [{"name": n[:90], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
 
 
+def _main_small(args) -> int:
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine import TINY, heldout_prompts
+    from runtime.config import EngineConfig, GraphConfig, SpecConfig
+    from runtime.engine import GenRequest, SpecEngine
+    from runtime.tokenizer import ByteTokenizer
+
+    device, k, max_new = args.device, args.k, min(args.max_tokens, 64)
+    batches = tuple(args.batch or (1, 8))
+    engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device=device),
+                                     spec=SpecConfig(max_k=k, default_k=k),
+                                     cache=CacheConfig(max_slots=max(batches), max_len=512),
+                                     graphs=GraphConfig(batch_buckets=tuple(sorted({1, *batches})))))
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        engine.capture_graphs()
+    tok = ByteTokenizer()
+    prompts = [tuple(tok.encode(p)[:96]) for p in heldout_prompts(max(batches))]
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
+
+    def generate(b: int, kk: int):
+        reqs = [GenRequest(f"p{kk}-{i}", prompts[i], params, kk) for i in range(b)]
+        engine.ops.synchronize()
+        t0 = time.perf_counter()
+        got = engine.generate(reqs, max_batch=b)
+        engine.ops.synchronize()
+        return got, time.perf_counter() - t0
+
+    print(f"bench profile --small: the bundled model in process, torch {device}, greedy, {max_new} tokens a request, "
+          f"prompts <= 96 tokens; rounds of one generation")
+    for b in batches:
+        for kk in (0, k):
+            generate(b, kk)                                          # warm-up
+            got, wall = generate(b, kk)
+            rounds = max(g.stats.rounds for g in got)
+            tokens = sum(len(g.tokens) for g in got)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            with profile(activities=activities) as prof:
+                _, pwall = generate(b, kk)
+            summary = _kernel_summary(prof, pwall, 8)
+            host = cProfile.Profile()
+            host.enable()
+            generate(b, kk)
+            host.disable()
+            print(f"batch {b} k={kk}: {tokens / wall:8.1f} tok/s, {rounds} rounds, {1e3 * wall / rounds:.3f} ms a round; "
+                  f"profiled: gpu busy {summary['gpu_busy_ms'] / rounds:.3f} ms a round, "
+                  f"{summary['kernels'] / rounds:.0f} kernels a round")
+            for t in summary["top"]:
+                print(f"    {t['calls'] / rounds:6.1f} {t['total_us'] / rounds:8.1f} us/round  {t['name'][:70]}")
+            text = io.StringIO()
+            pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(10)
+            lines = [ln for ln in text.getvalue().splitlines() if ln.strip()[:1].isdigit() and "function calls" not in ln]
+            for ln in lines[:10]:
+                print("    host " + ln.strip()[:150])
+    return 0
+
+
 def main(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    if args.small:
+        return _main_small(args)
     device = args.device
     k = args.k
     ops, cfg, target, draft = _build(device, k, args.compile)
