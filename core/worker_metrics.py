@@ -61,28 +61,38 @@ def families(role: str, steps_help: str, cache_noun: str) -> WorkerFamilies:
 
 
 class WorkerMetrics:
-    """Per-worker adapter: remembers the registry counters it already exported."""
+    """Per-worker adapter: remembers the registry counters it already exported, and the
+    labelled children it updates every step (``labels()`` takes the family's lock and
+    builds a key on each call: ~5 us a call on the 2-core CPU, three or more a round)."""
 
     def __init__(self, fams: WorkerFamilies) -> None:
         self.fams = fams
         self._replays = 0
         self._eager = 0
+        self._children: dict[tuple, MetricWrapperBase] = {}
+
+    def _child(self, family: MetricWrapperBase, *values: str) -> MetricWrapperBase:
+        key = (id(family), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
 
     def on_transition(self, action: str, outcome: str, *_: object) -> None:
         self.fams.lifecycle_transitions.labels(action, outcome).inc()
 
     def step(self, step: str, seconds: float, items: int, error_codes: list[str]) -> None:
-        self.fams.compute_seconds.labels(step).observe(seconds)
-        self.fams.batch_items.labels(step).observe(items)
+        self._child(self.fams.compute_seconds, step).observe(seconds)
+        self._child(self.fams.batch_items, step).observe(items)
         for code in error_codes:
-            self.fams.item_errors.labels(step, code).inc()
+            self._child(self.fams.item_errors, step, code).inc()
 
     def graphs(self, replays: int, eager_runs: int) -> None:
         """Export the registry's cumulative counters as increments."""
         if replays > self._replays:
-            self.fams.graph_steps.labels("replay").inc(replays - self._replays)
+            self._child(self.fams.graph_steps, "replay").inc(replays - self._replays)
         if eager_runs > self._eager:
-            self.fams.graph_steps.labels("eager").inc(eager_runs - self._eager)
+            self._child(self.fams.graph_steps, "eager").inc(eager_runs - self._eager)
         self._replays, self._eager = replays, eager_runs
 
     def slots(self, used: int, free: int) -> None:

@@ -52,6 +52,10 @@ class OrchestratorMetrics:
         self.batch = Histogram("specsplit_round_batch_size", "Sequences per round", buckets=_BATCH_BUCKETS,
                                registry=r)
         self.active = Gauge("specsplit_active_requests", "Requests in the running batch", registry=r)
+        # The labelled children updated every round, made once (``labels()`` locks the
+        # family and builds a key on every call: ~5 us on the 2-core CPU, ~50 a batch-8 round).
+        self._parts = {part: self.round_seconds.labels(part) for part in ("draft", "target", "overhead", "total")}
+        self._positions: list[tuple] = []
         self.queued = Gauge("specsplit_queued_requests", "Requests waiting for a batch slot", registry=r)
         self.requests = Counter("specsplit_requests", "Finished requests by finish reason and status code",
                                 ["finish_reason", "code"], registry=r)
@@ -64,9 +68,11 @@ class OrchestratorMetrics:
     def on_round(self, timing: RoundTiming | None, ks_and_accepts: list[tuple[int, int]]) -> None:
         """``timing`` once per round (None: acceptance only, e.g. a second request of a round)."""
         if timing is not None:
-            for part, value in (("draft", timing.draft_s), ("target", timing.target_s),
-                                ("overhead", timing.overhead_s), ("total", timing.wall_s)):
-                self.round_seconds.labels(part).observe(value)
+            parts = self._parts
+            parts["draft"].observe(timing.draft_s)
+            parts["target"].observe(timing.target_s)
+            parts["overhead"].observe(timing.overhead_s)
+            parts["total"].observe(timing.wall_s)
             self.batch.observe(timing.batch)
         for k, a in ks_and_accepts:
             if k == 0:
@@ -74,10 +80,15 @@ class OrchestratorMetrics:
             self.drafted.inc(k)
             self.accepted.inc(a)
             self.accepted_length.observe(a + 1)
-            for j in range(1, k + 1):
-                self.pos_drafted.labels(str(j)).inc()
-                if j <= a:
-                    self.pos_accepted.labels(str(j)).inc()
+            positions = self._positions
+            while len(positions) < k:
+                j = str(len(positions) + 1)
+                positions.append((self.pos_drafted.labels(j), self.pos_accepted.labels(j)))
+            for j in range(k):
+                drafted, accepted = positions[j]
+                drafted.inc()
+                if j < a:
+                    accepted.inc()
 
     def on_outcome(self, finish_reason: str | None, code: str) -> None:
         self.requests.labels(finish_reason or "none", code).inc()
