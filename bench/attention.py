@@ -141,43 +141,6 @@ def _per_call_us(fn) -> tuple:
     return float(np.median(times)), out
 
 
-def step_split_table(device: str, k: int) -> list[dict]:
-    """The ~1B verify step under a graph at each minimum of keys per split (batch 1 and 8,
-    contexts 256 and 2,048), ms per step."""
-    import torch
-
-    import runtime.backends.torch_kernels as tk
-    from bench.graphs import BIG, MAX_LEN, _random_params
-    from runtime.backends.torch_ops import TorchOps
-    from runtime.batch_layout import Row, layout_rows
-    from runtime.config import CacheConfig
-    from runtime.graphs import GraphRegistry
-    from runtime.model import target_tensor_shapes
-    from runtime.target_engine import TargetEngine
-
-    ops = TorchOps(device, "bfloat16")
-    if ops.kernels is None:
-        return []
-    target = TargetEngine(ops, BIG, _random_params(ops, BIG, target_tensor_shapes(BIG), 0),
-                          CacheConfig(max_slots=8, max_len=MAX_LEN), k, GraphRegistry(ops, (1, 8)))
-    rng = np.random.default_rng(0)
-    rows, saved = [], tk.MIN_SPLIT_KEYS
-    try:
-        for b in (1, 8):
-            for ctx in (256, 2048):
-                lay = layout_rows([Row(i, ctx, rng.integers(0, BIG.vocab_size, k + 1)) for i in range(b)], k + 1, 8, MAX_LEN)
-                inp = {n: torch.as_tensor(getattr(lay, n), device=device)
-                       for n in ("tokens", "write_slots", "positions", "read_slots")}
-                span = target.registry.span_for(target.registry.kinds[target._verify_kind], ctx + k + 1)
-                for least in SPLIT_MINIMA:
-                    tk.MIN_SPLIT_KEYS = least
-                    ms, _ = _replay_ms(lambda: target._step(**inp, attend_len=span), iters=100)
-                    rows.append({"batch": b, "context": ctx, "span": span, "min_split_keys": least, "ms": ms})
-    finally:
-        tk.MIN_SPLIT_KEYS = saved
-    return rows
-
-
 def split_table(device: str) -> list[dict]:
     """Graph-replay ms of the fused split attention at each minimum of keys per split."""
     import torch
@@ -253,14 +216,6 @@ def main(args) -> int:
               + " ".join(f"{c['us']:7.1f} ({c['splits']:3d})" for c in cells)
               + f"  {max(c['max_abs_diff'] for c in cells):.1e}")
     print("(splits in brackets; K/V of the small cases stay in the L2 cache across the repeats)")
-    steps = step_split_table(device, args.k)
-    if steps:
-        print(f"the ~1B verify step (k={args.k}) by the attention's minimum keys per split, graph replay ms:")
-        print(f"{'batch':>5s} {'ctx':>5s} {'span':>5s} " + " ".join(f"{'min ' + str(m):>9s}" for m in SPLIT_MINIMA))
-        for i in range(0, len(steps), len(SPLIT_MINIMA)):
-            cells = steps[i:i + len(SPLIT_MINIMA)]
-            print(f"{cells[0]['batch']:5d} {cells[0]['context']:5d} {cells[0]['span']:5d} "
-                  + " ".join(f"{c['ms']:9.3f}" for c in cells))
     print(f"bench attention: decode attention variants on {device} (graph replay medians)")
     print(f"{'batch':>5s} {'span':>5s} {'variant':18s} {'ms':>8s} {'gather ms':>9s} {'rel err':>10s}")
     for r in attention_table(device):

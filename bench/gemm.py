@@ -45,6 +45,30 @@ def _graph_us(torch, fns) -> float:
     return statistics.median(times)
 
 
+def small_table(torch, dev) -> None:
+    """--small: the bundled model's float32 projections (d=256, ffn 704, vocab 258) at decode
+    and verify row counts: F.linear, the operands swapped (``TorchOps.linear`` at 16..128
+    rows on CUDA), and F.linear with TF32 allowed (not used: it changes the math)."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (512, 256), "o": (256, 256), "gate_up": (1408, 256), "down": (256, 704), "head": (258, 256)}
+    print(f"bench gemm --small: {dev} float32, the bundled model's projections, one call replayed in a CUDA graph "
+          "(20 calls a graph); us per call")
+    print(f"{'proj':8s} {'rows':>4s} {'linear':>8s} {'swapped':>8s} {'tf32':>8s}")
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev) * 0.05
+        for m in (4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device=dev)
+            linear = _graph_us(torch, [lambda: F.linear(x, w)] * 20)
+            swapped = _graph_us(torch, [lambda: torch.mm(w, x.t()).t().contiguous()] * 20)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                tf32 = _graph_us(torch, [lambda: F.linear(x, w)] * 20)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+            print(f"{name:8s} {m:4d} {linear:8.2f} {swapped:8.2f} {tf32:8.2f}")
+
+
 def main(args) -> int:
     import torch
     import torch.nn.functional as F
@@ -56,6 +80,9 @@ def main(args) -> int:
         return 2
     torch.cuda.set_device(torch.device(args.device))
     dev = torch.device(args.device)
+    if args.small:
+        small_table(torch, dev)
+        return 0
     src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     rate = 2 * src.numel() / (_graph_us(torch, [lambda: dst.copy_(src)]) * 1e-6)      # read + write bytes/s

@@ -9,8 +9,10 @@
 #                                               # attention), bench graphs plain and with runtime.compile, one
 #                                               # profiled round (bench profile), and the bundled model's rounds at
 #                                               # batch 1 and 8 profiled in process (bench profile --small)
-#   bash bench/gpu_session11.sh OUT_DIR final   # this session's code: bench services, the loop tests, 20 RECAPTURE
-#                                               # reloads, bench peer at batch 1
+#   bash bench/gpu_session11.sh OUT_DIR final   # this session's code: the bundled model's float32 projections
+#                                               # (bench gemm --small), its rounds in process with and without the
+#                                               # operand swap (bench profile --small), bench services at batch 8
+#                                               # and 1, the loop tests, 20 RECAPTURE reloads
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -35,14 +37,15 @@ kernels)
     | tee "$out/graphs_compile.txt" | tail -16
   ;;
 final)
-  timeout 200 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
-    --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -8
-  timeout 140 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py 2>&1 \
+  timeout 40 python3 -m specsplit bench gemm --small --device cuda:0 2>&1 | quiet | tee "$out/gemm_small.txt" | tail -27
+  timeout 150 python3 -m specsplit bench profile --small --batch 1 8 --device cuda:0 2>&1 | quiet \
+    | tee "$out/profile_small.txt" | grep -E "^batch|identical|swapped" 
+  timeout 110 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
+  timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py 2>&1 \
     | tee "$out/loop_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -16
-  SPECSPLIT_RELOAD_CYCLES=20 timeout 130 python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe -m gpu \
-    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
-  timeout "$(left)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 2>&1 \
-    | quiet | tee "$out/bench_peer.txt" | tail -4
+  SPECSPLIT_RELOAD_CYCLES=20 timeout "$(left 540)" python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe \
+    -m gpu tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -47,9 +47,6 @@ _TARGET_PROGRAMS = 256
 # graph, fp32, head dim 64) took 206 us per layer on an H200 against ~9 us at 32 rows;
 # the prefill 2.09 -> 0.58 ms with it at 32 (`bench prefill`, docs/performance.md § Session 9).
 MAX_QUERY_ROWS = 32
-# The fewest keys one split of the attention holds (``attention_plan``); read at each
-# launch, so a benchmark may set it before capturing.
-MIN_SPLIT_KEYS = _BLOCK_N
 
 
 @triton.jit
@@ -193,7 +190,7 @@ def _pow2(n: int) -> int:
 
 
 def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: int,
-                   min_split_keys: int | None = None) -> tuple[int, int, int]:
+                   min_split_keys: int = _BLOCK_N) -> tuple[int, int, int]:
     """(query rows per program M, keys per split, split count) of one attention launch.
 
     A split holds at least ``min_split_keys`` keys (rounded up to a power-of-two number
@@ -205,9 +202,8 @@ def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: in
     new spans and widths reuse the kernels compiled for the captured graphs. The split
     count is a runtime argument."""
     blocks = triton.cdiv(span, _BLOCK_N)
-    least = MIN_SPLIT_KEYS if min_split_keys is None else min_split_keys
     per_split = _pow2(max(triton.cdiv(blocks, max(1, triton.cdiv(_TARGET_PROGRAMS, batch * kv_heads))),
-                          triton.cdiv(least, _BLOCK_N))) * _BLOCK_N
+                          triton.cdiv(min_split_keys, _BLOCK_N))) * _BLOCK_N
     return max(16, _pow2(groups * tokens)), per_split, triton.cdiv(span, per_split)
 
 
@@ -258,7 +254,7 @@ class Kernels:
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                         positions: torch.Tensor, span: int, max_len: int,
-                        min_split_keys: int | None = None) -> torch.Tensor:
+                        min_split_keys: int = _BLOCK_N) -> torch.Tensor:
         """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
         (``min_split_keys``: see ``attention_plan``)."""
         b, t, h, d = q.shape

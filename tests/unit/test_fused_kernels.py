@@ -60,7 +60,7 @@ def test_attention_compiles_few_variants_for_every_eager_span_and_width():
 
 
 def test_attention_splits_hold_at_least_the_minimum_keys():
-    from runtime.backends.torch_kernels import MIN_SPLIT_KEYS, attention_plan
+    from runtime.backends.torch_kernels import attention_plan
 
     for least in (64, 128, 256, 512, 1024):
         for span in range(64, 4096 + 1, 64):
@@ -69,7 +69,7 @@ def test_attention_splits_hold_at_least_the_minimum_keys():
             assert (nsplit == 1) == (span <= per_split)
             if span <= least:
                 assert nsplit == 1
-    assert attention_plan(1, 4, 4, 4, 384) == attention_plan(1, 4, 4, 4, 384, MIN_SPLIT_KEYS)
+    assert attention_plan(1, 4, 4, 4, 384) == attention_plan(1, 4, 4, 4, 384, 64)
 
 
 def test_plain_ops_switch_is_per_thread_and_restored():
@@ -102,3 +102,17 @@ def test_steps_outside_graphs_run_the_plain_ops():
     engine.ops.kernels = Spy()
     out, _ = _run(engine, [p[:40] for p in _prompts(2)], 3, 2, 8)
     assert used == [] and all(len(x) == 8 for x in out)
+
+
+def test_swapped_float32_projection_equals_linear():
+    """``TorchOps.linear``'s operand swap (CUDA float32 at 16..128 rows) is the same product."""
+    import torch
+    ops = TorchOps("cpu", "float32")
+    assert ops.swap_gemm_rows is None                       # only CUDA swaps by default
+    w = torch.randn(48, 20, generator=torch.Generator().manual_seed(1))
+    ops.swap_gemm_rows = (16, 128)
+    for shape in ((2, 4, 20), (2, 8, 20), (130, 20), (1, 20)):   # 8 (not swapped), 16, 130 (not), 1 (not)
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+        got = ops.linear(x, w)
+        assert got.shape == (*shape[:-1], 48) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
