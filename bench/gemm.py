@@ -47,8 +47,9 @@ def _graph_us(torch, fns) -> float:
 
 def small_table(torch, dev) -> None:
     """--small: the bundled model's float32 projections (d=256, ffn 704, vocab 258) at decode
-    and verify row counts: F.linear, the operands swapped (``TorchOps.linear`` at 16..128
-    rows on CUDA), and F.linear with TF32 allowed (not used: it changes the math)."""
+    and verify row counts: F.linear as the model runs it, the operands swapped ((W x^T)^T,
+    tried in session 11 and not kept), and F.linear with TF32 allowed (not used: it
+    changes the math)."""
     import torch.nn.functional as F
 
     shapes = {"qkv": (512, 256), "o": (256, 256), "gate_up": (1408, 256), "down": (256, 704), "head": (258, 256)}

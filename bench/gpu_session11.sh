@@ -10,8 +10,9 @@
 #                                               # profiled round (bench profile), and the bundled model's rounds at
 #                                               # batch 1 and 8 profiled in process (bench profile --small)
 #   bash bench/gpu_session11.sh OUT_DIR final   # this session's code: the bundled model's float32 projections
-#                                               # (bench gemm --small), its rounds in process with and without the
-#                                               # operand swap (bench profile --small), bench services at batch 8
+#                                               # (bench gemm --small), its rounds in process (bench profile
+#                                               # --small; the call ran it with and without an operand swap since
+#                                               # dropped), bench services at batch 8
 #                                               # and 1, the loop tests, 20 RECAPTURE reloads
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
@@ -39,7 +40,7 @@ kernels)
 final)
   timeout 40 python3 -m specsplit bench gemm --small --device cuda:0 2>&1 | quiet | tee "$out/gemm_small.txt" | tail -27
   timeout 150 python3 -m specsplit bench profile --small --batch 1 8 --device cuda:0 2>&1 | quiet \
-    | tee "$out/profile_small.txt" | grep -E "^batch|identical|swapped" 
+    | tee "$out/profile_small.txt" | grep -E "^batch"
   timeout 110 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
     --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
   timeout 130 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py 2>&1 \

@@ -115,19 +115,6 @@ def _kernel_summary(prof, wall_s: float, top: int) -> dict:
 
 
 def _main_small(args) -> int:
-    device, k, max_new = args.device, args.k, min(args.max_tokens, 64)
-    batches = tuple(args.batch or (1, 8))
-    outputs: dict[tuple, list] = {}
-    # The engine twice: float32 projections as F.linear everywhere, then with TorchOps'
-    # default operand swap at 16..128 rows (CUDA only; on a CPU both are F.linear).
-    for swap in (None, "default"):
-        outputs.update(_small_engine(args, device, k, max_new, batches, swap))
-    same = all(outputs[(b, kk, "default")] == outputs[(b, 0, None)] for b in batches for kk in (0, k))
-    print(f"every output identical to target-only with F.linear: {same}")
-    return 0
-
-
-def _small_engine(args, device: str, k: int, max_new: int, batches: tuple, swap) -> dict:
     import cProfile
     import io
     import pstats
@@ -139,13 +126,13 @@ def _small_engine(args, device: str, k: int, max_new: int, batches: tuple, swap)
     from runtime.engine import GenRequest, SpecEngine
     from runtime.tokenizer import ByteTokenizer
 
+    device, k, max_new = args.device, args.k, min(args.max_tokens, 64)
+    batches = tuple(args.batch or (1, 8))
     engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device=device),
                                      spec=SpecConfig(max_k=k, default_k=k),
                                      cache=CacheConfig(max_slots=max(batches), max_len=512),
                                      graphs=GraphConfig(batch_buckets=tuple(sorted({1, *batches})))))
     on_gpu = device.startswith("cuda")
-    if swap is None:
-        engine.ops.swap_gemm_rows = None
     if on_gpu:
         engine.capture_graphs()
     tok = ByteTokenizer()
@@ -161,14 +148,11 @@ def _small_engine(args, device: str, k: int, max_new: int, batches: tuple, swap)
         return got, time.perf_counter() - t0
 
     print(f"bench profile --small: the bundled model in process, torch {device}, greedy, {max_new} tokens a request, "
-          f"prompts <= 96 tokens; rounds of one generation; float32 projections swapped at rows "
-          f"{engine.ops.swap_gemm_rows}")
-    outputs = {}
+          f"prompts <= 96 tokens; rounds of one generation")
     for b in batches:
         for kk in (0, k):
             generate(b, kk)                                          # warm-up
             got, wall = generate(b, kk)
-            outputs[(b, kk, swap)] = [g.tokens for g in got]
             rounds = max(g.stats.rounds for g in got)
             tokens = sum(len(g.tokens) for g in got)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -189,7 +173,7 @@ def _small_engine(args, device: str, k: int, max_new: int, batches: tuple, swap)
             lines = [ln for ln in text.getvalue().splitlines() if ln.strip()[:1].isdigit() and "function calls" not in ln]
             for ln in lines[:6]:
                 print("    host " + ln.strip()[:150])
-    return outputs
+    return 0
 
 
 def main(args) -> int:

@@ -131,14 +131,6 @@ def _triton_kernels():
     return Kernels()
 
 
-# float32 projections with this many input rows (inclusive) run with the operands swapped
-# on CUDA: (W @ x^T)^T instead of x @ W^T. NOTE: cuBLAS picked a 32x128-tile float32
-# kernel for the bundled model's gate/up at 32 rows (batch 8, k=3 verify) that ran 11
-# blocks and took ~30 us a call against ~5 us at 8 rows (`bench profile --small`,
-# docs/performance.md § Session 11); with N as cuBLAS's row dimension the grid fills.
-_SWAP_ROWS = (16, 128)
-
-
 class TorchOps:
     name = "torch"
 
@@ -160,8 +152,6 @@ class TorchOps:
         # fuses the plain ops itself, so the two are not combined.
         self._kernels = _triton_kernels() if fused_kernels and self._dev.type == "cuda" and not self._compile else None
         self._local = threading.local()
-        # (lo, hi) input rows for the swapped float32 projection (``linear``), None: never.
-        self.swap_gemm_rows: tuple[int, int] | None = _SWAP_ROWS if self._dev.type == "cuda" else None
 
     @property
     def kernels(self):
@@ -310,15 +300,6 @@ class TorchOps:
 
     # --- math ----------------------------------------------------------------
     def linear(self, x, w):
-        swap = self.swap_gemm_rows
-        if swap is not None and x.dtype == torch.float32 and w.dim() == 2:
-            k = x.shape[-1]
-            rows = x.numel() // k if k else 0
-            if swap[0] <= rows <= swap[1]:
-                # The same products as F.linear, summed by another kernel (float32 rounding
-                # may differ in the last bits, as between any two cuBLAS kernels).
-                out = torch.mm(w, x.reshape(rows, k).t()).t().contiguous()
-                return out.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
 
     def rms_norm(self, x, w, eps):

@@ -103,16 +103,3 @@ def test_steps_outside_graphs_run_the_plain_ops():
     out, _ = _run(engine, [p[:40] for p in _prompts(2)], 3, 2, 8)
     assert used == [] and all(len(x) == 8 for x in out)
 
-
-def test_swapped_float32_projection_equals_linear():
-    """``TorchOps.linear``'s operand swap (CUDA float32 at 16..128 rows) is the same product."""
-    import torch
-    ops = TorchOps("cpu", "float32")
-    assert ops.swap_gemm_rows is None                       # only CUDA swaps by default
-    w = torch.randn(48, 20, generator=torch.Generator().manual_seed(1))
-    ops.swap_gemm_rows = (16, 128)
-    for shape in ((2, 4, 20), (2, 8, 20), (130, 20), (1, 20)):   # 8 (not swapped), 16, 130 (not), 1 (not)
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
-        got = ops.linear(x, w)
-        assert got.shape == (*shape[:-1], 48) and got.is_contiguous()
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
