@@ -38,7 +38,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--batch", type=int, nargs="*", default=None, help="batch sizes (services bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU)")
+    p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU); peer: the bundled model only; "
+                   "profile: the bundled model in process at each --batch; gemm: the bundled model's float32 projections")
     p.add_argument("--compile", action="store_true", help="attention: also time torch.compile of the verify step; graphs / profile / peer: "
                    "run the engines and services with runtime.compile on")
     p.add_argument("--repeats", type=int, default=1, help="adaptive bench: interleaved repeats of every cell (medians)")

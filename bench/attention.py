@@ -142,7 +142,7 @@ def _per_call_us(fn) -> tuple:
 
 
 def split_table(device: str) -> list[dict]:
-    """Graph-replay ms of the fused split attention at each minimum of keys per split."""
+    """Microseconds a call of the fused split attention (split + combine) at each minimum of keys per split."""
     import torch
 
     from runtime.backends.torch_kernels import Kernels, attention_plan

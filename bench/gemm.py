@@ -7,7 +7,8 @@ when it is read again (an H200's L2 holds 50 MB; a weight replayed alone stays t
 every variant then looks faster than it is in a step), with the share of the measured
 copy rate each reaches. Variants: ``F.linear(x, W)`` as the model runs it (W [N, K]),
 ``x @ Wt`` with the weight stored transposed (Wt [K, N] contiguous), and both again with
-``torch.backends.cuda.preferred_blas_library("cublaslt")``.
+``torch.backends.cuda.preferred_blas_library("cublaslt")``. With ``--small``: the bundled
+model's float32 projections instead (``small_table``).
 
 Why: the verify step is ~0.8 ms of projections out of ~1.0, at 45-65 % of the copy
 rate for all but gate/up and the head (docs/performance.md, session 6); a Triton GEMV

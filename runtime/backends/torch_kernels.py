@@ -195,7 +195,10 @@ def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: in
 
     A split holds at least ``min_split_keys`` keys (rounded up to a power-of-two number
     of blocks): with fewer splits the combine has less to read, and a span of at most
-    that many keys runs as one direct launch with no combine at all.
+    that many keys runs as one direct launch with no combine at all. NOTE: the default
+    (one block, the finest split) measured best or within 0.6 us of it at every batch and
+    span graphs use; a direct launch walks its keys serially (``bench attention``,
+    docs/performance.md § Session 11).
 
     NOTE: M and the keys per split are compile-time constants of the kernel and Triton
     compiles each new value (~1 s), so both take only powers of two: eager steps with ever
