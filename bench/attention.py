@@ -115,36 +115,11 @@ SPLIT_MINIMA = (64, 128, 256, 512, 1024, 4096)
 REPEATS = 20                    # kernel calls per captured graph (one call is a few microseconds)
 
 
-def _per_call_us(fn) -> tuple:
-    """Microseconds per call of ``fn``, from one graph of REPEATS calls replayed back to back
-    (CUDA events; the replay's own launch spread over the calls)."""
-    import torch
-
-    with torch.no_grad():
-        for _ in range(3):
-            out = fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(REPEATS):
-                out = fn()
-    g.replay()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPEATS)
-    del g
-    return float(np.median(times)), out
-
-
 def split_table(device: str) -> list[dict]:
     """Microseconds a call of the fused split attention (split + combine) at each minimum of keys per split."""
     import torch
 
+    from bench.gemm import _graph_us
     from runtime.backends.torch_kernels import Kernels, attention_plan
 
     h, kvh, d, t, max_len = 16, 4, 128, 4, 4096
@@ -160,8 +135,11 @@ def split_table(device: str) -> list[dict]:
             ref = None
             for least in SPLIT_MINIMA:
                 _, per_split, nsplit = attention_plan(b, kvh, h // kvh, t, span, least)
-                us, out = _per_call_us(lambda: Kernels.cache_attention(q, cache_k, cache_v, slots, pos, span,
-                                                                       max_len, least))
+
+                def call(least=least):
+                    return Kernels.cache_attention(q, cache_k, cache_v, slots, pos, span, max_len, least)
+                with torch.no_grad():
+                    us, out = _graph_us(torch, [call] * REPEATS), call()
                 ref = out.float() if ref is None else ref
                 rows.append({"batch": b, "span": span, "min_split_keys": least, "splits": nsplit,
                              "keys_per_split": per_split, "us": us,
