@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.engine import TINY, heldout_prompts
-from bench.services import _decode
+from bench.services import _decode, _per_round_ms, round_split
 from core.progress import progress
 from specsplit.launcher import Stack, StackOptions
 
@@ -44,14 +44,28 @@ def _options(args, model: Path, adaptive: bool) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
-                        k=max(FIXED_KS), max_batch=1, log_level="WARNING", adaptive_k=adaptive, worker_args=extra)
+                        k=max(FIXED_KS), max_batch=1, log_level="WARNING", adaptive_k=adaptive, worker_args=extra,
+                        metrics=True)
 
 
-def _cell(address: str, prompts: list[str], max_tokens: int, k: int) -> dict:
+def round_mix(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The rounds between two ``round_split`` readings at batch 1: their count and the share of
+    them at each k (from the rounds that drafted at each position: k >= j)."""
+    rounds = after.get("total_count", 0) - before.get("total_count", 0)
+    at_least = [rounds] + [after.get(f"drafted_{j}", 0) - before.get(f"drafted_{j}", 0)
+                           for j in range(1, max(FIXED_KS) + 1)] + [0.0]
+    if rounds <= 0:
+        return {}
+    return {f"k{k}": round((at_least[k] - at_least[k + 1]) / rounds, 3) for k in FIXED_KS}
+
+
+def _cell(address: str, metrics_port: int, prompts: list[str], max_tokens: int, k: int) -> dict:
+    m0 = round_split(metrics_port)
     results, seconds = _decode(address, prompts, max_tokens, k, 1)
+    m1 = round_split(metrics_port)
     return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds,
             "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted for r in results),
-            "outputs": [r.tokens for r in results]}
+            "outputs": [r.tokens for r in results], "round_ms": _per_round_ms(m0, m1), "ks": round_mix(m0, m1)}
 
 
 def _merge(runs: list[dict]) -> dict:
@@ -59,8 +73,11 @@ def _merge(runs: list[dict]) -> dict:
     every repeat gave the same ones (else None)."""
     drafted = sum(r["drafted"] for r in runs)
     outputs = runs[0]["outputs"] if all(r["outputs"] == runs[0]["outputs"] for r in runs) else None
+    pooled = lambda key: {f: round(float(np.mean([r[key].get(f, 0.0) for r in runs])), 3)   # noqa: E731
+                          for f in runs[0][key]}
     return {"tok_s": float(np.median([r["tokens"] / r["seconds"] for r in runs])),
-            "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else 0.0, "outputs": outputs}
+            "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else 0.0, "outputs": outputs,
+            "round_ms": pooled("round_ms"), "ks": pooled("ks")}
 
 
 def main(args) -> int:
@@ -73,7 +90,9 @@ def main(args) -> int:
     # stretch of a shared machine falls on every column alike (cells of one run moved by up to
     # 15 % between stacks run one after the other).
     with Stack(_options(args, model, False)) as fixed, Stack(_options(args, model, True)) as adaptive:
-        address = {c: (adaptive if c == "adaptive" else fixed).orchestrator_address for c in columns}
+        stack_of = {c: (adaptive if c == "adaptive" else fixed) for c in columns}
+        address = {c: st.orchestrator_address for c, st in stack_of.items()}
+        mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
         for stack in (fixed, adaptive):
             _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)          # warm-up
         order = [(name, c) for name in sets for c in columns]
@@ -81,7 +100,7 @@ def main(args) -> int:
             shift = rep % len(columns)                       # each repeat starts at another column
             for name, c in order[shift:] + order[:shift]:
                 k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
-                runs[name][c].append(_cell(address[c], sets[name], args.max_tokens, k))
+                runs[name][c].append(_cell(address[c], mport[c], sets[name], args.max_tokens, k))
     rows = []
     for name, by_col in runs.items():
         row = {c: _merge(v) for c, v in by_col.items()}
@@ -92,7 +111,8 @@ def main(args) -> int:
                      "best_fixed": best,
                      "adaptive_over_best_fixed": round(row["adaptive"]["tok_s"] / row[best]["tok_s"], 3),
                      "adaptive_over_target_only": round(row["adaptive"]["tok_s"] / row["k=0"]["tok_s"], 3),
-                     "identical": ref is not None and all(v["outputs"] == ref for v in row.values())})
+                     "identical": ref is not None and all(v["outputs"] == ref for v in row.values()),
+                     "round_ms": {c: v["round_ms"] for c, v in row.items()}, "adaptive_ks": row["adaptive"]["ks"]})
     result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
               "repeats": repeats, "rows": rows,
               "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
@@ -109,4 +129,10 @@ def main(args) -> int:
         vals = " ".join(f"{r[c]:8.1f} ({r.get(f'accept {c}', 0):.2f})" if c != "k=0" else f"{r[c]:15.1f}" for c in cols)
         print(f"{r['prompts']:>8s} {vals} {r['adaptive_over_best_fixed']:10.2f} {r['adaptive_over_target_only']:9.2f} "
               f"{str(r['identical']):>9s}   (best fixed: {r['best_fixed']})")
+    print("per round, ms (draft / target / overhead = total), and adaptive's share of rounds at each k:")
+    for r in rows:
+        parts = "  ".join(f"{c} {m.get('draft', 0):.2f}/{m.get('target', 0):.2f}/{m.get('overhead', 0):.2f}="
+                          f"{m.get('total', 0):.2f}" for c, m in r["round_ms"].items())
+        mix = " ".join(f"{k}:{v:.2f}" for k, v in r["adaptive_ks"].items())
+        print(f"{r['prompts']:>8s} {parts}  adaptive k {mix}")
     return 0

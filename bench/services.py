@@ -32,17 +32,21 @@ from specsplit.launcher import Stack, StackOptions
 from core.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
+_POSITION = re.compile(r'^specsplit_position_drafted_total\{position="(\d+)"\} ([0-9.e+-]+)$')
 VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive")
 
 
 def round_split(metrics_port: int) -> dict[str, float]:
-    """Cumulative (sum, count) of round time per part from the orchestrator's /metrics."""
+    """Cumulative (sum, count) of round time per part from the orchestrator's /metrics, and the
+    request-rounds that drafted at each position j (``drafted_j``: at batch 1, the rounds whose k >= j)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if m:
             out[f"{m.group(2)}_{m.group(1)}"] = float(m.group(3))
+        elif (m := _POSITION.match(line)):
+            out[f"drafted_{m.group(1)}"] = float(m.group(2))
     return out
 
 
@@ -96,6 +100,7 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
                         micro_batches="micro" in variant, worker_args=extra, target_tp=tp,
+                        draft_args=(("--runtime-dtype", args.draft_dtype) if getattr(args, "draft_dtype", None) else ()),
                         stream_interval=stream_interval)
 
 

@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-T0, FIXED, TD, CAPTURED = 1.38e-3, 2.44e-3, 1.28e-3 / 3, 4
+T0, FIXED, TD, VERIFY, CAPTURED = 1.38e-3, 2.44e-3, 1.28e-3 / 3, 1.34e-3, 4
 
 
 def load(code: str):
@@ -43,8 +43,10 @@ def load(code: str):
     return mod
 
 
-def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3) -> dict:
+def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
+        regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY)) -> dict:
     """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's)."""
+    t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = mod.RoundCosts() if policy == "adaptive" else None
     loop = getattr(costs, "loop", None)
@@ -70,11 +72,11 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                     acc += 1
                 noise = rng.lognormal(0, 0.05)
                 if k == 0:
-                    dur, draft_s, verify_s, over = T0 * noise, 0.0, 1.17e-3, 0.2e-3
+                    dur, draft_s, verify_s, over = t0 * noise, 0.0, verify * 0.87, t0 * 0.15
                 else:
-                    draft_s = (TD * k + (wide if pending > CAPTURED else 0.0)) * noise
-                    dur = FIXED * noise + draft_s
-                    verify_s, over, pending = 1.34e-3, dur - draft_s - 1.34e-3, 0
+                    draft_s = (td * k + (wide if pending > CAPTURED else 0.0)) * noise
+                    dur = fixed * noise + draft_s
+                    verify_s, over, pending = verify, dur - draft_s - verify, 0
                 if costs is not None:
                     costs.observe(k, draft_s, verify_s, over, started=t)
                     pol.observe(k, acc)
@@ -92,6 +94,10 @@ def main() -> int:
     ap.add_argument("--code", default=".", help="checkout whose runtime/adaptive_k.py to simulate")
     ap.add_argument("--seeds", type=int, default=80)
     ap.add_argument("--wide", type=float, default=1e-3, help="seconds a catch-up wider than captured costs more")
+    ap.add_argument("--regime", type=float, nargs=4, default=[T0, FIXED, TD, VERIFY],
+                    metavar=("T0", "FIXED", "TD", "VERIFY"),
+                    help="seconds: a target-only round start to start; a drafting round's fixed part; one draft; "
+                         "the verify inside a drafting round")
     ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
     args = ap.parse_args()
     mod = load(args.code)
@@ -103,7 +109,7 @@ def main() -> int:
         mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
         sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
         for p in (0, 1, 2, 3, "adaptive"):
-            for name, r in run(p, mod, sets, seed, args.wide, args.decl).items():
+            for name, r in run(p, mod, sets, seed, args.wide, args.decl, regime=tuple(args.regime)).items():
                 rates.setdefault(name, {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):

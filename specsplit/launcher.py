@@ -76,6 +76,7 @@ class StackOptions:
     micro_batches: bool = False              # target: two micro-batches overlapped (spec.micro_batches)
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
+    draft_args: tuple[str, ...] = ()         # extra flags for the draft only, after worker_args
     target_tp: int = 1                       # the target's tensor-parallel ranks (cuda:N.. from target_device)
     stream_interval: int = 1                 # orchestrator: tokens a stream holds back (--stream-interval)
     host: str = "127.0.0.1"                  # the orchestrator's listen address (workers: always loopback)
@@ -172,7 +173,7 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
         argv += ["--spec-micro-batches" if opts.micro_batches else "--no-spec-micro-batches"]
         if opts.target_tp > 1:
             argv += ["--tp", str(opts.target_tp)]
-    return argv + list(opts.worker_args)
+    return argv + list(opts.worker_args) + (list(opts.draft_args) if role == "draft" else [])
 
 
 class Stack:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 12 on the GPU host (one H200: draft and target share cuda:0), one device call per mode:
+#
+#   bash bench/gpu_session12.sh OUT_DIR first   # adaptive k with its rounds broken down (bench adaptive, 3
+#                                               # interleaved repeats: the share of rounds at each k and the
+#                                               # round split per cell), then bench services at batch 8 and 1
+#                                               # with the draft in float32 (as served) and in bfloat16
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-first}"
+gpu_prologue
+left() { echo $(( ${1:-585} - SECONDS )); }
+services() {   # $1: file name, then extra bench services flags
+  local name="$1"; shift
+  timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
+    --max-tokens 128 "$@" 2>&1 | quiet | tee "$out/$name.txt" | tail -6
+}
+case "$mode" in
+first)
+  timeout 240 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
+    --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
+  services services_fp32
+  services services_draft_bf16 --draft-dtype bfloat16
+  ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
