@@ -6,9 +6,11 @@ same lengths, where the drafts are mostly wrong) and ``mix`` (the two
 interleaved) — decoded through the services at batch 1 (one client) on two
 stacks started side by side: one with fixed k (each request asks k = 0, 1, 2 or
 3) and one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
-per round), both up at once, every cell in turn for ``--repeats`` rounds. It
-prints each cell's median tokens/s, the acceptance, adaptive over the best
-fixed k and over target-only, and whether every output equals target-only.
+per round), both up at once, each prompt sent through every column in turn
+(``--repeats`` times). It prints each cell's median tokens/s (its requests'
+tokens over their summed time), the acceptance, adaptive over the best fixed k
+and over target-only, whether every output equals target-only, and per cell
+the round split and adaptive's share of rounds at each k.
 
 Issue 10's goal: on the mix, adaptive >= the best fixed k; on prompts where
 drafting never pays, adaptive >= target-only.
@@ -59,13 +61,25 @@ def round_mix(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {f"k{k}": round((at_least[k] - at_least[k + 1]) / rounds, 3) for k in FIXED_KS}
 
 
-def _cell(address: str, metrics_port: int, prompts: list[str], max_tokens: int, k: int) -> dict:
+def _request(address: str, metrics_port: int, prompt: str, max_tokens: int, k: int) -> dict:
+    """One request, with what it added to the orchestrator's round counters."""
     m0 = round_split(metrics_port)
-    results, seconds = _decode(address, prompts, max_tokens, k, 1)
+    (result,), seconds = _decode(address, [prompt], max_tokens, k, 1)
     m1 = round_split(metrics_port)
-    return {"tokens": sum(len(r.tokens) for r in results), "seconds": seconds,
-            "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted for r in results),
-            "outputs": [r.tokens for r in results], "round_ms": _per_round_ms(m0, m1), "ks": round_mix(m0, m1)}
+    return {"tokens": len(result.tokens), "seconds": seconds, "drafted": result.drafted, "accepted": result.accepted,
+            "output": result.tokens, "counters": {key: m1[key] - m0.get(key, 0.0) for key in m1}}
+
+
+def _cell(requests: list[dict]) -> dict:
+    """One cell of one repeat: its prompts' requests (sent interleaved with the other columns')."""
+    counters: dict[str, float] = {}
+    for r in requests:
+        for key, v in r["counters"].items():
+            counters[key] = counters.get(key, 0.0) + v
+    return {"tokens": sum(r["tokens"] for r in requests), "seconds": sum(r["seconds"] for r in requests),
+            "drafted": sum(r["drafted"] for r in requests), "accepted": sum(r["accepted"] for r in requests),
+            "outputs": [r["output"] for r in requests], "round_ms": _per_round_ms({}, counters),
+            "ks": round_mix({}, counters)}
 
 
 def _merge(runs: list[dict]) -> dict:
@@ -86,21 +100,27 @@ def main(args) -> int:
     repeats = max(1, getattr(args, "repeats", 1) or 1)
     columns = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
     runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in columns} for name in sets}
-    # NOTE: both stacks up at once and every cell in turn, repeat after repeat, so that a slow
-    # stretch of a shared machine falls on every column alike (cells of one run moved by up to
-    # 15 % between stacks run one after the other).
+    # NOTE: both stacks up at once, and every prompt through every column in turn (the adaptive
+    # stack still sees the sets' prompts in order), so that a slow stretch of a shared machine
+    # falls on every column alike: cells of one run moved by up to 15 % between stacks run one
+    # after the other, and on the H200 host a cell's requests of identical work (128 target-only
+    # rounds each) took 69 to 108 ms within one cell of eight.
     with Stack(_options(args, model, False)) as fixed, Stack(_options(args, model, True)) as adaptive:
         stack_of = {c: (adaptive if c == "adaptive" else fixed) for c in columns}
         address = {c: st.orchestrator_address for c, st in stack_of.items()}
         mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
         for stack in (fixed, adaptive):
             _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)          # warm-up
-        order = [(name, c) for name in sets for c in columns]
         for rep in progress(range(repeats), desc="bench adaptive", unit="repeat"):
-            shift = rep % len(columns)                       # each repeat starts at another column
-            for name, c in order[shift:] + order[:shift]:
-                k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
-                runs[name][c].append(_cell(address[c], mport[c], sets[name], args.max_tokens, k))
+            for name, prompts in sets.items():
+                done: dict[str, list[dict]] = {c: [] for c in columns}
+                for i, prompt in enumerate(prompts):
+                    shift = (i + rep) % len(columns)         # each prompt starts at another column
+                    for c in columns[shift:] + columns[:shift]:
+                        k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
+                        done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k))
+                for c in columns:
+                    runs[name][c].append(_cell(done[c]))
     rows = []
     for name, by_col in runs.items():
         row = {c: _merge(v) for c, v in by_col.items()}

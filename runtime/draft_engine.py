@@ -285,6 +285,7 @@ class DraftEngine:
             self.cache.check_fits(r.request_id, state.length + len(r.tokens) + r.k)
             slots.append(state.slot)
         starts = [self.cache.get(r.request_id).length for r in reqs]
+        reqs, starts = self._catch_up_head(reqs, starts, slots)
         if self._fused is not None and not any(self.requests[r.request_id].on_host for r in reqs):
             kind = propose_kind_name(max(r.k for r in reqs))
             # Cache rows the propose reads: its last substep sits at position start + m + k - 2.
@@ -299,6 +300,42 @@ class DraftEngine:
         if not any(self.requests[r.request_id].on_host for r in reqs):
             return self._propose_greedy(reqs, slots, g, logits)
         return self._propose_sampled(reqs, slots, g, logits)
+
+    def _catch_up_head(self, reqs: list[ProposeRequest], starts: list[int], slots: list[int]
+                       ) -> tuple[list[ProposeRequest], list[int]]:
+        """A catch-up wider than the catch-up graphs (the draft sat out rounds: adaptive k's
+        target-only stretches, a re-attach) writes all but each request's last
+        ``catchup_width`` pairs first, in passes of the widest catch-up graph that replays;
+        -> the requests cut to those last pairs, and their starts (the cache counts them).
+
+        Why: such a catch-up ran as one eager pass on the plain ops, 3-5 ms on an H200 for the
+        bundled model's ~16-128 pairs of a probe after a target-only stretch (once 52 ms: a new
+        eager shape), where a drafting round's whole draft takes ~0.5 ms. A pass writes its
+        pairs' KV and attends over the rows before them, which the earlier passes wrote: the
+        same causal computation as one wide pass, summed in other shapes (drafts only; the
+        target verifies every token). Without graphs nothing changes: one eager pass."""
+        w = self.catchup_width
+        heads = [max(len(r.tokens) - w, 0) for r in reqs]
+        cut = [i for i, h in enumerate(heads) if h > 0]
+        if not cut:
+            return reqs, starts
+        need = max(starts[i] + heads[i] for i in cut)
+        kinds = [(self._catchup_wide, 2 * w)] if self._catchup_wide is not None else []
+        step = next(((k, kw) for k, kw in kinds + [(self._catchup_kind, w)]
+                     if self.registry.can_replay(k, len(cut), need)), None)
+        if step is None:
+            return reqs, starts
+        kind, width = step
+        for j in range(0, max(heads), width):
+            part = [i for i in cut if heads[i] > j]
+            chunk = [dataclasses.replace(reqs[i], tokens=reqs[i].tokens[j:min(j + width, heads[i])],
+                                         hidden=reqs[i].hidden[j:min(j + width, heads[i])]) for i in part]
+            self._run_rows(kind, *self._catchup_rows(chunk, [starts[i] + j for i in part], [slots[i] for i in part],
+                                                     width), width)
+        for i in cut:
+            self.cache.get(reqs[i].request_id).length += heads[i]
+        return ([dataclasses.replace(r, start_position=r.start_position + h, tokens=r.tokens[h:], hidden=r.hidden[h:])
+                 if h else r for r, h in zip(reqs, heads)], [st + h for st, h in zip(starts, heads)])
 
     def _propose_greedy(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
         """Every row drafts greedily: argmax fed back on the device, one host sync at the end."""

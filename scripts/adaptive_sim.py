@@ -98,6 +98,8 @@ def main() -> int:
                     metavar=("T0", "FIXED", "TD", "VERIFY"),
                     help="seconds: a target-only round start to start; a drafting round's fixed part; one draft; "
                          "the verify inside a drafting round")
+    ap.add_argument("--random-rate", type=float, nargs=2, default=[0.03, 0.15], metavar=("LO", "HI"),
+                    help="the random prompts' acceptance rates (uniform between)")
     ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
     args = ap.parse_args()
     mod = load(args.code)
@@ -105,7 +107,7 @@ def main() -> int:
     for seed in range(args.seeds):
         rng = np.random.default_rng(1000 + seed)
         held = [(rng.uniform(0.75, 0.92), rng.uniform(0.4, 0.6)) for _ in range(8)]
-        rand = [(rng.uniform(0.03, 0.15), None) for _ in range(8)]
+        rand = [(rng.uniform(*args.random_rate), None) for _ in range(8)]
         mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
         sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
         for p in (0, 1, 2, 3, "adaptive"):

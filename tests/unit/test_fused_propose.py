@@ -148,6 +148,31 @@ def test_fused_propose_falls_back_where_it_cannot_replay():
     assert small.registry.stats.replays == 0 and small.registry.stats.eager_runs == 3
 
 
+def test_a_wide_catch_up_runs_as_catch_up_graph_passes():
+    """A catch-up wider than the catch-up graph (the draft sat out target-only rounds) writes
+    its head in passes of that graph, then proposes as usual (here: one fused replay), never
+    eagerly; the drafts and the draft KV equal one eager pass over the whole width."""
+    passes, plain = _draft(True), _draft(True, capture=False)
+    rng = np.random.default_rng(5)
+    lens = _prefill([passes, plain], rng, 3)
+    widths = {"r0": 17, "r1": 9, "r2": 2}         # heads of 13 and 5 pairs (4 a graph), and none
+    reqs = [ProposeRequest(rid, lens[rid], rng.integers(0, 256, m), rng.standard_normal((m, D)).astype(np.float32),
+                           MAX_K) for rid, m in widths.items()]
+    before = passes.registry.stats.replays
+    got, want = passes.propose(reqs), plain.propose(reqs)
+    assert passes.registry.stats.eager_runs == 0
+    assert passes.registry.stats.replays - before == 4 + 1, "ceil(13 / 4) head passes, then one fused propose"
+    assert [p.drafts.tolist() for p in got] == [p.drafts.tolist() for p in want]
+    for a, b in zip(_live_kv(passes), _live_kv(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for rid, m in widths.items():
+        lens[rid] += m
+        assert passes.cache.get(rid).length == plain.cache.get(rid).length == lens[rid]
+    # The next (narrow) round goes on from the same state on both.
+    nxt = _round(rng, lens, {"r0": 3, "r1": 1, "r2": 2})
+    assert [p.drafts.tolist() for p in passes.propose(nxt)] == [p.drafts.tolist() for p in plain.propose(nxt)]
+
+
 def test_substep_places_scratch_for_finished_rows():
     write, pos = substep_places([0, 5, 2], [10, 20, 30], [3, 1, 2], 3, scratch_slot=8)
     assert write.tolist() == [[0, 0], [8, 8], [2, 8]]
