@@ -46,9 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run")
     p.add_argument("--draft-device", default=None, help="services bench: the draft's device (default: --device)")
     p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
-    p.add_argument("--draft-dtype", default=None,
-                   help="services bench: the draft's compute dtype alone (after --dtype; the target's output "
-                        "does not depend on it, only the acceptance does)")
+    p.add_argument("--draft-dtype", nargs="+", default=None,
+                   help="services bench: the draft's compute dtype alone, side by side (after --dtype; the "
+                        "target's output does not depend on it, only the acceptance does)")
     p.add_argument("--temperatures", type=float, nargs="*", default=[1.0, 0.7],
                    help="sampling-modes bench: the sampling temperatures")
     p.add_argument("--tp", type=int, nargs="+", default=None,

@@ -5,6 +5,10 @@
 #                                               # interleaved repeats: the share of rounds at each k and the
 #                                               # round split per cell), then bench services at batch 8 and 1
 #                                               # with the draft in float32 (as served) and in bfloat16
+#   bash bench/gpu_session12.sh OUT_DIR second  # after the wide catch-up's graph passes: bench adaptive (each
+#                                               # prompt through every column in turn, 3 repeats), then bench
+#                                               # services at batch 8 and 1, the draft in float32 and bfloat16
+#                                               # side by side
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -22,6 +26,12 @@ first)
     --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
   services services_fp32
   services services_draft_bf16 --draft-dtype bfloat16
+  ;;
+second)
+  timeout 300 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
+    --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
+  timeout "$(left 580)" python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
+    --max-tokens 128 --draft-dtype float32 bfloat16 2>&1 | quiet | tee "$out/services_draft_dtype.txt" | tail -10
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -91,7 +91,7 @@ def in_rounds(split: dict, seconds: float) -> float:
 
 
 def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int = 1,
-                   stream_interval: int = 1, poll_us: int | None = None) -> StackOptions:
+                   stream_interval: int = 1, poll_us: int | None = None, draft_dtype: str | None = None) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     if poll_us is not None:                      # None: the workers' default (auto)
@@ -100,7 +100,7 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
                         micro_batches="micro" in variant, worker_args=extra, target_tp=tp,
-                        draft_args=(("--runtime-dtype", args.draft_dtype) if getattr(args, "draft_dtype", None) else ()),
+                        draft_args=("--runtime-dtype", draft_dtype) if draft_dtype else (),
                         stream_interval=stream_interval)
 
 
@@ -123,10 +123,11 @@ def main(args) -> int:
     first_ref: dict[int, list] = {}
     intervals = list(dict.fromkeys(getattr(args, "stream_interval", None) or [1]))
     polls = list(dict.fromkeys(getattr(args, "poll_us", None) or [None]))
-    runs = [(tp, variant, si, poll) for tp in target_tps(args) for variant in variants for si in intervals
-            for poll in polls]
-    for tp, variant, si, poll in runs:
-        with Stack(_stack_options(args, model, batches, variant, tp, si, poll)) as stack:
+    dtypes = list(dict.fromkeys(getattr(args, "draft_dtype", None) or [None]))
+    runs = [(tp, variant, si, poll, dt) for tp in target_tps(args) for variant in variants for si in intervals
+            for poll in polls for dt in dtypes]
+    for tp, variant, si, poll, draft_dtype in runs:
+        with Stack(_stack_options(args, model, batches, variant, tp, si, poll, draft_dtype)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
             for batch in progress(batches, desc=f"bench services ({variant}, TP={tp}, SI={si}, poll={poll} us)", unit="batch size"):
@@ -143,7 +144,8 @@ def main(args) -> int:
                 drafted = sum(r.drafted for r in spec)
                 first_ref.setdefault(batch, [r.tokens for r in ref])      # across variants and TP sizes
                 rows.append({
-                    "variant": variant, "tp": tp, "stream_interval": si, "poll_us": poll, "batch": batch, "requests": n, "k": args.k,
+                    "variant": variant, "tp": tp, "stream_interval": si, "poll_us": poll, "draft_dtype": draft_dtype,
+                    "batch": batch, "requests": n, "k": args.k,
                     "tokens_per_s_target": round(toks_ref / t_ref, 2),
                     "tokens_per_s_spec": round(toks_spec / t_spec, 2),
                     "speedup": round((toks_spec / t_spec) / (toks_ref / t_ref), 3),
@@ -161,16 +163,16 @@ def main(args) -> int:
         return 0
     print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
           f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
-    print(f"{'variant':>15s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+    print(f"{'variant':>15s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'draft':>8s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
           f"/ total, share of wall time in rounds")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['draft_dtype'] or 'as-is':>8s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
               f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':>15s} {'':2s} {'':3s} {'':5s} {'':5s} target-only round ms: target / overhead / total = "
+        print(f"{'':>15s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
     return 0
