@@ -159,7 +159,13 @@ Expected = Callable[[int], float]     # k -> E[tokens committed | k drafts] of o
 def _rates(requests: list[tuple[Expected, int]], cost: Callable[[int], float]) -> list[float]:
     """Expected committed tokens per second of the round at each k in [0, max k_i]; requests = [(E_i, k_i)]."""
     top = max((k for _, k in requests), default=0)
-    return [sum(e(min(k, ki)) for e, ki in requests) / max(cost(k), 1e-9) for k in range(top + 1)]
+    rates = []
+    for k in range(top + 1):                 # plain loops: this runs every round (host time, see _Window)
+        tokens = 0.0
+        for e, ki in requests:
+            tokens += e(ki if ki < k else k)
+        rates.append(tokens / max(cost(k), 1e-9))
+    return rates
 
 
 def _argmax(rates: list[float]) -> int:
@@ -176,10 +182,8 @@ def _best(requests: list[tuple[float, int]], cost: Callable[[int], float]) -> in
 
 
 class _Window:
-    """The last ``n`` observations, and their median, computed again only after a change: a
-    round asks T(k) for every k, and a target-only round changes only its own windows (the
-    policy's host time in a target-only round, 2-core CPU: 19.3 us recomputing every median,
-    15.2 us with these; a target-only round of the bundled model on an H200 is ~0.6 ms)."""
+    """The last ``n`` observations, and their median, computed again only after a change (a
+    target-only round changes only its own windows; see ``RoundCosts.observe``)."""
 
     __slots__ = ("_items", "_median")
 
@@ -229,6 +233,7 @@ class RoundCosts:
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
+        self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
 
     @property
     def t_verify(self) -> float:
@@ -277,9 +282,20 @@ class RoundCosts:
         """Target-only rounds before the next probe (module doc: backoff from the third probe)."""
         return PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX)
 
+    @property
+    def _periods_measured(self) -> bool:
+        return len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS
+
     def cost(self, k: int) -> float:
+        """T(k) in seconds (``_cost``), kept until an ``observe`` changes what it reads."""
+        got = self._costs.get(k)
+        if got is None:
+            got = self._costs[k] = self._cost(k)
+        return got
+
+    def _cost(self, k: int) -> float:
         """T(k) in seconds: measured periods once both kinds of round were seen, else the parts' sum."""
-        if len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS:
+        if self._periods_measured:
             if k == 0:
                 return self._period0.median
             return self._fixed_spec.median + self.draft_time(k)
@@ -290,6 +306,18 @@ class RoundCosts:
         """One round: its largest k, draft compute, verify compute and everything else; ``started``:
         when it started (perf_counter seconds), for the start-to-start period of the round before;
         ``batch``: its requests' ids."""
+        # NOTE: what ``cost`` keeps, dropped before anything it reads changes: a target-only
+        # round between target-only rounds changes only T(0) once periods are measured (the
+        # verify window it adds is read by the parts' sum alone). Why keep anything: on the
+        # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
+        # rounds' in one run, ~8 % of a target-only round; the policy's host time per
+        # target-only round (request_ks + observe, 2-core CPU) went from 19.3 to 6.0 us with
+        # T(k), E(k) and the medians kept between changes and plain loops in _rates.
+        drafting_changes = k_max > 0 or self._prev_k > 0 or not self._periods_measured
+        if drafting_changes:
+            self._costs.clear()
+        else:
+            self._costs.pop(0, None)
         prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
         prev_batch, self._last_batch = self._last_batch, batch
         self._prev_k = k_max
@@ -369,6 +397,7 @@ class AdaptiveK:
     # that accepted it; both start at the prior (the pooled rate, PRIOR_TRIALS trials each).
     pos_successes: list[float] = field(default_factory=list, repr=False)
     pos_trials: list[float] = field(default_factory=list, repr=False)
+    _expected: list[float] | None = field(default=None, init=False, repr=False, compare=False)   # E(0..max_k)
 
     def __post_init__(self) -> None:
         if not self.pos_trials:
@@ -388,12 +417,17 @@ class AdaptiveK:
         ones (module doc). In a trace simulation of the H200 bench at batch 1 (first draft
         accepted 10% above a request's mean, third 10% below) adaptive k ran at x0.966 of fixed
         k = 3 on held-out prompts with these estimates, x0.957 with the pooled one; with the
-        same rate at every position the two were within the simulation's noise."""
-        total, run = 1.0, 1.0
-        for j in range(min(k, self.max_k)):
-            run *= self.pos_successes[j] / max(self.pos_trials[j], 1e-12)
-            total += run
-        return total
+        same rate at every position the two were within the simulation's noise.
+
+        E(0..max_k) are kept until ``observe`` changes the estimates (a round asks every k)."""
+        if self._expected is None:
+            total, run, es = 1.0, 1.0, [1.0]
+            for j in range(self.max_k):
+                run *= self.pos_successes[j] / max(self.pos_trials[j], 1e-12)
+                total += run
+                es.append(total)
+            self._expected = es
+        return self._expected[min(max(k, 0), self.max_k)]
 
     @property
     def measured(self) -> bool:
@@ -402,6 +436,7 @@ class AdaptiveK:
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
+            self._expected = None
             decay = 1.0 - EMA_WEIGHT
             self.drafted = True
             self.successes = decay * self.successes + accepted

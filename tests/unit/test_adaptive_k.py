@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import numpy as np
 import pytest
 
@@ -304,3 +305,33 @@ def test_line_fit_never_lets_a_draft_time_shrink_with_k_or_go_below_zero():
     assert line_fit({1: 3.0, 2: 2.0}) == pytest.approx((2.5, 0.0))               # noise: flat, not falling
     a, b = line_fit({2: 1.0, 3: 3.0})                                              # would cross zero at k = 1.5
     assert a == 0.0 and b == pytest.approx((2 * 1.0 + 3 * 3.0) / 13)
+
+
+def test_kept_costs_and_expectations_equal_fresh_ones():
+    """T(k) and E(k) are kept between the observations that change them: over a seeded mix of
+    target-only stretches, probes and drafting rounds (batch changes included), every kept
+    value equals the value computed afresh from the same state."""
+    rng = random.Random(3)
+    costs = RoundCosts()
+    pols = [costs.loop.new_policy(3)]
+    t, batch = 0.0, frozenset({"a"})
+    for i in range(600):
+        ks = request_ks(pols, costs)
+        for p in pols:
+            for k in range(4):
+                fresh = AdaptiveK(p.max_k, p.successes, p.trials, pos_successes=list(p.pos_successes),
+                                  pos_trials=list(p.pos_trials))
+                assert p.expected(k) == fresh.expected(k)
+        for k in range(4):
+            assert costs.cost(k) == costs._cost(k), (i, k)
+        k = max(ks)
+        rate = 0.9 if (i // 50) % 2 == 0 else 0.1
+        for p, kp in zip(pols, ks):
+            p.observe(kp, sum(1 for _ in range(kp) if rng.random() < rate))
+        if i % 97 == 96:                                   # a new request joins
+            batch = frozenset({f"r{i}"})
+            pols = [costs.loop.new_policy(3)]
+        costs.observe(k, (4e-4 + 5e-5 * k) * rng.uniform(0.9, 1.1) if k else 0.0, 6e-4 * rng.uniform(0.9, 1.1),
+                      (3e-4 if k else 2e-5) * rng.uniform(0.9, 1.1), started=t, batch=batch)
+        t += (1.5e-3 if k else 7e-4) * rng.uniform(0.9, 1.1)
+    assert costs._periods_measured
