@@ -3,7 +3,8 @@
 Owns: the MTP weights plus the draft's own copy of the target's embedding,
 final norm and output head; the draft KV cache; per-request draft state
 (pairs written, sampling params, seed); the step kinds the graph registry
-captures: ``catchup`` (k+1 padded positions), ``substep`` (1) and, for a
+captures: ``catchup`` (k+1 padded positions), the head passes of a longer
+catch-up (``HEAD_PASS_WIDTHS`` x (k+1), ``_catch_up_head``), ``substep`` (1) and, for a
 whole greedy propose in one graph, ``propose{k}`` (runtime/fused_propose.py),
 and ``prefill{W}`` per prompt width W (a prefill's pairs from position 0);
 what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
@@ -59,6 +60,7 @@ from runtime.target_engine import request_seed
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
 SUBSTEP = "substep"
+HEAD_PASS_WIDTHS = 4      # a head pass of a long catch-up covers this many catch-up widths (max_k + 1 each)
 
 
 @dataclass
@@ -92,7 +94,11 @@ class DraftEngine:
         # With ahead drafting, the catch-up after a round whose drafts came from an ahead
         # call carries two rounds of pairs: a second captured width keeps it off the eager path.
         self._catchup_wide = f"catchup{2 * self.catchup_width}" if ahead_drafting else None
-        kinds = [(self._catchup_kind, self.catchup_width), (SUBSTEP, 1)]
+        # A catch-up longer than those (the draft sat out target-only rounds) writes its head in
+        # passes of a wider graph first (_catch_up_head): HEAD_PASS_WIDTHS catch-up widths a pass.
+        self._head_width = HEAD_PASS_WIDTHS * self.catchup_width
+        self._catchup_head = f"catchup{self._head_width}"
+        kinds = [(self._catchup_kind, self.catchup_width), (self._catchup_head, self._head_width), (SUBSTEP, 1)]
         if self._catchup_wide is not None:
             kinds.insert(1, (self._catchup_wide, 2 * self.catchup_width))
         for name, width in kinds:
@@ -313,14 +319,18 @@ class DraftEngine:
         eager shape), where a drafting round's whole draft takes ~0.5 ms. A pass writes its
         pairs' KV and attends over the rows before them, which the earlier passes wrote: the
         same causal computation as one wide pass, summed in other shapes (drafts only; the
-        target verifies every token). Without graphs nothing changes: one eager pass."""
+        target verifies every token). Passes use the widest catch-up graph that replays (the
+        head kind, HEAD_PASS_WIDTHS catch-up widths); without graphs nothing changes: one eager
+        pass."""
         w = self.catchup_width
         heads = [max(len(r.tokens) - w, 0) for r in reqs]
         cut = [i for i, h in enumerate(heads) if h > 0]
         if not cut:
             return reqs, starts
         need = max(starts[i] + heads[i] for i in cut)
-        kinds = [(self._catchup_wide, 2 * w)] if self._catchup_wide is not None else []
+        kinds = [(self._catchup_head, self._head_width)]
+        if self._catchup_wide is not None:
+            kinds.append((self._catchup_wide, 2 * w))
         step = next(((k, kw) for k, kw in kinds + [(self._catchup_kind, w)]
                      if self.registry.can_replay(k, len(cut), need)), None)
         if step is None:

@@ -14,8 +14,8 @@ k picks k* <= max_k for the batch, runtime/adaptive_k.py), so a max_k-only
 graph would run max_k - k substeps of wasted device work on every round at a
 smaller k. Rows of one batch that ask for fewer drafts than its largest k
 still run every substep, on the scratch slot at position 0 (as the
-per-substep path does). Graph count: buckets x spans x (2 + max_k) for the
-draft (+1 with ahead drafting), i.e. max_k kinds more than before; capture
+per-substep path does). Graph count: buckets x spans x (3 + max_k) for the
+draft (catch-up, head pass, substep; +1 with ahead drafting), i.e. max_k kinds more than before; capture
 work of a propose{k} graph is k steps, so the propose kinds add about
 max_k(max_k+1)/2 step captures per (bucket, span) to the two of catch-up and
 substep. They are captured after those two (registration order) and warm up

@@ -168,7 +168,7 @@ def test_draft_teardown_clears_graphs_before_releasing_weights(worker_server):
     """Regression: the draft's graphs must be cleared before its weights are released (else a hang)."""
     d = worker_server("draft")
     d.stub.CaptureGraphs(pb.CaptureGraphsRequest(), timeout=TIMEOUT)
-    kinds = ("catchup4", "substep", "propose1", "propose2", "propose3")
+    kinds = ("catchup4", "catchup16", "substep", "propose1", "propose2", "propose3")
     assert sorted(status(d).graph_keys) == sorted(f"{k}@{b}" for k in kinds for b in (1, 2, 4))
     d.stub.ClearGraphs(pb.ClearGraphsRequest(), timeout=TIMEOUT)
     d.stub.ReleaseWeights(pb.ReleaseWeightsRequest(), timeout=TIMEOUT)

@@ -150,18 +150,19 @@ def test_fused_propose_falls_back_where_it_cannot_replay():
 
 def test_a_wide_catch_up_runs_as_catch_up_graph_passes():
     """A catch-up wider than the catch-up graph (the draft sat out target-only rounds) writes
-    its head in passes of that graph, then proposes as usual (here: one fused replay), never
-    eagerly; the drafts and the draft KV equal one eager pass over the whole width."""
+    its head in passes of the head graph (16 pairs a pass), then proposes as usual (here: one
+    fused replay), never eagerly; the drafts and the draft KV equal one eager pass over the
+    whole width."""
     passes, plain = _draft(True), _draft(True, capture=False)
     rng = np.random.default_rng(5)
     lens = _prefill([passes, plain], rng, 3)
-    widths = {"r0": 17, "r1": 9, "r2": 2}         # heads of 13 and 5 pairs (4 a graph), and none
+    widths = {"r0": 40, "r1": 9, "r2": 2}         # heads of 36 and 5 pairs (16 a pass), and none
     reqs = [ProposeRequest(rid, lens[rid], rng.integers(0, 256, m), rng.standard_normal((m, D)).astype(np.float32),
                            MAX_K) for rid, m in widths.items()]
     before = passes.registry.stats.replays
     got, want = passes.propose(reqs), plain.propose(reqs)
     assert passes.registry.stats.eager_runs == 0
-    assert passes.registry.stats.replays - before == 4 + 1, "ceil(13 / 4) head passes, then one fused propose"
+    assert passes.registry.stats.replays - before == 3 + 1, "ceil(36 / 16) head passes, then one fused propose"
     assert [p.drafts.tolist() for p in got] == [p.drafts.tolist() for p in want]
     for a, b in zip(_live_kv(passes), _live_kv(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -95,7 +95,7 @@ def test_engine_with_captured_graphs_matches_eager(model_dir, backend):
     graphed_engine = SpecEngine(cfg)
     graphed_engine.capture_graphs()
     keys = graphed_engine.draft_registry.keys()
-    assert {k for _, k in keys} == {"catchup4", "substep", "propose1", "propose2", "propose3"}   # no ahead drafting
+    assert {k for _, k in keys} == {"catchup4", "catchup16", "substep", "propose1", "propose2", "propose3"}   # no ahead
     assert {b for b, _ in keys} == {1, 2, 4}
     graphed = graphed_engine.generate(reqs)
     assert [r.tokens for r in graphed] == [r.tokens for r in eager]
@@ -111,7 +111,7 @@ def test_propose_kinds_bookkeeping(model_dir):
     reg = eng.draft_registry
     reg.capture_all()
     spans = (256, 300)
-    kinds = ("catchup4", "substep", "propose1", "propose2", "propose3")
+    kinds = ("catchup4", "catchup16", "substep", "propose1", "propose2", "propose3")
     assert reg.span_keys() == sorted([(b, k, s) for b in (1, 4) for k in kinds for s in spans],
                                      key=lambda x: (x[1], x[0], x[2]))
     assert reg.stats.captures == 2 * len(kinds) * len(spans)
