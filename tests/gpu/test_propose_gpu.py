@@ -5,6 +5,9 @@ Run on an H200 host: ``python3 -m pytest -m gpu tests/gpu/test_propose_gpu.py -s
   graphs (batch 1, and 3 rows padded to bucket 4 with mixed k), and writes the
   same draft KV rows;
 - one graph replay per fused propose (k replays on the per-substep path);
+- a catch-up longer than the catch-up graph (the draft sat out target-only rounds) runs
+  as head passes of the catchup{4(k+1)} graph, never eagerly, with the drafts of one
+  eager pass over the whole width (its time against that pass printed);
 - a whole engine run with the fused propose equals target-only decoding.
 """
 
@@ -86,6 +89,37 @@ def test_fused_propose_equals_per_substep_under_graphs(batch):
     print(f"\n[gpu] fused propose == per-substep drafts over 8 rounds at batch {batch}; "
           f"max |KV difference| {worst_kv:.3e}")
     assert worst_kv <= 1e-5
+
+
+def test_a_long_catch_up_runs_as_head_passes_under_graphs():
+    import time
+    (passes,) = _drafts((True,))
+    eager = DraftEngine(passes.ops, CFG, passes.params, CacheConfig(max_slots=8, max_len=MAX_LEN), K,
+                        GraphRegistry(passes.ops, BUCKETS))                      # nothing captured: one eager pass
+    rng = np.random.default_rng(9)
+    times = {"passes": [], "eager": []}
+    for trial in range(6):
+        rid = f"w{trial}"
+        m = int(rng.integers(3, 8))
+        req = DraftPrefillRequest(rid, rng.integers(0, CFG.vocab_size, m),
+                                  rng.standard_normal((m, CFG.hidden_size)).astype(np.float32), SamplingParams())
+        for d in (passes, eager):
+            d.prefill([req])
+        wide = int(rng.integers(20, 60))                  # a probe after a 20-60 round target-only stretch
+        prop = ProposeRequest(rid, m, rng.integers(0, CFG.vocab_size, wide),
+                              rng.standard_normal((wide, CFG.hidden_size)).astype(np.float32), K)
+        got = {}
+        for name, d in (("passes", passes), ("eager", eager)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got[name] = d.propose([prop])[0].drafts.tolist()
+            times[name].append(time.perf_counter() - t0)
+            d.release(rid)
+        assert got["passes"] == got["eager"], trial
+    assert passes.registry.stats.eager_runs == 0
+    med = {k: 1e3 * float(np.median(v[1:])) for k, v in times.items()}      # the first pays new shapes
+    print(f"\n[gpu] a 20-60 pair catch-up + k={K} propose: head passes {med['passes']:.3f} ms, one eager pass "
+          f"{med['eager']:.3f} ms (median of 5; first eager {1e3 * times['eager'][0]:.1f} ms)")
 
 
 def test_engine_with_fused_propose_equals_target_only(tmp_path):

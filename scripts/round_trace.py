@@ -1,0 +1,68 @@
+"""What each kind of round costs in a served run: ``python scripts/round_trace.py DIR``.
+
+Reads the request-rounds ``scripts/round_probe`` recorded (run anything with
+``ROUND_PROBE_DIR=DIR`` and that folder on PYTHONPATH, e.g. ``bench adaptive``; one file per
+target process, i.e. per stack) and prints, per process and per kind of request-round (drafts
+proposed k; for k = 0 whether the draft holds the request, as adaptive k's target-only rounds
+do): how many, the medians of the round's draft / target / overhead / wall milliseconds and of
+the period (from the end of the request's round before to the end of this one, where that
+leaves under 2 ms outside the round), and the draft time of the
+first drafting round after a target-only one (a probe: its catch-up carries every skipped pair).
+
+    ROUND_PROBE_DIR=/tmp/rt PYTHONPATH=scripts/round_probe python -m specsplit bench adaptive ...
+    python scripts/round_trace.py /tmp/rt
+
+Diagnostic only (docs/performance.md § Session 12); nothing imports it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+
+
+def summarize(rows: list) -> list[str]:
+    by_req: dict[str, list] = {}
+    for r in rows:
+        by_req.setdefault(r[1], []).append(r)
+    kinds: dict[tuple[int, bool], list[tuple]] = {}
+    probes: list[float] = []
+    for rounds in by_req.values():
+        for prev, cur in zip([None] + rounds[:-1], rounds):
+            period = (cur[0] - prev[0]) / 1e6 if prev is not None else None
+            kinds.setdefault((cur[2], cur[2] > 0 or bool(cur[9])), []).append((*cur[4:8], period))
+            if prev is not None and prev[2] == 0 and prev[9] and cur[2] > 0:
+                probes.append(cur[4] * 1e3)
+    out = [f"{'k':>2s} {'draft holds':>11s} {'rounds':>7s}  draft / target / overhead / wall ms   period ms"]
+    med = lambda xs: statistics.median(xs) if xs else float("nan")   # noqa: E731
+    for (k, held), xs in sorted(kinds.items()):
+        parts = [med([x[i] * 1e3 for x in xs]) for i in range(4)]
+        periods = [x[4] for x in xs if x[4] is not None and x[4] - x[3] * 1e3 < 2.0]   # not across a pause
+        out.append(f"{k:2d} {str(held):>11s} {len(xs):7d}  {parts[0]:.3f} / {parts[1]:.3f} / {parts[2]:.3f} / "
+                   f"{parts[3]:.3f}   {med(periods):.3f}")
+    if probes:
+        probes.sort()
+        out.append(f"drafting rounds right after a target-only one: {len(probes)}, draft ms median "
+                   f"{med(probes):.3f}, p90 {probes[int(0.9 * (len(probes) - 1))]:.3f}, max {probes[-1]:.3f}")
+    return out
+
+
+def main() -> int:
+    folder = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ROUND_PROBE_DIR", "")
+    files = sorted(glob.glob(os.path.join(folder, "rounds-*.json")))
+    if not files:
+        print(f"round_trace: no rounds-*.json in {folder!r}")
+        return 1
+    for path in files:
+        with open(path) as f:
+            rows = json.load(f)
+        print(f"{os.path.basename(path)}: {len(rows)} request-rounds")
+        print("\n".join("  " + line for line in summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
