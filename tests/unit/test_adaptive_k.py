@@ -8,7 +8,8 @@ import pytest
 
 from core.params import SamplingParams
 from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k,
-                                best_round_k, choose_round_k, expected_tokens, line_fit, request_ks, round_cost)
+                                best_round_k, choose_round_k, expected_tokens, line_fit, request_ks, round_cost,
+                                round_k_star, _argmax, _rates)
 from runtime.round_driver import Sequence, round_ks
 
 
@@ -308,9 +309,9 @@ def test_line_fit_never_lets_a_draft_time_shrink_with_k_or_go_below_zero():
 
 
 def test_kept_costs_and_expectations_equal_fresh_ones():
-    """T(k) and E(k) are kept between the observations that change them: over a seeded mix of
-    target-only stretches, probes and drafting rounds (batch changes included), every kept
-    value equals the value computed afresh from the same state."""
+    """T(k), E(k) and the best drafting k are kept between the observations that change them:
+    over a seeded mix of target-only stretches, probes and drafting rounds (batch changes
+    included), every kept value, and the round's k*, equals the one computed afresh."""
     rng = random.Random(3)
     costs = RoundCosts()
     pols = [costs.loop.new_policy(3)]
@@ -324,6 +325,14 @@ def test_kept_costs_and_expectations_equal_fresh_ones():
                 assert p.expected(k) == fresh.expected(k)
         for k in range(4):
             assert costs.cost(k) == costs._cost(k), (i, k)
+        fresh_rates = _rates([(lambda k, p=p: AdaptiveK(p.max_k, p.successes, p.trials,
+                                                          pos_successes=list(p.pos_successes),
+                                                          pos_trials=list(p.pos_trials)).expected(k), p.max_k)
+                              for p in pols], costs._cost)
+        assert round_k_star(pols, costs) == _argmax(fresh_rates), i
+        if len(fresh_rates) > 1:                      # the kept best drafting k and its rate, too
+            best = max(range(1, len(fresh_rates)), key=lambda k: (fresh_rates[k], -k))
+            assert costs._drafting_best[1:] == (best, fresh_rates[best]), i
         k = max(ks)
         rate = 0.9 if (i // 50) % 2 == 0 else 0.1
         for p, kp in zip(pols, ks):
