@@ -14,6 +14,8 @@
 #                                               # summed by scripts/round_trace.py), bench services at batch 8
 #                                               # and 1 with the draft dtypes in the other order (bfloat16 first),
 #                                               # the propose and round-loop GPU tests, 20 RECAPTURE reloads
+#   bash bench/gpu_session12.sh OUT_DIR final   # round_k_star's kept best k: bench adaptive with every round
+#                                               # recorded, then bench peer on the bundled model at batch 1 and 8
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -50,6 +52,15 @@ third)
     2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -20
   SPECSPLIT_RELOAD_CYCLES=20 timeout "$(left 585)" python3 -m pytest -q -s -p no:cacheprovider -p bench.reload_probe \
     -m gpu tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
+  ;;
+final)
+  mkdir -p "$out/rounds"
+  ROUND_PROBE_DIR="$out/rounds" PYTHONPATH="$PYTHONPATH:$PWD/scripts/round_probe" timeout 220 python3 -m specsplit \
+    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --repeats 3 2>&1 | quiet \
+    | tee "$out/adaptive.txt" | tail -12
+  python3 scripts/round_trace.py "$out/rounds" | tee "$out/round_trace.txt"
+  timeout "$(left 500)" python3 -m specsplit bench peer --device cuda:0 --small --batch 1 8 --prompts 8 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/bench_peer.txt" | tail -8
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
