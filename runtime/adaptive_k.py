@@ -239,6 +239,7 @@ class RoundCosts:
         self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
         self.version = 0                      # bumped when T(k > 0) may change (round_k_star's cache)
         self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
+        self._line: tuple[float, float] | None = None    # line_fit of the measured draft times, kept
 
     @property
     def t_verify(self) -> float:
@@ -258,7 +259,9 @@ class RoundCosts:
         if k in measured:
             return measured[k]
         if len(measured) >= 2:
-            a, b = line_fit(measured)
+            if self._line is None:                # kept until a measured k's median changes
+                self._line = line_fit(measured)
+            a, b = self._line
             return a + b * k
         return k * self.t_draft
 
@@ -351,6 +354,7 @@ class RoundCosts:
             by_k.append(draft_s)
             if len(by_k) >= MIN_PERIODS:          # kept up to date here: cost() reads it every k, every round
                 self._draft_median[k_max] = statistics.median(by_k)
+                self._line = None
             self._exchange.append(overhead_s)
 
     def __repr__(self) -> str:

@@ -100,9 +100,10 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: SeqStats = field(default_factory=SeqStats)
-    # The draft's next catch-up: pairs (hidden row, token) not yet sent to it.
-    pending_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    pending_hidden: np.ndarray | None = None
+    # The draft's next catch-up: pairs (hidden row, token) not yet sent to it, as the chunks the
+    # rounds committed, joined when read (``pending_tokens`` / ``pending_hidden``).
+    _pending_t: list[np.ndarray] = field(default_factory=list, repr=False)
+    _pending_h: list[np.ndarray] = field(default_factory=list, repr=False)
     draft_pairs: int = 0               # pairs the draft holds (start_position of the next Propose)
     drafting: bool = False             # whether the draft holds this request
     adaptive: AdaptiveK | None = None  # adaptive speculation length (None: always k)
@@ -114,6 +115,39 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output)
+
+    # NOTE: the pending pairs are chunks until read: a drafting request that sits out rounds
+    # (adaptive k's target-only stretches) adds one per round, and joining them every round
+    # copied the whole stretch again each time (np.concatenate of a growing [n, d]).
+    @property
+    def pending_tokens(self) -> np.ndarray:
+        """int64 [n]: the tokens of the pairs not yet sent to the draft."""
+        if len(self._pending_t) > 1:
+            self._pending_t = [np.concatenate(self._pending_t)]
+        return self._pending_t[0] if self._pending_t else np.zeros(0, dtype=np.int64)
+
+    @pending_tokens.setter
+    def pending_tokens(self, tokens: np.ndarray) -> None:
+        self._pending_t = [tokens] if len(tokens) else []
+
+    @property
+    def pending_hidden(self) -> np.ndarray | None:
+        """[n, d] (float32 or bf16 bits): their hidden rows; None when none are pending."""
+        if len(self._pending_h) > 1:
+            self._pending_h = [np.concatenate(self._pending_h)]
+        return self._pending_h[0] if self._pending_h else None
+
+    @pending_hidden.setter
+    def pending_hidden(self, hidden: np.ndarray | None) -> None:
+        self._pending_h = [] if hidden is None else [hidden]
+
+    def append_pending(self, tokens: np.ndarray, hidden: np.ndarray) -> None:
+        """A round's committed pairs join the draft's next catch-up."""
+        if not self._pending_h or not self._pending_t:
+            self._pending_t, self._pending_h = [tokens], [hidden]
+        else:
+            self._pending_t.append(tokens)
+            self._pending_h.append(hidden)
 
     @property
     def stop_ids(self) -> set[int]:
@@ -135,14 +169,6 @@ class Sequence:
         elif self.remaining <= 0:
             self.finish_reason = FINISH_LENGTH
         return list(kept)
-
-
-def _append_pending(seq: Sequence, tokens: np.ndarray, hidden: np.ndarray) -> None:
-    if seq.pending_hidden is None or len(seq.pending_tokens) == 0:
-        seq.pending_tokens, seq.pending_hidden = tokens, hidden
-    else:
-        seq.pending_tokens = np.concatenate([seq.pending_tokens, tokens])
-        seq.pending_hidden = np.concatenate([seq.pending_hidden, hidden])
 
 
 def prefill_request(s: Sequence, resume: bool, request_id: str | None = None) -> PrefillRequest:
@@ -225,7 +251,7 @@ def commit_result(s: Sequence, k: int, res: VerifyResult) -> list[int]:
         s.adaptive.observe(k, res.num_accepted)
     out = s.emit(res.tokens)
     if s.drafting:
-        _append_pending(s, np.asarray(res.tokens, dtype=np.int64), res.hidden)
+        s.append_pending(np.asarray(res.tokens, dtype=np.int64), res.hidden)
     return out
 
 
