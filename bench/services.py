@@ -130,7 +130,8 @@ def main(args) -> int:
         with Stack(_stack_options(args, model, batches, variant, tp, si, poll, draft_dtype)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
-            for batch in progress(batches, desc=f"bench services ({variant}, TP={tp}, SI={si}, poll={poll} us)", unit="batch size"):
+            desc = f"bench services ({variant}, TP={tp}, SI={si}, poll={poll} us, draft {draft_dtype or 'as-is'})"
+            for batch in progress(batches, desc=desc, unit="batch size"):
                 n = max(batch, args.prompts) if batch > 1 else args.prompts
                 prompts = (heldout_prompts(64, model) * 4)[:n]
                 _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
