@@ -104,23 +104,31 @@ def main(args) -> int:
     # stack still sees the sets' prompts in order), so that a slow stretch of a shared machine
     # falls on every column alike: cells of one run moved by up to 15 % between stacks run one
     # after the other, and on the H200 host a cell's requests of identical work (128 target-only
-    # rounds each) took 69 to 108 ms within one cell of eight.
-    with Stack(_options(args, model, False)) as fixed, Stack(_options(args, model, True)) as adaptive:
-        stack_of = {c: (adaptive if c == "adaptive" else fixed) for c in columns}
-        address = {c: st.orchestrator_address for c, st in stack_of.items()}
-        mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
-        for stack in (fixed, adaptive):
-            _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)          # warm-up
-        for rep in progress(range(repeats), desc="bench adaptive", unit="repeat"):
-            for name, prompts in sets.items():
-                done: dict[str, list[dict]] = {c: [] for c in columns}
-                for i, prompt in enumerate(prompts):
-                    shift = (i + rep) % len(columns)         # each prompt starts at another column
-                    for c in columns[shift:] + columns[:shift]:
-                        k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
-                        done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k))
-                for c in columns:
-                    runs[name][c].append(_cell(done[c]))
+    # rounds each) took 69 to 108 ms within one cell of eight. What interleaving cannot even out
+    # is a stack that is slow as a whole (on the H200 host the fixed-k stack, started first, ran
+    # slow on average in three of six calls): --fresh-stacks starts both anew for every repeat,
+    # the adaptive one first on odd repeats.
+    fresh = bool(getattr(args, "fresh_stacks", False))
+    pairs = range(repeats) if fresh else [None]
+    for pair in pairs:
+        order = (True, False) if (pair or 0) % 2 else (False, True)          # adaptive stack first?
+        with Stack(_options(args, model, order[0])) as first, Stack(_options(args, model, order[1])) as second:
+            fixed, adaptive = (second, first) if order[0] else (first, second)
+            stack_of = {c: (adaptive if c == "adaptive" else fixed) for c in columns}
+            address = {c: st.orchestrator_address for c, st in stack_of.items()}
+            mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
+            for stack in (fixed, adaptive):
+                _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)      # warm-up
+            for rep in progress([pair] if fresh else range(repeats), desc="bench adaptive", unit="repeat"):
+                for name, prompts in sets.items():
+                    done: dict[str, list[dict]] = {c: [] for c in columns}
+                    for i, prompt in enumerate(prompts):
+                        shift = (i + rep) % len(columns)     # each prompt starts at another column
+                        for c in columns[shift:] + columns[:shift]:
+                            k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
+                            done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k))
+                    for c in columns:
+                        runs[name][c].append(_cell(done[c]))
     rows = []
     for name, by_col in runs.items():
         row = {c: _merge(v) for c, v in by_col.items()}
@@ -134,14 +142,15 @@ def main(args) -> int:
                      "identical": ref is not None and all(v["outputs"] == ref for v in row.values()),
                      "round_ms": {c: v["round_ms"] for c, v in row.items()}, "adaptive_ks": row["adaptive"]["ks"]})
     result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
-              "repeats": repeats, "rows": rows,
+              "repeats": repeats, "fresh_stacks": fresh, "rows": rows,
               "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
     if args.json:
         print(json.dumps(result))
         return 0
     draft = getattr(args, "draft_device", None) or args.device
     print(f"bench adaptive: backend={args.backend} target={args.device} draft={draft} batch 1, {args.prompts} "
-          f"prompts x {args.max_tokens} tokens per set, median tokens/s of {repeats} interleaved repeats (acceptance)")
+          f"prompts x {args.max_tokens} tokens per set, median tokens/s of {repeats} interleaved repeats"
+          f"{' (fresh stacks each)' if fresh else ''} (acceptance)")
     cols = columns
     print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols)
           + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
