@@ -6,6 +6,8 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
   - a whole greedy ``DraftEngine.propose`` at k = max_k: the fused path (one
     propose{k} replay) at batch 1 and 8 and the per-substep path (catch-up + k-1
     substeps) at batch 1,
+  - a probe: the same propose whose catch-up carries ``PROBE_PAIRS`` skipped pairs
+    (adaptive k's first drafting round after a target-only stretch), at batch 1 and 8,
   - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 and 8 (decode
     ahead does not queue: the call has drafts),
   - the draft registry's capture time with and without the propose kinds,
@@ -38,6 +40,7 @@ from core.params import SamplingParams
 ITERS, REPEATS = 400, 7
 BUCKETS = (1, 2, 4, 8)
 CONTEXT = 100            # pairs already in the draft cache
+PROBE_PAIRS = 48         # a probe's catch-up: the pairs of a target-only stretch (adaptive k)
 WHOLE_BATCHES = (1, 8)   # batches of the whole-engine rows
 
 
@@ -218,6 +221,33 @@ def main(args) -> int:
                          "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
             for r in ids:
                 dr.release(r)
+
+    # A probe: the first greedy propose after PROBE_PAIRS target-only rounds, whose catch-up
+    # carries every skipped pair (its head in catchup{4(k+1)} passes, then the fused propose).
+    dr = engines[True].draft
+    for b in WHOLE_BATCHES:
+        ids = [f"p-{b}-{i}" for i in range(b)]
+        dr.prefill([DraftPrefillRequest(r, rng.integers(0, 256, CONTEXT),
+                                        rng.standard_normal((CONTEXT, d)).astype(np.float32), SamplingParams())
+                    for r in ids])
+        states = [dr.cache.get(r) for r in ids]
+        news = [ProposeRequest(r, CONTEXT, rng.integers(0, 256, PROBE_PAIRS),
+                               rng.standard_normal((PROBE_PAIRS, d)).astype(np.float32), k) for r in ids]
+
+        def probe(dr=dr, states=states, news=news):
+            dr.propose(news)
+            for st in states:
+                st.length = CONTEXT
+
+        probe()
+        _stub(dr.registry, True)
+        stubbed = _us(probe, ops.synchronize)
+        _stub(dr.registry, False)
+        wall = _us(probe, ops.synchronize) if device.startswith("cuda") else None
+        rows.append({"what": f"propose k={k} probe ({PROBE_PAIRS} pairs)", "batch": b,
+                     "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+        for r in ids:
+            dr.release(r)
 
     # A whole greedy TargetEngine.verify of k drafts at batch 1 and 8, rolled back the same way
     # (each request's length and last token), so every call is the same verify.
