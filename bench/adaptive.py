@@ -106,7 +106,7 @@ def main(args) -> int:
     # after the other, and on the H200 host a cell's requests of identical work (128 target-only
     # rounds each) took 69 to 108 ms within one cell of eight. What interleaving cannot even out
     # is a stack that is slow as a whole (on the H200 host the fixed-k stack, started first, ran
-    # slow on average in three of six calls): --fresh-stacks starts both anew for every repeat,
+    # slow on average in three of eight calls): --fresh-stacks starts both anew for every repeat,
     # the adaptive one first on odd repeats.
     fresh = bool(getattr(args, "fresh_stacks", False))
     pairs = range(repeats) if fresh else [None]
