@@ -98,6 +98,7 @@ def main() -> int:
                     metavar=("T0", "FIXED", "TD", "VERIFY"),
                     help="seconds: a target-only round start to start; a drafting round's fixed part; one draft; "
                          "the verify inside a drafting round")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--random-rate", type=float, nargs=2, default=[0.03, 0.15], metavar=("LO", "HI"),
                     help="the random prompts' acceptance rates (uniform between)")
     ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
@@ -111,7 +112,7 @@ def main() -> int:
         mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
         sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
         for p in (0, 1, 2, 3, "adaptive"):
-            for name, r in run(p, mod, sets, seed, args.wide, args.decl, regime=tuple(args.regime)).items():
+            for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens, regime=tuple(args.regime)).items():
                 rates.setdefault(name, {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):
