@@ -59,8 +59,9 @@ def main() -> int:
         if bench.returncode != 0:
             print(bench.stderr[-4000:], file=sys.stderr)
             return bench.returncode
-        time.sleep(1.5)                           # the probes rewrite their logs every second
-        logs = [json.load(open(f)) for f in glob.glob(os.path.join(out, "frames-*.json"))]
+        time.sleep(1.5)                           # the probes append to their logs every second
+        logs = [[json.loads(line) for line in open(f) if line.endswith("\n")]
+                for f in glob.glob(os.path.join(out, "frames-*.jsonl"))]
     senders = [g for g in logs if g and g[0][0] == "s"]           # the target writes first, the draft reads first
     readers = [g for g in logs if g and g[0][0] == "r"]
     if len(senders) != 1 or len(readers) != 1:

@@ -80,7 +80,8 @@ def main() -> int:
                 fresh.generate_text("hello", max_tokens=1, k=0, ignore_eos=True)
             channel["a channel each"].append(time.perf_counter() - t0)
         time.sleep(1.5)                              # the probes write every half second
-        calls = [tuple(c) for f in glob.glob(os.path.join(out, "calls-*.json")) for c in json.load(open(f))]
+        calls = [tuple(json.loads(line)) for f in glob.glob(os.path.join(out, "calls-*.jsonl"))
+                 for line in open(f) if line.endswith("\n")]             # not a line being written
     print(f"one request at a time, k=3, {args.device}, bundled model; medians of {args.requests} requests (ms)")
     print(f"{'request':28s} {'first':>7s} {'wall':>7s} {'compute':>8s} {'left':>7s}   compute parts")
     for name, spans in marks.items():

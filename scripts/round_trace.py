@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,19 +47,19 @@ def summarize(rows: list) -> list[str]:
     if probes:
         probes.sort()
         out.append(f"drafting rounds right after a target-only one: {len(probes)}, draft ms median "
-                   f"{med(probes):.3f}, p90 {probes[int(0.9 * (len(probes) - 1))]:.3f}, max {probes[-1]:.3f}")
+                   f"{med(probes):.3f}, p90 {probes[math.ceil(0.9 * len(probes)) - 1]:.3f}, max {probes[-1]:.3f}")
     return out
 
 
 def main() -> int:
     folder = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ROUND_PROBE_DIR", "")
-    files = sorted(glob.glob(os.path.join(folder, "rounds-*.json")))
+    files = sorted(glob.glob(os.path.join(folder, "rounds-*.jsonl")))
     if not files:
-        print(f"round_trace: no rounds-*.json in {folder!r}")
+        print(f"round_trace: no rounds-*.jsonl in {folder!r}")
         return 1
     for path in files:
         with open(path) as f:
-            rows = json.load(f)
+            rows = [json.loads(line) for line in f if line.endswith("\n")]     # not a line being written
         print(f"{os.path.basename(path)}: {len(rows)} request-rounds")
         print("\n".join("  " + line for line in summarize(rows)))
     return 0

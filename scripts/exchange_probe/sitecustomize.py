@@ -3,8 +3,9 @@
 
 With ``EXCHANGE_PROBE_DIR`` set to a folder, each process that imports ``core.frames`` records
 every data-plane frame it sends and receives — (kind, start, end, bytes), ``time.monotonic_ns``,
-one clock for every process of the host — and rewrites ``<folder>/frames-<pid>.json`` every
-second. With ``EXCHANGE_PROBE_HOLD_TOKENS`` also set, the round loop hands a request's token
+one clock for every process of the host — and appends the frames recorded since the last time
+to ``<folder>/frames-<pid>.jsonl`` (one JSON list a line) every second (rewriting the whole log
+each time stalled the process it measured: see scripts/round_probe). With ``EXCHANGE_PROBE_HOLD_TOKENS`` also set, the round loop hands a request's token
 events to its stream only when the request ends (a diagnostic: no chunk relay during rounds).
 Nothing here is imported by the services themselves.
 """
@@ -63,11 +64,13 @@ def _install() -> None:
         time.sleep(0.005)
     else:
         return
+    path, done = os.path.join(_DIR, f"frames-{os.getpid()}.jsonl"), 0
     while True:
         time.sleep(1.0)
-        if log:
-            with open(os.path.join(_DIR, f"frames-{os.getpid()}.json"), "w") as f:
-                json.dump(log, f)
+        if len(log) > done:
+            new, done = log[done:], len(log)
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in new))
 
 
 def _install_hold() -> None:
