@@ -2,14 +2,16 @@
 
 Owns: a seeded model of ``specsplit bench adaptive`` — the same sets (a
 warm-up, then heldout, random and mix, 8 requests x 64 tokens each, served
-by one loop in that order) — with the round times the bundled model showed on
-an H200 (runtime/adaptive_k.py's doc: a target-only round 1.38 ms start to
-start; a k = 3 round 3.72 ms of which 1.28 ms draft, so T(k) = 2.44 ms +
-0.43 ms * k), a ``--wide`` penalty for a catch-up wider than the captured
-width (a probe after a target-only stretch) and 5 % lognormal noise. Drafts
-are accepted per position at the request's rate times (1 + decl) for the
-first draft and (1 - decl) for the third; held-out requests alternate easy
-(0.75-0.92) and hard (0.4-0.6) stretches, random ones sit at 0.03-0.15.
+by one loop in that order) — with round times of the bundled model on an
+H200: by default session 5's (runtime/adaptive_k.py's doc: a target-only round
+1.38 ms start to start; a k = 3 round 3.72 ms of which 1.28 ms draft, so T(k) =
+2.44 ms + 0.43 ms * k), or ``--regime T0 FIXED TD VERIFY`` (docs/performance.md
+§ Session 12 has that session's), a ``--wide`` penalty for a catch-up wider
+than the captured width (a probe after a target-only stretch) and 5 % lognormal
+noise. Drafts are accepted per position at the request's rate times (1 + decl)
+for the first draft and (1 - decl) for the third; held-out requests alternate
+easy (0.75-0.92) and hard (0.4-0.6) stretches, random ones sit at
+``--random-rate`` (default 0.03-0.15).
 
 It drives ``runtime.adaptive_k`` (``--code DIR``: another checkout's, e.g. a
 ``git worktree`` of the previous commit) exactly as the round driver does:
@@ -19,6 +21,7 @@ tensors, no services: what it measures is the policy, in a regime this
 machine's CPU cannot show (there drafting almost always pays).
 
     python scripts/adaptive_sim.py [--code DIR] [--seeds 80] [--wide 1e-3] [--decl 0.1]
+                                   [--regime T0 FIXED TD VERIFY] [--random-rate LO HI] [--max-tokens 64]
 
 Must not know: how the policy decides.
 """
