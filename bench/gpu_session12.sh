@@ -27,6 +27,13 @@ services() {   # $1: file name, then extra bench services flags
   timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
     --max-tokens 128 "$@" 2>&1 | quiet | tee "$out/$name.txt" | tail -6
 }
+traced_adaptive() {   # $1: timeout seconds; bench adaptive with every round recorded, then their summary
+  mkdir -p "$out/rounds"
+  ROUND_PROBE_DIR="$out/rounds" PYTHONPATH="$PYTHONPATH:$PWD/scripts/round_probe" timeout "$1" python3 -m specsplit \
+    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --repeats 3 2>&1 | quiet \
+    | tee "$out/adaptive.txt" | tail -12
+  python3 scripts/round_trace.py "$out/rounds" | tee "$out/round_trace.txt"
+}
 case "$mode" in
 first)
   timeout 240 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
@@ -41,11 +48,7 @@ second)
     --max-tokens 128 --draft-dtype float32 bfloat16 2>&1 | quiet | tee "$out/services_draft_dtype.txt" | tail -10
   ;;
 third)
-  mkdir -p "$out/rounds"
-  ROUND_PROBE_DIR="$out/rounds" PYTHONPATH="$PYTHONPATH:$PWD/scripts/round_probe" timeout 200 python3 -m specsplit \
-    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --repeats 3 2>&1 | quiet \
-    | tee "$out/adaptive.txt" | tail -12
-  python3 scripts/round_trace.py "$out/rounds" | tee "$out/round_trace.txt"
+  traced_adaptive 200
   timeout 140 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
     --max-tokens 128 --draft-dtype bfloat16 float32 2>&1 | quiet | tee "$out/services_draft_dtype.txt" | tail -10
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py \
@@ -54,11 +57,7 @@ third)
     -m gpu tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload_probe.log" | grep -E "RECAPTURE|passed|failed|probe" | tail -8
   ;;
 final)
-  mkdir -p "$out/rounds"
-  ROUND_PROBE_DIR="$out/rounds" PYTHONPATH="$PYTHONPATH:$PWD/scripts/round_probe" timeout 220 python3 -m specsplit \
-    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --repeats 3 2>&1 | quiet \
-    | tee "$out/adaptive.txt" | tail -12
-  python3 scripts/round_trace.py "$out/rounds" | tee "$out/round_trace.txt"
+  traced_adaptive 220
   timeout "$(left 500)" python3 -m specsplit bench peer --device cuda:0 --small --batch 1 8 --prompts 8 \
     --max-tokens 128 2>&1 | quiet | tee "$out/bench_peer.txt" | tail -8
   ;;

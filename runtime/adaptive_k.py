@@ -476,15 +476,11 @@ def round_k_star(policies: list[AdaptiveK], costs: RoundCosts) -> int:
     if cached is not None and cached[0] == key:
         k_pos, rate_pos = cached[1], cached[2]
     else:
-        top = max((p.max_k for p in policies), default=0)
+        rates = _rates([(p.expected, p.max_k) for p in policies], costs.cost)
         k_pos, rate_pos = 0, -1.0
-        for k in range(1, top + 1):
-            tokens = 0.0
-            for p in policies:
-                tokens += p.expected(k if k < p.max_k else p.max_k)
-            rate = tokens / max(costs.cost(k), 1e-9)
-            if rate > rate_pos * (1 + 1e-9):
-                k_pos, rate_pos = k, rate
+        for k in range(1, len(rates)):                # _argmax's rule, among k >= 1
+            if rates[k] > rate_pos * (1 + 1e-9):
+                k_pos, rate_pos = k, rates[k]
         costs._drafting_best = (key, k_pos, rate_pos)
     rate0 = len(policies) / max(costs.cost(0), 1e-9)
     return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
