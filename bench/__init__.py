@@ -42,6 +42,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "profile: the bundled model in process at each --batch; gemm: the bundled model's float32 projections")
     p.add_argument("--compile", action="store_true", help="attention: also time torch.compile of the verify step; graphs / profile / peer: "
                    "run the engines and services with runtime.compile on")
+    p.add_argument("--sweep", action="store_true", help="gemm: also time a grid of split-K launch shapes for each "
+                   "projection at 4 rows and print the best ones")
     p.add_argument("--repeats", type=int, default=1, help="adaptive bench: interleaved repeats of every cell (medians)")
     p.add_argument("--fresh-stacks", action="store_true",
                    help="adaptive bench: start both stacks anew for every repeat, the adaptive one first on "

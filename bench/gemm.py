@@ -92,6 +92,9 @@ def main(args) -> int:
     d, f, v = BIG.hidden_size, BIG.intermediate_size, BIG.vocab_size
     kv = BIG.num_key_value_heads * BIG.head_dim
     shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "head": (v, d)}
+    if args.sweep:
+        splitk_table(torch, dev, rate, {k: v for k, v in shapes.items() if k != "head"}, sweep=True)
+        return 0
     libs = ["default", "cublaslt"]
     print(f"bench gemm: {args.device} bf16, one call replayed in a CUDA graph over weight copies "
           f"(>= {COPIES_BYTES >> 20} MiB, no L2 reuse); copy rate {rate / 1e12:.2f} TB/s; "
@@ -116,3 +119,65 @@ def main(args) -> int:
             print(f"{name:8s} {m:4d} " + " ".join(f"{c:>22s}" for c in cells))
         del ws, wts
     return 0
+
+
+def _grid(n: int, k: int):
+    """The split-K launch shapes ``--sweep`` times for a weight [n, k]."""
+    import triton
+
+    from runtime.backends.torch_gemm import Plan
+
+    for block_n in (64, 32, 128):
+        for block_k in (128, 256):
+            for split in (1, 2, 4, 8, 16):
+                per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+                if triton.cdiv(k, per) != split:
+                    continue
+                for stages in (3, 5):
+                    yield Plan(block_n, block_k, split, per, 4, stages)
+
+
+def splitk_table(torch, dev, rate: float, shapes: dict, sweep: bool, budget_s: float = 50.0) -> None:
+    """F.linear against the split-K Triton GEMM (``runtime/backends/torch_gemm.py``) with its
+    plan, at 1, 4 and 16 rows over weight copies; with ``sweep``, every grid shape at 4 rows
+    (until ``budget_s`` a projection has passed), the best three then at 1 and 16 rows too."""
+    import time
+
+    import torch.nn.functional as F
+
+    from runtime.backends.torch_gemm import counters_needed, plan, splitk_linear
+
+    counters = torch.zeros(4096, dtype=torch.int32, device=dev)
+    print(f"bench gemm: split-K Triton GEMM against F.linear, bf16, us per call (share of the "
+          f"{rate / 1e12:.2f} TB/s copy rate); plan = (block_n, block_k, split, k_per_split, warps, stages)")
+    for name, (n, k) in shapes.items():
+        copies = max(1, COPIES_BYTES // (n * k * 2))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        byte_us = n * k * 2 / rate * 1e6
+        xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in (1, 4, 16)}
+
+        def timed(p, m):
+            assert counters_needed(n, p) <= counters.numel()
+            return _graph_us(torch, [lambda w=w: splitk_linear(xs[m], w, p, counters) for w in ws])
+
+        def cell(us):
+            return f"{us:7.2f} ({100 * byte_us / us:3.0f} %)"
+
+        p0 = plan(n, k)
+        worst = max(float((splitk_linear(xs[16], ws[0], p0, counters).float()
+                           - F.linear(xs[16], ws[0]).float()).abs().max()), 0.0)
+        for m in (1, 4, 16):
+            lin = _graph_us(torch, [lambda w=w: F.linear(xs[m], w) for w in ws])
+            print(f"{name:8s} {m:4d} linear {cell(lin)}  plan {tuple(p0)} {cell(timed(p0, m))}"
+                  + (f"  max |diff| {worst:.2e}" if m == 16 else ""))
+        if sweep:
+            found, start = [], time.monotonic()
+            for p in _grid(n, k):
+                if time.monotonic() - start > budget_s:
+                    print(f"{name:8s} sweep: time budget spent")
+                    break
+                found.append((timed(p, 4), p))
+            for us, p in sorted(found)[:3]:
+                print(f"{name:8s} best {tuple(p)}: rows 4 {cell(us)}, rows 1 {cell(timed(p, 1))}, "
+                      f"rows 16 {cell(timed(p, 16))}")
+        del ws

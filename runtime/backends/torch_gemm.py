@@ -1,0 +1,117 @@
+"""A split-K Triton GEMM for decode-shaped projections (CUDA, bf16/fp16, at most 16 rows).
+
+Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K] with M <= ``MAX_ROWS``
+and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
+launch shape it uses for a weight of that shape.
+Why: at one to sixteen rows a projection is a weight read. cuBLAS tiles N only, so a
+2,048- or 3,072-column projection runs 32-48 thread blocks on an H200's 132 SMs and reads
+its weight at 34-48 % of the copy rate (docs/performance.md § Session 11). This kernel also
+splits K, so every projection fills the SMs, and reduces the splits without a second launch:
+each program writes its partial sum, and the last program of a column tile to finish (an
+atomic counter) adds the partials in split order and writes the tile. The sum order is
+fixed, so the result does not depend on which program finishes last, and a row's result
+does not depend on the other rows (the plan depends on (N, K) only): the same row gives the
+same bits at one row or sixteen, as in a target-only step and a verify.
+
+Must not know: models, layers, engines. ``runtime/backends/torch_kernels.py`` decides when it
+applies and owns the counters' buffer (allocated outside any CUDA graph's pool).
+
+Every launch is shape-static (the plan is a function of the weight's shape), so a step
+using it is captured into a CUDA graph like any other. With ``TRITON_INTERPRET=1`` it runs
+on CPU tensors (how CI tests it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16               # rows one program holds (the tensor-core dot's smallest width)
+# Programs a launch aims for: about two per SM of an H200 (132 SMs), enough loads in
+# flight to read a weight at the copy rate.
+_TARGET_PROGRAMS = 264
+
+
+class Plan(NamedTuple):
+    block_n: int            # output columns per program
+    block_k: int            # K per loop step
+    split: int              # programs along K (1: no partials, no counter)
+    k_per_split: int        # K one program reduces (a multiple of block_k)
+    warps: int
+    stages: int
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                   K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # acc[n, m] = sum over this program's K range of w[n, k] x[m, k], float32; the weight is
+    # the dot's left operand (BLOCK_N rows), the padded rows of x its right one (MP columns).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, MP)
+    mm = m < M
+    acc = tl.zeros([BLOCK_N, MP], tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        k = k_lo + k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
+        acc += tl.dot(w, x)
+    out = y_ptr + m[None, :] * N + n[:, None]
+    if SPLIT == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
+    else:
+        # partials [SPLIT, N, MP] float32; this program's tile at [pid_k, n, :]
+        tile = n[:, None] * MP + m[None, :]
+        tl.store(part_ptr + pid_k * N * MP + tile, acc, mask=nm[:, None])
+        # NOTE: every thread's partial store is issued before the counter moves (the
+        # barrier), and the counter's acq_rel atomic publishes them to the program that
+        # sees the count reach SPLIT - 1 and reads them after it.
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            total = tl.zeros([BLOCK_N, MP], tl.float32)
+            for s in range(SPLIT):                       # fixed order: the same bits every run
+                total += tl.load(part_ptr + s * N * MP + tile, mask=nm[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
+            # NOTE: the counter goes back to 0 for the next launch, which (stream order)
+            # starts only after this one has finished.
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
+
+
+def plan(n: int, k: int) -> Plan:
+    """The launch shape for a weight [n, k]: 64 columns a program, K split in powers of two
+    until the launch has about ``_TARGET_PROGRAMS`` programs, each reducing at least 512."""
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split * 2 <= _TARGET_PROGRAMS and k // (split * 2) >= 512:
+        split *= 2
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 4)
+
+
+def counters_needed(n: int, p: Plan) -> int:
+    """Counter slots a launch of ``p`` over n columns uses (0 without a split)."""
+    return triton.cdiv(n, p.block_n) if p.split > 1 else 0
+
+
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ w[N, K]^T -> [M, N] in x's dtype. ``counters``: int32 zeros,
+    at least ``counters_needed(N, p)`` of them, left zero again by every launch."""
+    m, k = x.shape
+    n = w.shape[0]
+    x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = (torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
+    _splitk_kernel[(triton.cdiv(n, p.block_n), p.split)](
+        x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
+        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages)
+    return y
