@@ -299,12 +299,13 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
                  meta: AttnMeta, cache: tuple[Tensor, Tensor], reduce: Callable[[Tensor], Tensor] | None,
                  defer: bool) -> Any:
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
-    as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33.
+    as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33, the
+    projections on the split-K GEMM where it fits (``Kernels.fits_linear``).
     x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     k_cache, v_cache = cache
-    qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
+    qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
     # NOTE: k/v are written to the cache before attention reads it (the kernels run in
     # stream order), so tokens of this forward see each other.
     q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
@@ -313,11 +314,11 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
                                     meta.max_len)
     else:                                                                      # many query rows: plain attention
         attn = _context_attention(ops, q, cache, meta)
-    o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)))
+    o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)
     x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
                               cfg.rms_norm_eps)
-    mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn), cfg.intermediate_size)
-    down = _proj(ops, p, prefix + "mlp.down_proj", mlp)
+    mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern), cfg.intermediate_size)
+    down = _proj(ops, p, prefix + "mlp.down_proj", mlp, kern)
     down = down if reduce is None else reduce(down)
     return (x, down) if defer else x + down
 
@@ -336,9 +337,11 @@ def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor)
             ops.rms_norm(k, p[prefix + "self_attn.k_norm.weight"], eps))
 
 
-def _proj(ops: Ops, p: Params, name: str, x: Tensor) -> Tensor:
-    """x @ W^T (+ bias when the checkpoint has ``<name>.bias``: Qwen2 q/k/v, attention_bias, mlp_bias)."""
-    y = ops.linear(x, p[name + ".weight"])
+def _proj(ops: Ops, p: Params, name: str, x: Tensor, kern: Any = None) -> Tensor:
+    """x @ W^T (+ bias when the checkpoint has ``<name>.bias``: Qwen2 q/k/v, attention_bias, mlp_bias);
+    on the fused kernels' GEMM when ``kern`` is given and takes the shapes."""
+    w = p[name + ".weight"]
+    y = kern.linear(x, w) if kern is not None and kern.fits_linear(x, w) else ops.linear(x, w)
     bias = p.get(name + ".bias")
     return y if bias is None else y + bias
 

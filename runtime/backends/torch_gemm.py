@@ -33,6 +33,9 @@ MAX_ROWS = 16               # rows one program holds (the tensor-core dot's smal
 # Programs a launch aims for: about two per SM of an H200 (132 SMs), enough loads in
 # flight to read a weight at the copy rate.
 _TARGET_PROGRAMS = 264
+# K one program reduces at least (fewer, longer programs below it: each split costs a
+# partial's write and read).
+_MIN_SPLIT_K = 512
 
 
 class Plan(NamedTuple):
@@ -47,7 +50,7 @@ class Plan(NamedTuple):
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     # acc[n, m] = sum over this program's K range of w[n, k] x[m, k], float32; the weight is
     # the dot's left operand (BLOCK_N rows), the padded rows of x its right one (MP columns).
     pid_n = tl.program_id(0)
@@ -63,7 +66,7 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         km = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
-        acc += tl.dot(w, x)
+        acc += tl.dot(w, x, input_precision=PRECISION)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
@@ -88,11 +91,12 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 
 def plan(n: int, k: int) -> Plan:
     """The launch shape for a weight [n, k]: 64 columns a program, K split in powers of two
-    until the launch has about ``_TARGET_PROGRAMS`` programs, each reducing at least 512."""
+    until the launch has about ``_TARGET_PROGRAMS`` programs, each reducing at least
+    ``_MIN_SPLIT_K``."""
     block_n, block_k = 64, 128
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while tiles * split * 2 <= _TARGET_PROGRAMS and k // (split * 2) >= 512:
+    while tiles * split * 2 <= _TARGET_PROGRAMS and k // (split * 2) >= _MIN_SPLIT_K:
         split *= 2
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 4)
@@ -113,5 +117,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
     part = (torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
     _splitk_kernel[(triton.cdiv(n, p.block_n), p.split)](
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
-        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages)
+        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
+        # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y

@@ -12,6 +12,8 @@ float32 and rounds once where the plain ops round after each op):
                        each row's slot prefix, read in place from the flat
                        KV cache (no gather), split over the keys
                        (flash-decoding) and combined
+and when a projection at decode shapes goes to the split-K GEMM of
+``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps.
 Why: the plain layer runs ~33 kernels at decode shapes, most of them a few
 microseconds of elementwise work (see docs/performance.md § Fused kernels);
 this layer runs 11.
@@ -35,6 +37,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from runtime.backends import torch_gemm
 
 # Key rows per block of the attention loop, and the programs the split
 # attention aims for (about two waves of an H200's 132 SMs). A step's split
@@ -213,6 +217,46 @@ def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: in
 class Kernels:
     """The launch wrappers; ``TorchOps.kernels`` holds one when they are on (CUDA with
     Triton), None otherwise. Tensor layouts are the model's (``runtime/model.py``)."""
+
+    # Weight dtypes the split-K GEMM takes: the half-precision ones, where a decode-shaped
+    # projection is a weight read (float32 projections of the bundled model are launch-bound
+    # and stay on cuBLAS; the interpreter test adds float32).
+    linear_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    _COUNTERS = 4096
+
+    def __init__(self) -> None:
+        # device -> the split-K GEMM's int32 counters (``torch_gemm.splitk_linear``).
+        # NOTE: one buffer for every launch on a device: launches of one process run in
+        # stream order (every step and replay is on the current stream of the one device
+        # thread), and each launch leaves its counters at zero before the next starts.
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def reserve(self, device: torch.device) -> None:
+        """Allocate this device's counters now. NOTE: called before a CUDA graph capture
+        (``TorchOps.capture``): allocated inside one, the buffer would live in that graph's
+        pool and go with the graph at a teardown while later captures still used it."""
+        if device not in self._counters:
+            self._counters[device] = torch.zeros(self._COUNTERS, dtype=torch.int32, device=device)
+
+    def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``linear`` takes x [..., K] @ w [N, K]^T: at most ``torch_gemm.MAX_ROWS``
+        rows, a contiguous weight of a ``linear_dtypes`` dtype, x of the same dtype."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
+                and w.dim() == 2 and w.is_contiguous())
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds)."""
+        n, k = w.shape
+        p = torch_gemm.plan(n, k)
+        if torch_gemm.counters_needed(n, p) > self._COUNTERS:
+            raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
+        if x.device not in self._counters:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
+            self.reserve(x.device)
+        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device])
+        return y.view(*x.shape[:-1], n)
 
     @staticmethod
     def fits(head_dim: int) -> bool:

@@ -396,6 +396,8 @@ class TorchOps:
     def capture(self, fn, inputs, pool):
         if self._dev.type != "cuda":
             return None, tuple(fn(**inputs))
+        if self._kernels is not None:
+            self._kernels.reserve(self._dev)         # NOTE: before the capture (Kernels.reserve)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls other threads make meanwhile (another

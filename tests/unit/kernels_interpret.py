@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runtime.backends import torch_kernels  # noqa: E402
+from runtime.backends import torch_gemm, torch_kernels  # noqa: E402
 from runtime.backends.torch_kernels import Kernels  # noqa: E402
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.model import apply_rope  # noqa: E402
@@ -68,6 +68,23 @@ def kernel_errors() -> dict[str, float]:
     ref = Kernels.cache_attention(q, kc, vc, read_slots, positions, 128, max_len)
     worst = max(worst, (got - ref).abs().max().item())
     out["cache_attention"] = worst
+
+    # The split-K GEMM (float32 here; on a GPU it takes bf16/fp16): with and without splits,
+    # a row's bits independent of the other rows, every counter back at zero.
+    kern = Kernels()
+    kern.linear_dtypes = (torch.float32,)
+    worst = 0.0
+    for n, k in ((512, 256), (256, 2048), (96, 1600), (200, 96), (130, 1000)):
+        w = rnd(n, k) * 0.05
+        x = rnd(2, 5, k)
+        assert kern.fits_linear(x, w) and not kern.fits_linear(rnd(17, k), w)
+        y = kern.linear(x, w)
+        worst = max(worst, (y - x @ w.T).abs().max().item())
+        assert torch.equal(kern.linear(x[:1, :2], w), y[:1, :2]), (n, k)
+    assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
+    assert torch_gemm.plan(200, 96).split == 1
+    assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
+    out["linear"] = worst
     return out
 
 
@@ -82,8 +99,12 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # graphs: its steps are the eager ones, which run the plain ops), each launch counted.
     calls: dict[str, int] = {}
     kernels = Kernels()
-    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention"):
-        def counted(*a, _f=getattr(Kernels, name), _n=name, **kw):
+    # the bundled model's float32 projections on the split-K GEMM too, split down to 128 of K
+    # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
+    kernels.linear_dtypes = (torch.float32,)
+    torch_gemm._MIN_SPLIT_K = 128
+    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear"):
+        def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
             calls[_n] = calls.get(_n, 0) + 1
             return _f(*a, **kw)
         setattr(kernels, name, counted)
