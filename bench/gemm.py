@@ -93,7 +93,8 @@ def main(args) -> int:
     kv = BIG.num_key_value_heads * BIG.head_dim
     shapes = {"qkv": (d + 2 * kv, d), "o": (d, d), "gate_up": (2 * f, d), "down": (d, f), "head": (v, d)}
     if args.sweep:
-        splitk_table(torch, dev, rate, {k: v for k, v in shapes.items() if k != "head"}, sweep=True)
+        splitk_table(torch, dev, rate, {k: v for k, v in shapes.items() if k != "head"}, sweep=True,
+                     budget_s=args.seconds)
         return 0
     libs = ["default", "cublaslt"]
     print(f"bench gemm: {args.device} bf16, one call replayed in a CUDA graph over weight copies "

@@ -144,8 +144,16 @@ def main(args) -> int:
         # The same bare step on the plain ops (the fused kernels' reference), side by side.
         with ops.plain_ops():
             plain = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
+        # And on the fused kernels with every projection on cuBLAS (no split-K GEMM).
+        cublas = floor
+        if ops.kernels is not None:
+            ops.kernels.linear_dtypes = ()
+            try:
+                cublas = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
+            finally:
+                del ops.kernels.linear_dtypes                # the class's dtypes again
         results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3,
-                                   "plain_floor_ms": plain * 1e3}
+                                   "plain_floor_ms": plain * 1e3, "cublas_floor_ms": cublas * 1e3}
     t_reg.capture_all()
     d_reg.capture_all()
     for kind, b, ctx in progress(cases, desc="bench graphs: replays", unit="step"):
@@ -172,15 +180,18 @@ def main(args) -> int:
     print(f"bench graphs: torch {device} " + ("bf16, d=2048 L=16" if on_gpu else
           "fp32 small config (CPU smoke run: 'graph' is the eager stand-in)") + f", k={k}, max_len {MAX_LEN}, "
           f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
-          f"fused kernels {'on' if ops.kernels is not None else 'off'} ('plain ms': the bare step on the plain ops)")
+          f"fused kernels {'on' if ops.kernels is not None else 'off'} ('plain ms': the bare step on the plain ops; "
+          "'cublas ms': on the fused kernels with the projections on cuBLAS, not the split-K GEMM)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
-          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} {'plain ms':>9s} {'plain/floor':>11s}")
+          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} {'plain ms':>9s} {'plain/floor':>11s} "
+          f"{'cublas ms':>9s} {'cublas/floor':>12s}")
     for r in rows:
         wf = r["graph_over_weight_floor"]
         print(f"{r['step']:8s} {r['batch']:5d} {r['context']:5d} {r['span']:5d} {r['eager_ms']:9.3f} "
               f"{r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {r['host_us']:8.1f} {r['graph_speedup_vs_eager']:11.2f} "
               f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12} {r['plain_floor_ms']:9.3f} "
-              f"{r['plain_floor_ms'] / r['floor_ms']:11.2f}")
+              f"{r['plain_floor_ms'] / r['floor_ms']:11.2f} {r['cublas_floor_ms']:9.3f} "
+              f"{r['cublas_floor_ms'] / r['floor_ms']:12.2f}")
     print("graph time at context %d / at %d: " % (CONTEXTS[-1], CONTEXTS[0])
           + ", ".join(f"{key} {v:.2f}" for key, v in growth.items()))
     return 0
