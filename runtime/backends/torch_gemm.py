@@ -30,9 +30,12 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16               # rows one program holds (the tensor-core dot's smallest width)
-# Programs a launch aims for: about two per SM of an H200 (132 SMs), enough loads in
-# flight to read a weight at the copy rate.
-_TARGET_PROGRAMS = 264
+# Programs a launch aims for: one per SM of an H200 (132 SMs). NOTE: measured (bench gemm
+# --sweep, docs/performance.md § Session 13): o and down (32 column tiles) are fastest split 4,
+# and a weight of more than MAX_TILES column tiles is no faster than cuBLAS (q/k/v, 48 tiles:
+# 7.1 against 6.6 us; gate/up a tie), so those stay on cuBLAS.
+_TARGET_PROGRAMS = 132
+MAX_TILES = 32
 # K one program reduces at least (fewer, longer programs below it: each split costs a
 # partial's write and read).
 _MIN_SPLIT_K = 512
@@ -99,7 +102,13 @@ def plan(n: int, k: int) -> Plan:
     while tiles * split * 2 <= _TARGET_PROGRAMS and k // (split * 2) >= _MIN_SPLIT_K:
         split *= 2
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 4)
+    return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 5)
+
+
+def pays(n: int, k: int) -> bool:
+    """Whether a weight [n, k] goes to this GEMM: few column tiles, so cuBLAS (N tiles only)
+    would leave most SMs idle, and a K long enough to split."""
+    return triton.cdiv(n, 64) <= MAX_TILES and plan(n, k).split > 1
 
 
 def counters_needed(n: int, p: Plan) -> int:

@@ -240,10 +240,11 @@ class Kernels:
 
     def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``linear`` takes x [..., K] @ w [N, K]^T: at most ``torch_gemm.MAX_ROWS``
-        rows, a contiguous weight of a ``linear_dtypes`` dtype, x of the same dtype."""
+        rows, a contiguous weight of a ``linear_dtypes`` dtype whose shape ``torch_gemm.pays``
+        for, x of the same dtype."""
         rows = x.numel() // max(1, x.shape[-1])
         return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
-                and w.dim() == 2 and w.is_contiguous())
+                and w.dim() == 2 and w.is_contiguous() and torch_gemm.pays(*w.shape))
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds)."""

@@ -89,7 +89,6 @@ def test_split_k_linear_equals_f_linear_and_keeps_each_rows_bits(dtype):
     for n, k in ((3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (200, 96), (1000, 1000)):
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dtype)
         x16 = torch.randn(16, k, device="cuda", generator=g).to(dtype)
-        assert kernels.fits_linear(x16, w)
         y16 = kernels.linear(x16, w)
         worst = max(worst, _rel(y16, x16.float() @ w.float().T))
         for rows in (1, 4, 7):
@@ -108,7 +107,11 @@ def test_split_k_linear_equals_f_linear_and_keeps_each_rows_bits(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_graphs_decodes_the_same_tokens_with_the_kernels(dtype):
+def test_engine_with_graphs_decodes_the_same_tokens_with_the_kernels(dtype, monkeypatch):
+    from runtime.backends import torch_gemm
+
+    # the bundled model's d=256 splits only below the default 512 of K a program
+    monkeypatch.setattr(torch_gemm, "_MIN_SPLIT_K", 128)
     tok = ByteTokenizer()
     prompts = [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:6]]
     engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device="cuda:0", dtype=dtype),

@@ -77,12 +77,13 @@ def kernel_errors() -> dict[str, float]:
     for n, k in ((512, 256), (256, 2048), (96, 1600), (200, 96), (130, 1000)):
         w = rnd(n, k) * 0.05
         x = rnd(2, 5, k)
-        assert kern.fits_linear(x, w) and not kern.fits_linear(rnd(17, k), w)
+        assert kern.fits_linear(x, w) == torch_gemm.pays(n, k) and not kern.fits_linear(rnd(17, k), w)
         y = kern.linear(x, w)
         worst = max(worst, (y - x @ w.T).abs().max().item())
         assert torch.equal(kern.linear(x[:1, :2], w), y[:1, :2]), (n, k)
     assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
-    assert torch_gemm.plan(200, 96).split == 1
+    assert torch_gemm.plan(200, 96).split == 1 and not torch_gemm.pays(200, 96)
+    assert torch_gemm.pays(2048, 2048) and torch_gemm.pays(2048, 5632) and not torch_gemm.pays(3072, 2048)
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
     return out
