@@ -6,7 +6,8 @@ launch shape it uses for a weight of that shape.
 Why: at one to sixteen rows a projection is a weight read. cuBLAS tiles N only, so a
 2,048- or 3,072-column projection runs 32-48 thread blocks on an H200's 132 SMs and reads
 its weight at 34-48 % of the copy rate (docs/performance.md § Session 11). This kernel also
-splits K, so every projection fills the SMs, and reduces the splits without a second launch:
+splits K, so such a projection fills the SMs (``pays``: the o and down projections; the wider
+q/k/v and gate/up measured no faster than cuBLAS, § Session 13), and reduces the splits without a second launch:
 each program writes its partial sum, and the last program of a column tile to finish (an
 atomic counter) adds the partials in split order and writes the tile. The sum order is
 fixed, so the result does not depend on which program finishes last, and a row's result
