@@ -10,8 +10,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-# What the session scripts share: NCCL with NVLink multicast off (KINDS.md), a filter for the
+# What the session scripts share: NCCL with NVLink multicast off (KINDS.md), the seconds a call has left, a filter for the
 # services' log lines, and the run's date, GPUs and commit in $out/env.txt.
+left() { echo $(( ${1:-585} - SECONDS )); }   # seconds left of a call's $1 (default 585)
 quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
 gpu_prologue() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

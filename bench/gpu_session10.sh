@@ -22,7 +22,6 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
-left() { echo $(( ${1:-585} - SECONDS )); }
 case "$mode" in
 first)
   timeout 140 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py --durations=0 2>&1 \

@@ -19,7 +19,6 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
-left() { echo $(( ${1:-585} - SECONDS )); }
 case "$mode" in
 first)
   timeout 260 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \

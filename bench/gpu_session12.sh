@@ -21,7 +21,6 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
-left() { echo $(( ${1:-585} - SECONDS )); }
 services() {   # $1: file name, then extra bench services flags
   local name="$1"; shift
   timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \

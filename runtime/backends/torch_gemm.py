@@ -109,7 +109,8 @@ def plan(n: int, k: int) -> Plan:
 def pays(n: int, k: int) -> bool:
     """Whether a weight [n, k] goes to this GEMM: few column tiles, so cuBLAS (N tiles only)
     would leave most SMs idle, and a K long enough to split."""
-    return triton.cdiv(n, 64) <= MAX_TILES and plan(n, k).split > 1
+    p = plan(n, k)
+    return triton.cdiv(n, p.block_n) <= MAX_TILES and p.split > 1
 
 
 def counters_needed(n: int, p: Plan) -> int:
