@@ -23,6 +23,7 @@ BENCHES = {
     "tp": "bench.tp",              # target verify step, one device vs tensor-parallel (issue 14)
     "propose-host": "bench.propose_host",  # host µs per registry step and per greedy Propose, replays stubbed
     "gemm": "bench.gemm",          # the ~1B projections at decode shapes: cuBLAS layouts / libraries (issue 10)
+    "gemm-pdl": "bench.gemm_pdl",  # decode GEMMs as programmatic dependent launches that read ahead (issue 10)
     "prefill": "bench.prefill",    # a prefill eager vs replayed from a prefill graph, target and draft (issue 10)
     "adaptive": "bench.adaptive",  # adaptive k vs every fixed k on prompts where drafting pays and where not (issue 10)
 }

@@ -54,9 +54,12 @@ class Plan(NamedTuple):
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
     # acc[n, m] = sum over this program's K range of w[n, k] x[m, k], float32; the weight is
     # the dot's left operand (BLOCK_N rows), the padded rows of x its right one (MP columns).
+    # GLU: x is SwiGLU's output made on the fly from the fused gate/up rows [M, 2K] that
+    # x_ptr points to, x = silu(gate) * up, each product rounded to x's dtype as the
+    # standalone silu_mul kernel rounds it (torch_kernels.py), so the bits are the same.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +72,14 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         k = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
+        if GLU:
+            xm = mm[None, :] & km[:, None]
+            g = tl.load(x_ptr + m[None, :] * 2 * K + k[:, None], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + m[None, :] * 2 * K + K + k[:, None], mask=xm, other=0.0).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
+            x = (a * u).to(w_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
         acc += tl.dot(w, x, input_precision=PRECISION)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
@@ -118,11 +128,15 @@ def counters_needed(n: int, p: Plan) -> int:
     return triton.cdiv(n, p.block_n) if p.split > 1 else 0
 
 
-def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor) -> torch.Tensor:
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor,
+                  glu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[N, K]^T -> [M, N] in x's dtype. ``counters``: int32 zeros,
-    at least ``counters_needed(N, p)`` of them, left zero again by every launch."""
+    at least ``counters_needed(N, p)`` of them, left zero again by every launch. ``glu``: x is
+    the fused gate/up output [M, 2K] and the product is (silu(gate) * up) @ w^T."""
     m, k = x.shape
     n = w.shape[0]
+    if glu:
+        k //= 2
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = (torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
@@ -130,5 +144,5 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu)
     return y

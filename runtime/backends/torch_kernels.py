@@ -246,8 +246,10 @@ class Kernels:
         return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
                 and w.dim() == 2 and w.is_contiguous() and torch_gemm.pays(*w.shape))
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds)."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
+        """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds).
+        ``glu``: x is the fused gate/up output [..., 2K] and the result is
+        ``silu_mul(x, K) @ w^T``, SwiGLU made inside the GEMM (one launch fewer a layer)."""
         n, k = w.shape
         p = torch_gemm.plan(n, k)
         if torch_gemm.counters_needed(n, p) > self._COUNTERS:
@@ -256,7 +258,7 @@ class Kernels:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
             self.reserve(x.device)
-        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device])
+        y = torch_gemm.splitk_linear(x.reshape(-1, x.shape[-1]), w, p, self._counters[x.device], glu=glu)
         return y.view(*x.shape[:-1], n)
 
     @staticmethod

@@ -84,6 +84,10 @@ def kernel_errors() -> dict[str, float]:
     assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
     assert torch_gemm.plan(200, 96).split == 1 and not torch_gemm.pays(200, 96)
     assert torch_gemm.pays(2048, 2048) and torch_gemm.pays(2048, 5632) and not torch_gemm.pays(3072, 2048)
+    # SwiGLU inside the GEMM: the same bits as the silu_mul kernel, then the GEMM
+    gu, w = rnd(2, 5, 2 * 704), rnd(256, 704) * 0.05
+    assert torch.equal(kern.linear(gu, w, glu=True), kern.linear(Kernels.silu_mul(gu, 704), w))
+    assert torch.equal(kern.linear(gu[:1, :1], w, glu=True), kern.linear(gu, w, glu=True)[:1, :1])
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
     return out
@@ -106,7 +110,8 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     torch_gemm._MIN_SPLIT_K = 128
     for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
-            calls[_n] = calls.get(_n, 0) + 1
+            key = _n + ("_glu" if kw.get("glu") else "")
+            calls[key] = calls.get(key, 0) + 1
             return _f(*a, **kw)
         setattr(kernels, name, counted)
     engine.ops.kernels = kernels
