@@ -9,7 +9,10 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
   - floor: the same step (same context span) captured bare with the framework
     and replayed with no host work at all,
   - host us: the host's own time per registry step (queue idle before it),
-  - the weight-bytes floor of a target step (weight bytes / measured copy rate).
+  - the weight-bytes floor of a target step (weight bytes / measured copy rate),
+  - the bare step again under other settings of the fused kernels (``VARIANTS``): on the
+    plain ops, with every projection on cuBLAS (no split-K GEMM), and with the split-K GEMM
+    doing only projections (SwiGLU and RoPE + the KV write in kernels of their own).
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -34,6 +37,9 @@ BIG = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, nu
 SMALL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2)   # CPU smoke run (no CUDA graphs there)
 BUCKETS = (1, 8, 32)
+# Other settings of the fused kernels, each timed as a bare step beside the default one:
+# column -> the Kernels attributes set for it (None: the plain ops).
+VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "unfused": {"fuse_swiglu": False, "fuse_rope": False}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -140,20 +146,20 @@ def main(args) -> int:
         inp = inputs[(kind, b, ctx)] = inputs_for(kind, b, ctx)
         span = reg.span_for(reg.kinds[name], int(inp["positions"].max()) + 1)
         eager = _time(lambda: reg.run(name, inp), 10 if on_gpu else 3, ops.synchronize)
-        floor = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
-        # The same bare step on the plain ops (the fused kernels' reference), side by side.
-        with ops.plain_ops():
-            plain = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
-        # And on the fused kernels with every projection on cuBLAS (no split-K GEMM).
-        cublas = floor
-        if ops.kernels is not None:
-            ops.kernels.linear_dtypes = ()
+        bare = lambda: _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)  # noqa: E731
+        results[(kind, b, ctx)] = r = {"span": span, "eager_ms": eager * 1e3, "floor_ms": bare() * 1e3}
+        for col, attrs in VARIANTS.items():         # the same bare step under other settings, side by side
+            if attrs is None or ops.kernels is None:
+                with ops.plain_ops():
+                    r[f"{col}_ms"] = bare() * 1e3
+                continue
+            for a, v in attrs.items():
+                setattr(ops.kernels, a, v)
             try:
-                cublas = _floor(ops, lambda **kw: engine._step(**kw, attend_len=span), inp)
+                r[f"{col}_ms"] = bare() * 1e3
             finally:
-                del ops.kernels.linear_dtypes                # the class's dtypes again
-        results[(kind, b, ctx)] = {"span": span, "eager_ms": eager * 1e3, "floor_ms": floor * 1e3,
-                                   "plain_floor_ms": plain * 1e3, "cublas_floor_ms": cublas * 1e3}
+                for a in attrs:
+                    delattr(ops.kernels, a)          # the class's setting again
     t_reg.capture_all()
     d_reg.capture_all()
     for kind, b, ctx in progress(cases, desc="bench graphs: replays", unit="step"):
@@ -180,18 +186,23 @@ def main(args) -> int:
     print(f"bench graphs: torch {device} " + ("bf16, d=2048 L=16" if on_gpu else
           "fp32 small config (CPU smoke run: 'graph' is the eager stand-in)") + f", k={k}, max_len {MAX_LEN}, "
           f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
-          f"fused kernels {'on' if ops.kernels is not None else 'off'} ('plain ms': the bare step on the plain ops; "
-          "'cublas ms': on the fused kernels with the projections on cuBLAS, not the split-K GEMM)")
+          f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
+          "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
+          "'unfused' the split-K GEMM without SwiGLU or RoPE + the KV write in it)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
-          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} {'plain ms':>9s} {'plain/floor':>11s} "
-          f"{'cublas ms':>9s} {'cublas/floor':>12s}")
+          f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
+          + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))
     for r in rows:
         wf = r["graph_over_weight_floor"]
         print(f"{r['step']:8s} {r['batch']:5d} {r['context']:5d} {r['span']:5d} {r['eager_ms']:9.3f} "
               f"{r['graph_ms']:9.3f} {r['floor_ms']:9.3f} {r['host_us']:8.1f} {r['graph_speedup_vs_eager']:11.2f} "
-              f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12} {r['plain_floor_ms']:9.3f} "
-              f"{r['plain_floor_ms'] / r['floor_ms']:11.2f} {r['cublas_floor_ms']:9.3f} "
-              f"{r['cublas_floor_ms'] / r['floor_ms']:12.2f}")
+              f"{r['graph_over_floor']:11.3f} {wf if wf is not None else '-':>12} "
+              + " ".join(f"{r[c + '_ms']:10.3f}" for c in VARIANTS))
+    if floor_w_ms:
+        print("verify, bare step over the weight floor: " + "; ".join(
+            f"batch {r['batch']} context {r['context']}: " + " ".join(
+                f"{c} {r[c + '_ms'] / floor_w_ms:.2f}" for c in ("floor", *VARIANTS))
+            for r in rows if r["step"] == "verify"))
     print("graph time at context %d / at %d: " % (CONTEXTS[-1], CONTEXTS[0])
           + ", ".join(f"{key} {v:.2f}" for key, v in growth.items()))
     return 0

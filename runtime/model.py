@@ -301,15 +301,20 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
     as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33, the
     projections on the split-K GEMM where it fits (``Kernels.fits_linear``), and there SwiGLU
-    inside the down projection's GEMM (10 kernels).
+    inside the down projection's GEMM and RoPE with the KV-cache write as the q/k/v
+    projection's epilogue (9 kernels).
     x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     k_cache, v_cache = cache
-    qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
     # NOTE: k/v are written to the cache before attention reads it (the kernels run in
     # stream order), so tokens of this forward see each other.
-    q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+    w_qkv = p[prefix + "self_attn.qkv_proj.weight"]
+    if prefix + "self_attn.qkv_proj.bias" not in p and kern.fits_qkv_rope(hn, w_qkv, hd):
+        q = kern.qkv_rope(hn, w_qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+    else:
+        qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
+        q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
     if kern.fits_attention(h // kvh, t):
         attn = kern.cache_attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len,
                                     meta.max_len)
@@ -320,7 +325,7 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
                               cfg.rms_norm_eps)
     gate_up = _proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern)
     w_down = p[prefix + "mlp.down_proj.weight"]
-    if prefix + "mlp.down_proj.bias" not in p and kern.fits_linear(gate_up, w_down):
+    if prefix + "mlp.down_proj.bias" not in p and kern.fits_swiglu_linear(gate_up, w_down):
         down = kern.linear(gate_up, w_down, glu=True)      # SwiGLU made inside the down GEMM
     else:
         down = _proj(ops, p, prefix + "mlp.down_proj", kern.silu_mul(gate_up, cfg.intermediate_size), kern)

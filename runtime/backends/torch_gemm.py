@@ -52,22 +52,17 @@ class Plan(NamedTuple):
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-                   K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
-    # acc[n, m] = sum over this program's K range of w[n, k] x[m, k], float32; the weight is
-    # the dot's left operand (BLOCK_N rows), the padded rows of x its right one (MP columns).
+def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
+    # acc[n, m] = sum over [k_lo, k_lo + K_PER_SPLIT) of w[n, k] x[m, k], float32; the weight
+    # is the dot's left operand (the n rows), the padded rows of x its right one (MP columns).
     # GLU: x is SwiGLU's output made on the fly from the fused gate/up rows [M, 2K] that
     # x_ptr points to, x = silu(gate) * up, each product rounded to x's dtype as the
     # standalone silu_mul kernel rounds it (torch_kernels.py), so the bits are the same.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
     acc = tl.zeros([BLOCK_N, MP], tl.float32)
-    k_lo = pid_k * K_PER_SPLIT
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         k = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = k < K
@@ -81,33 +76,104 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         else:
             x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
         acc += tl.dot(w, x, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP: tl.constexpr, SPLIT: tl.constexpr):
+    # Store this program's partial (partials [SPLIT, N, MP] float32, its tile at [pid_k, n, :])
+    # and count it in; True for the last program of the column tile, which then reads all.
+    tl.store(part_ptr + pid_k * N * MP + tile, acc, mask=nm[:, None])
+    # NOTE: every thread's partial store is issued before the counter moves (the
+    # barrier), and the counter's acq_rel atomic publishes them to the program that
+    # sees the count reach SPLIT - 1 and reads them after it.
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+
+
+@triton.jit
+def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # The partials of one tile summed in split order: the same bits every run.
+    total = tl.zeros([BLOCK_N, MP], tl.float32)
+    for s in range(SPLIT):
+        total += tl.load(part_ptr + s * N * MP + tile, mask=nm[:, None], other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                   K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
+    # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, MP)
+    mm = m < M
+    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION, GLU)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
     else:
-        # partials [SPLIT, N, MP] float32; this program's tile at [pid_k, n, :]
         tile = n[:, None] * MP + m[None, :]
-        tl.store(part_ptr + pid_k * N * MP + tile, acc, mask=nm[:, None])
-        # NOTE: every thread's partial store is issued before the counter moves (the
-        # barrier), and the counter's acq_rel atomic publishes them to the program that
-        # sees the count reach SPLIT - 1 and reads them after it.
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            total = tl.zeros([BLOCK_N, MP], tl.float32)
-            for s in range(SPLIT):                       # fixed order: the same bits every run
-                total += tl.load(part_ptr + s * N * MP + tile, mask=nm[:, None], other=0.0, cache_modifier=".cg")
+        if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
+            total = _total(part_ptr, tile, N, nm, MP, BLOCK_N, SPLIT)
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
             # NOTE: the counter goes back to 0 for the next launch, which (stream order)
             # starts only after this one has finished.
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
 
 
-def plan(n: int, k: int) -> Plan:
-    """The launch shape for a weight [n, k]: 64 columns a program, K split in powers of two
-    until the launch has about ``_TARGET_PROGRAMS`` programs, each reducing at least
-    ``_MIN_SPLIT_K``."""
-    block_n, block_k = 64, 128
+@triton.jit
+def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
+                        M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
+                        D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
+    # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
+    # The last program of a tile rounds the head's sum to the model's dtype, as the
+    # projection's output is, then does what torch_kernels' rope_write_kv does with it:
+    # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D]),
+    # q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
+    # sum at the columns rotated by D/2, read from the partials too.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    d = tl.arange(0, D)
+    n = pid_n * D + d
+    nm = n < N
+    m = tl.arange(0, MP)
+    mm = m < M
+    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION, False)
+    tile = n[:, None] * MP + m[None, :]
+    if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
+        dt = q_ptr.dtype.element_ty
+        x = _total(part_ptr, tile, N, nm, MP, D, SPLIT).to(dt).to(tl.float32)       # [D, MP]
+        out_m = mm[None, :] & (d >= 0)[:, None]
+        if pid_n < H + KVH:
+            sw = pid_n * D + (d + D // 2) % D
+            xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT).to(dt).to(tl.float32)
+            c = tl.load(cos_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
+            r = x * c + xs * s
+            if pid_n < H:
+                tl.store(q_ptr + (m[None, :] * H + pid_n) * D + d[:, None], r.to(dt), mask=out_m)
+            else:
+                row = tl.load(widx_ptr + m, mask=mm, other=0)
+                tl.store(kc_ptr + (row[None, :] * KVH + pid_n - H) * D + d[:, None], r.to(kc_ptr.dtype.element_ty),
+                         mask=out_m)
+        else:
+            row = tl.load(widx_ptr + m, mask=mm, other=0)
+            tl.store(vc_ptr + (row[None, :] * KVH + pid_n - H - KVH) * D + d[:, None],
+                     x.to(vc_ptr.dtype.element_ty), mask=out_m)
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")      # NOTE: as in _splitk_kernel
+
+
+def plan(n: int, k: int, block_n: int = 64) -> Plan:
+    """The launch shape for a weight [n, k]: ``block_n`` columns a program (64; a head's width
+    for ``splitk_qkv_rope``), K split in powers of two until the launch has about
+    ``_TARGET_PROGRAMS`` programs, each reducing at least ``_MIN_SPLIT_K``."""
+    block_k = 128
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split * 2 <= _TARGET_PROGRAMS and k // (split * 2) >= _MIN_SPLIT_K:
@@ -146,3 +212,25 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu)
     return y
+
+
+def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                    kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
+                    counters: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
+    epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
+    ``write_index`` [M]. cos/sin [M, D]. The same bits as ``splitk_linear`` with the plan of
+    ``plan(N, K, D)`` followed by torch_kernels' ``rope_write_kv``. ``counters``: int32 zeros,
+    at least H + 2 KVH of them, left zero again."""
+    m, k = x.shape
+    n = w.shape[0]
+    d = n // (heads + 2 * kv_heads)
+    p = plan(n, k, d)
+    x = x.contiguous()
+    q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
+    part = torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
+    _splitk_rope_kernel[(heads + 2 * kv_heads, p.split)](
+        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index, q, k_cache, v_cache, m, n, k,
+        K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
+        num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return q

@@ -222,6 +222,11 @@ class Kernels:
     # projection is a weight read (float32 projections of the bundled model are launch-bound
     # and stay on cuBLAS; the interpreter test adds float32).
     linear_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    # Work the split-K GEMM takes over from the kernel before or after it (``bench graphs``
+    # times the step with both off, side by side): SwiGLU in the down projection's loads,
+    # RoPE and the KV-cache write as the q/k/v projection's epilogue.
+    fuse_swiglu: bool = True
+    fuse_rope: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -246,6 +251,35 @@ class Kernels:
         return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
                 and w.dim() == 2 and w.is_contiguous() and torch_gemm.pays(*w.shape))
 
+    def fits_swiglu_linear(self, gate_up: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``linear(gate_up, w, glu=True)`` takes SwiGLU inside the down projection."""
+        return self.fuse_swiglu and self.fits_linear(gate_up, w) and gate_up.shape[-1] == 2 * w.shape[1]
+
+    def fits_qkv_rope(self, x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+        """Whether ``qkv_rope`` takes x [..., K] @ w^T for the fused q/k/v weight w [(H + 2 KVH) D, K]:
+        as ``fits_linear`` for the rows and dtypes (whatever the weight's width: a head a program
+        fills the SMs), D a power of two from 16, a column tile's counter for every head."""
+        rows = x.numel() // max(1, x.shape[-1])
+        return (self.fuse_rope and rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes
+                and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and self.fits(head_dim)
+                and w.shape[0] % head_dim == 0 and w.shape[0] // head_dim <= self._COUNTERS)
+
+    def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                 kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+        """``rope_write_kv`` of the q/k/v projection x [B, T, K] @ w^T in one launch (``fits_qkv_rope``
+        holds): returns the rotated q [B, T, H, D], writes k and v to cache rows ``write_index``."""
+        b, t, k = x.shape
+        self._ready(x)
+        q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
+                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device])
+        return q.view(b, t, heads, -1)
+
+    def _ready(self, x: torch.Tensor) -> None:
+        if x.device not in self._counters:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
+            self.reserve(x.device)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
         """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds).
         ``glu``: x is the fused gate/up output [..., 2K] and the result is
@@ -254,10 +288,7 @@ class Kernels:
         p = torch_gemm.plan(n, k)
         if torch_gemm.counters_needed(n, p) > self._COUNTERS:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
-        if x.device not in self._counters:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
-            self.reserve(x.device)
+        self._ready(x)
         y = torch_gemm.splitk_linear(x.reshape(-1, x.shape[-1]), w, p, self._counters[x.device], glu=glu)
         return y.view(*x.shape[:-1], n)
 

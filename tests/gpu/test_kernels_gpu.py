@@ -8,7 +8,8 @@ What is shown (docs/gpu.md records the run):
   and two odd ones, at 1 to 16 rows, in bfloat16 and float16: a row's bits do not depend
   on the other rows or on the run, a captured launch gives the eager launch's bits, and
   every launch leaves its counters at zero; SwiGLU made inside the down projection's GEMM
-  gives the bits of the silu_mul kernel followed by the GEMM;
+  gives the bits of the silu_mul kernel followed by the GEMM, and the q/k/v projection with
+  RoPE and the KV-cache write in its epilogue the bits of the GEMM followed by rope_write_kv;
 - the bundled model under CUDA graphs with the kernels decodes the same greedy tokens as
   eagerly with the plain ops (float32), and target-only equals speculative (float32, and
   bfloat16 with the projections on the split-K GEMM).
@@ -116,6 +117,63 @@ def test_split_k_linear_equals_f_linear_and_keeps_each_rows_bits(dtype):
     assert worst < 1e-2
     assert not kernels.fits_linear(torch.zeros(17, 64, device="cuda", dtype=dtype), torch.zeros(8, 64, device="cuda", dtype=dtype))
     assert not kernels.fits_linear(torch.zeros(4, 64, device="cuda"), torch.zeros(8, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_qkv_projection_with_rope_and_the_cache_write_in_its_epilogue(dtype):
+    """``Kernels.qkv_rope`` at the ~1B shapes (16 heads, 4 K/V heads, head dim 128, 1-16 rows):
+    the bits of the split-K GEMM (a head a column tile) followed by ``rope_write_kv``, eager
+    and captured with fresh inputs every replay, and within bf16 rounding of cuBLAS + RoPE."""
+    from runtime.backends import torch_gemm
+
+    kernels = Kernels()
+    ops = TorchOps("cuda:0", "bfloat16", fused_kernels=True)
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h, kvh, hd, k, slots, max_len = 16, 4, 128, 2048, 8, 512
+    n = (h + 2 * kvh) * hd
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(dt)
+    counters = kernels._counters
+
+    def reference(x, cos, sin, rows, kc, vc, gemm=True):
+        qkv = (torch_gemm.splitk_linear(x.reshape(-1, k), w, torch_gemm.plan(n, k, hd), counters[x.device])
+               if gemm else x.reshape(-1, k) @ w.T)
+        return Kernels.rope_write_kv(qkv.view(*x.shape[:2], h + 2 * kvh, hd), cos, sin, h, kvh, kc, vc, rows)
+
+    worst = 0.0
+    for b, t in ((1, 1), (1, 4), (4, 4)):
+        fresh = lambda: {"x": torch.randn(b, t, k, device="cuda", generator=g).to(dt),  # noqa: E731
+                         "cos": torch.rand(b, t, 1, hd, device="cuda", generator=g).to(dt),
+                         "sin": torch.rand(b, t, 1, hd, device="cuda", generator=g).to(dt),
+                         "rows": torch.randperm(slots * max_len, device="cuda", generator=g)[:b * t]}
+        caches = lambda: (torch.zeros((slots + 1) * max_len, kvh, hd, device="cuda", dtype=dt),  # noqa: E731
+                          torch.zeros((slots + 1) * max_len, kvh, hd, device="cuda", dtype=dt))
+        inp = fresh()
+        kernels._ready(inp["x"])
+        (kc1, vc1), (kc2, vc2), (kc3, vc3) = caches(), caches(), caches()
+        q1 = kernels.qkv_rope(inp["x"], w, inp["cos"], inp["sin"], h, kvh, kc1, vc1, inp["rows"])
+        q2 = reference(inp["x"], inp["cos"], inp["sin"], inp["rows"], kc2, vc2)
+        assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), (b, t)
+        q3 = reference(inp["x"], inp["cos"], inp["sin"], inp["rows"], kc3, vc3, gemm=False)
+        worst = max(worst, _rel(q1, q3), _rel(kc1, kc3), _rel(vc1, vc3))
+        kc, vc = caches()
+        graph, (captured,) = ops.capture(
+            lambda x, cos, sin, rows: (kernels.qkv_rope(x, w, cos, sin, h, kvh, kc, vc, rows),), inp, None)
+        for _ in range(10):
+            new = fresh()
+            for key, v in new.items():
+                inp[key].copy_(v)
+            graph.replay()
+            kr, vr = caches()
+            want = reference(new["x"], new["cos"], new["sin"], new["rows"], kr, vr)
+            torch.cuda.synchronize()
+            live = new["rows"]
+            assert torch.equal(captured, want) and torch.equal(kc[live], kr[live]) and torch.equal(vc[live], vr[live])
+        del graph
+    assert int(counters[torch.device("cuda:0")].abs().sum()) == 0
+    print(f"\n[gpu kernels] q/k/v + RoPE + cache write {dtype}: worst relative difference from cuBLAS + "
+          f"rope_write_kv {worst:.2e}")
+    assert worst < 2e-2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -88,6 +88,24 @@ def kernel_errors() -> dict[str, float]:
     gu, w = rnd(2, 5, 2 * 704), rnd(256, 704) * 0.05
     assert torch.equal(kern.linear(gu, w, glu=True), kern.linear(Kernels.silu_mul(gu, 704), w))
     assert torch.equal(kern.linear(gu[:1, :1], w, glu=True), kern.linear(gu, w, glu=True)[:1, :1])
+    # q/k/v with RoPE and the cache write as the GEMM's epilogue: the bits of the split-K GEMM
+    # (a head a column tile) followed by rope_write_kv, with splits and without
+    n = (h + 2 * kvh) * hd
+    for least in (64, 512):
+        torch_gemm._MIN_SPLIT_K = least
+        w, x = rnd(n, 256) * 0.05, rnd(b, 3, 256)
+        cos, sin = rnd(b, 3, 1, hd), rnd(b, 3, 1, hd)
+        rows = torch.tensor([5, 6, 7, 130, 131, 132])
+        kc1, vc1 = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
+        kc2, vc2 = kc1.clone(), vc1.clone()
+        assert kern.fits_qkv_rope(x, w, hd)
+        q1 = kern.qkv_rope(x, w, cos, sin, h, kvh, kc1, vc1, rows)
+        p = torch_gemm.plan(n, 256, hd)
+        assert p.split == (2 if least == 64 else 1)
+        qkv = torch_gemm.splitk_linear(x.reshape(-1, 256), w, p, kern._counters[torch.device("cpu")])
+        q2 = Kernels.rope_write_kv(qkv.view(b, 3, h + 2 * kvh, hd), cos, sin, h, kvh, kc2, vc2, rows)
+        assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), least
+    torch_gemm._MIN_SPLIT_K = 512
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
     return out
@@ -108,7 +126,7 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
     kernels.linear_dtypes = (torch.float32,)
     torch_gemm._MIN_SPLIT_K = 128
-    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear"):
+    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
             key = _n + ("_glu" if kw.get("glu") else "")
             calls[key] = calls.get(key, 0) + 1
