@@ -2,7 +2,11 @@
 
 Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K] with M <= ``MAX_ROWS``
 and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
-launch shape it uses for a weight of that shape.
+launch shape it uses for a weight of that shape; two variants that do a neighbouring kernel's
+work in the same launch: ``glu`` (x made as SwiGLU's silu(gate) * up from the fused gate/up
+rows while it is loaded: the down projection) and ``splitk_qkv_rope`` (a head a column tile,
+RoPE and the KV-cache write as the epilogue: the q/k/v projection). Each gives the bits of
+the GEMM and the kernel it replaces run one after the other.
 Why: at one to sixteen rows a projection is a weight read. cuBLAS tiles N only, so a
 2,048- or 3,072-column projection runs 32-48 thread blocks on an H200's 132 SMs and reads
 its weight at 34-48 % of the copy rate (docs/performance.md § Session 11). This kernel also

@@ -13,10 +13,13 @@ float32 and rounds once where the plain ops round after each op):
                        KV cache (no gather), split over the keys
                        (flash-decoding) and combined
 and when a projection at decode shapes goes to the split-K GEMM of
-``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps.
+``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps;
+there the GEMM also takes over ``silu_mul`` (SwiGLU made in the down
+projection's loads, ``fits_swiglu_linear``) and ``rope_write_kv`` (the q/k/v
+projection's epilogue, ``fits_qkv_rope`` / ``qkv_rope``), with the same bits.
 Why: the plain layer runs ~33 kernels at decode shapes, most of them a few
 microseconds of elementwise work (see docs/performance.md § Fused kernels);
-this layer runs 11.
+this layer runs 11, or 9 with the GEMM's fusions (§ Session 14).
 
 Must not know: models, checkpoints, requests. The model (``runtime/model.py``)
 decides where each kernel applies (``Kernels.fits_attention``) and keeps the
