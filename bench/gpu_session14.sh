@@ -6,8 +6,8 @@
 #                                               # tests, bench graphs with the fusions on and off, bench gemm-pdl
 #                                               # (do dependent launches let a GEMM read its weight early?), the
 #                                               # propose and round-loop GPU tests, bench peer with what is left
-#   bash bench/gpu_session14.sh OUT_DIR final   # the final code: kernel, propose and round-loop GPU tests,
-#                                               # bench graphs, bench peer (bundled and ~1B, batch 1)
+#   bash bench/gpu_session14.sh OUT_DIR final   # the fusions off by default: bench graphs with each of them
+#                                               # side by side, bench peer (bundled and ~1B, batch 1)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -25,12 +25,9 @@ first)
     2>&1 | quiet | tee "$out/bench_peer.txt" | tail -8
   ;;
 final)
-  timeout 220 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -E "^\[gpu|passed|failed|error|Error|assert" | tail -30
   timeout 150 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -16
-  timeout "$(left 585)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
-    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -12
+  timeout 200 python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
+    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -5
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac

@@ -225,11 +225,13 @@ class Kernels:
     # projection is a weight read (float32 projections of the bundled model are launch-bound
     # and stay on cuBLAS; the interpreter test adds float32).
     linear_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    # Work the split-K GEMM takes over from the kernel before or after it (``bench graphs``
-    # times the step with both off, side by side): SwiGLU in the down projection's loads,
-    # RoPE and the KV-cache write as the q/k/v projection's epilogue.
-    fuse_swiglu: bool = True
-    fuse_rope: bool = True
+    # Work the split-K GEMM takes over from the kernel before or after it: SwiGLU in the down
+    # projection's loads, RoPE and the KV-cache write as the q/k/v projection's epilogue.
+    # NOTE: off: the two together made the ~1B verify step slower on an H200 (0.929 against
+    # 0.890 ms at batch 1; ``bench graphs`` times each side by side, docs/performance.md
+    # § Session 14).
+    fuse_swiglu: bool = False
+    fuse_rope: bool = False
     _COUNTERS = 4096
 
     def __init__(self) -> None:

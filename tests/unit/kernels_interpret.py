@@ -73,6 +73,7 @@ def kernel_errors() -> dict[str, float]:
     # a row's bits independent of the other rows, every counter back at zero.
     kern = Kernels()
     kern.linear_dtypes = (torch.float32,)
+    kern.fuse_swiglu = kern.fuse_rope = True              # off by default (docs/performance.md § Session 14)
     worst = 0.0
     for n, k in ((512, 256), (256, 2048), (96, 1600), (200, 96), (130, 1000)):
         w = rnd(n, k) * 0.05
@@ -125,6 +126,7 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # the bundled model's float32 projections on the split-K GEMM too, split down to 128 of K
     # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
     kernels.linear_dtypes = (torch.float32,)
+    kernels.fuse_swiglu = kernels.fuse_rope = True       # the GEMM's fusions in the model too
     torch_gemm._MIN_SPLIT_K = 128
     for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
