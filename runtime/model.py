@@ -316,8 +316,7 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
         q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
     if kern.fits_attention(h // kvh, t):
-        attn = kern.cache_attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len,
-                                    meta.max_len)
+        attn = kern.attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len, meta.max_len)
     else:                                                                      # many query rows: plain attention
         attn = _context_attention(ops, q, cache, meta)
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 MAX_ROWS = 16               # rows one program holds (the tensor-core dot's smallest width)
 # Programs a launch aims for: one per SM of an H200 (132 SMs). NOTE: measured (bench gemm
@@ -53,6 +54,7 @@ class Plan(NamedTuple):
     k_per_split: int        # K one program reduces (a multiple of block_k)
     warps: int
     stages: int
+    preload: bool = False   # the whole slice (k_per_split, a power of two) read in one go (``preload_plan``)
 
 
 @triton.jit
@@ -107,15 +109,35 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
+                   PRELOAD: tl.constexpr, PDL: tl.constexpr):
     # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
+    # PDL: launched as a programmatic dependent launch, which may start while the kernel before
+    # it (whose output x is) still runs; gdc_wait waits for that kernel's end.
+    # NOTE: nothing but the weight is read before gdc_wait, and nothing is written: y, the
+    # partials and the counters may share memory the kernel before it still uses.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION, GLU)
+    k_lo = pid_k * K_PER_SPLIT
+    if PRELOAD:
+        # the program's whole weight slice [BLOCK_N, K_PER_SPLIT] loaded into registers before
+        # the wait (so the reads really happen while the kernel before runs), one dot after it
+        kk = k_lo + tl.arange(0, K_PER_SPLIT)
+        kmask = kk < K
+        w_all = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & kmask[None, :],
+                        other=0.0)
+        if PDL:
+            gdc_wait()
+        x_all = tl.load(x_ptr + m[None, :] * K + kk[:, None], mask=mm[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(w_all, x_all, input_precision=PRECISION)
+    else:
+        if PDL:
+            gdc_wait()
+        acc = _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION, GLU)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
@@ -186,6 +208,18 @@ def plan(n: int, k: int, block_n: int = 64) -> Plan:
     return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 5)
 
 
+def preload_plan(n: int, k: int) -> Plan | None:
+    """The launch shape that holds each program's whole weight slice in registers, 64 x 512
+    (8 warps), when the weight splits into such slices that fit one wave (``_TARGET_PROGRAMS``):
+    the ~1B o projection [2048, 2048] as 32 x 4. None otherwise. NOTE: measured as a dependent
+    launch after a 4 us kernel (``bench gemm-pdl``): 3.73 us against 5.68 for ``plan``."""
+    per = 512
+    tiles, split = triton.cdiv(n, 64), k // per
+    if k % per or split < 2 or tiles * split > _TARGET_PROGRAMS:
+        return None
+    return Plan(64, 128, split, per, 8, 1, True)
+
+
 def pays(n: int, k: int) -> bool:
     """Whether a weight [n, k] goes to this GEMM: few column tiles, so cuBLAS (N tiles only)
     would leave most SMs idle, and a K long enough to split."""
@@ -199,10 +233,13 @@ def counters_needed(n: int, p: Plan) -> int:
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor,
-                  glu: bool = False) -> torch.Tensor:
+                  glu: bool = False, pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[N, K]^T -> [M, N] in x's dtype. ``counters``: int32 zeros,
     at least ``counters_needed(N, p)`` of them, left zero again by every launch. ``glu``: x is
-    the fused gate/up output [M, 2K] and the product is (silu(gate) * up) @ w^T."""
+    the fused gate/up output [M, 2K] and the product is (silu(gate) * up) @ w^T (not with a
+    preload plan). ``pdl`` (CUDA, compute capability 9.0+): a programmatic dependent launch."""
+    if glu and p.preload:
+        raise ValueError("a preload plan does not make SwiGLU in its loads")
     m, k = x.shape
     n = w.shape[0]
     if glu:
@@ -214,7 +251,8 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, PRELOAD=p.preload, PDL=pdl,
+        launch_pdl=pdl)
     return y
 
 

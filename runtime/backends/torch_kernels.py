@@ -35,11 +35,14 @@ so a step using them is captured into a CUDA graph like any other. With
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from runtime.backends import torch_gemm
 
@@ -117,12 +120,16 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
                             span, max_len, scale, T, nsplit,
                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr):
+                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr):
     # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
     # (row r = g*T + t is query head kh*G + g of token t) against keys
     # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
     # and j < span. Online softmax (running max m, sum l, unnormalised acc); one split
     # writes the output, several write (acc, m, l) for _attention_combine_kernel.
+    # EARLY: the dependent launch after this one (the combine, or the o projection after a
+    # direct launch) may start now; it waits for this kernel's end before it reads.
+    if EARLY:
+        gdc_launch_dependents()
     bk = tl.program_id(0)
     sp = tl.program_id(1)
     b = (bk // KVH).to(tl.int64)
@@ -168,12 +175,18 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
 
 @triton.jit(do_not_specialize=["T", "nsplit"])
 def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constexpr, KVH: tl.constexpr,
-                              G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT_P: tl.constexpr):
+                              G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT_P: tl.constexpr,
+                              EARLY: tl.constexpr):
     # One program per (batch row x K/V head, live query row r):
     # out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, m = max_s m_s (splits that
     # saw no visible key carry m_s = -1e30 and weigh nothing). All splits of the row are
     # read as one [NSPLIT_P, D] tile: a serial loop over the splits in a handful of
     # programs cost ~22 us per layer at span 3,072 on an H200 (docs/performance.md).
+    # EARLY: itself a dependent launch of the split kernel: lets the o projection start, then
+    # waits for the split kernel's end before reading its partials.
+    if EARLY:
+        gdc_launch_dependents()
+        gdc_wait()
     bk = tl.program_id(0)
     r = tl.program_id(1)
     b = (bk // KVH).to(tl.int64)
@@ -190,6 +203,17 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constex
     out = tl.sum(w[:, None] * acc, 0) / tl.maximum(den, 1.0e-30)                         # [D]
     qoff = ((b * T + r % T) * H + kh * G + r // T) * D
     tl.store(out_ptr + qoff + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _gdc(t: torch.Tensor) -> bool:
+    """Whether launches on t's device can be programmatic dependent launches: CUDA, compute
+    capability 9.0 and up, not Triton's interpreter."""
+    return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _hopper(t.device.index or 0)
 
 
 def _pow2(n: int) -> int:
@@ -232,6 +256,10 @@ class Kernels:
     # § Session 14).
     fuse_swiglu: bool = False
     fuse_rope: bool = False
+    # A projection that ``torch_gemm.preload_plan`` takes (the o projection) runs as a
+    # programmatic dependent launch after the attention (``attention``), each program reading
+    # its whole weight slice before it waits for the attention's end (``bench gemm-pdl``).
+    preload: bool = False
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -294,7 +322,12 @@ class Kernels:
         if torch_gemm.counters_needed(n, p) > self._COUNTERS:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
-        y = torch_gemm.splitk_linear(x.reshape(-1, x.shape[-1]), w, p, self._counters[x.device], glu=glu)
+        pdl = False
+        if self.preload and not glu and _gdc(x):
+            pre = torch_gemm.preload_plan(n, k)
+            if pre is not None:
+                p, pdl = pre, True
+        y = torch_gemm.splitk_linear(x.reshape(-1, x.shape[-1]), w, p, self._counters[x.device], glu=glu, pdl=pdl)
         return y.view(*x.shape[:-1], n)
 
     @staticmethod
@@ -337,12 +370,20 @@ class Kernels:
                                         HP=_pow2(heads), KP=_pow2(kv_heads))
         return q
 
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
+                  positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
+        """``cache_attention`` as the model runs it: with ``preload``, letting the o projection
+        after it start at once (``early``)."""
+        return self.cache_attention(q, k_cache, v_cache, read_slots, positions, span, max_len,
+                                    early=self.preload and _gdc(q))
+
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                         positions: torch.Tensor, span: int, max_len: int,
-                        min_split_keys: int = _BLOCK_N) -> torch.Tensor:
+                        min_split_keys: int = _BLOCK_N, early: bool = False) -> torch.Tensor:
         """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
-        (``min_split_keys``: see ``attention_plan``)."""
+        (``min_split_keys``: see ``attention_plan``). ``early`` (``_gdc`` devices): the kernel
+        after it may be a programmatic dependent launch that starts before this one ends."""
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
@@ -360,8 +401,8 @@ class Kernels:
         _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
                                                    span, max_len, 1.0 / math.sqrt(d), t, nsplit,
                                                    H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
-                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split)
+                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early)
         if nsplit > 1:
             _attention_combine_kernel[(b * kvh, g * t)](acc, ml, out, t, nsplit, H=h, KVH=kvh, G=g, D=d, M=m,
-                                                  NSPLIT_P=_pow2(nsplit))
+                                                  NSPLIT_P=_pow2(nsplit), EARLY=early, launch_pdl=early)
         return out

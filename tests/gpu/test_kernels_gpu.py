@@ -10,6 +10,7 @@ What is shown (docs/gpu.md records the run):
   every launch leaves its counters at zero; SwiGLU made inside the down projection's GEMM
   gives the bits of the silu_mul kernel followed by the GEMM, and the q/k/v projection with
   RoPE and the KV-cache write in its epilogue the bits of the GEMM followed by rope_write_kv;
+  the o projection as a dependent launch after the attention gives a plain launch's bits;
 - the bundled model under CUDA graphs with the kernels decodes the same greedy tokens as
   eagerly with the plain ops (float32), and target-only equals speculative (float32, and
   bfloat16 with the projections on the split-K GEMM).
@@ -117,6 +118,52 @@ def test_split_k_linear_equals_f_linear_and_keeps_each_rows_bits(dtype):
     assert worst < 1e-2
     assert not kernels.fits_linear(torch.zeros(17, 64, device="cuda", dtype=dtype), torch.zeros(8, 64, device="cuda", dtype=dtype))
     assert not kernels.fits_linear(torch.zeros(4, 64, device="cuda"), torch.zeros(8, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("span", [384, 40])
+def test_o_projection_as_a_dependent_launch_after_the_attention(dtype, span):
+    """``Kernels.preload``: the attention lets the o projection launch at once (the combine
+    kernel a dependent launch too, or the direct launch at a short span), and the projection
+    reads its weight slice before it waits. Captured, with fresh queries before every replay:
+    the bits of the same plan launched plainly after a plain attention."""
+    from runtime.backends import torch_gemm
+
+    kernels = Kernels()
+    kernels.preload = True
+    ops = TorchOps("cuda:0", "bfloat16", fused_kernels=True)
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h, kvh, hd, max_len = 16, 4, 128, 4096
+    kc, vc = (torch.randn(2 * max_len, kvh, hd, device="cuda", generator=g).to(dt) for _ in range(2))
+    w = (torch.randn(2048, 2048, device="cuda", generator=g) * 0.02).to(dt)
+    slots = torch.tensor([1], device="cuda")
+    pos = torch.arange(span - 4, span, device="cuda").view(1, 4)
+    pre = torch_gemm.preload_plan(2048, 2048)
+    assert pre is not None
+
+    def chain(q):
+        attn = kernels.attention(q, kc, vc, slots, pos, span, max_len)
+        return (kernels.linear(attn.reshape(1, 4, h * hd), w),)
+
+    def reference(q):
+        attn = Kernels.cache_attention(q, kc, vc, slots, pos, span, max_len)
+        kernels._ready(q)
+        return torch_gemm.splitk_linear(attn.reshape(4, h * hd), w, pre, kernels._counters[q.device]).view(1, 4, -1)
+
+    fresh = lambda: torch.randn(1, 4, h, hd, device="cuda", generator=g).to(dt)  # noqa: E731
+    inp = {"q": fresh()}
+    assert torch.equal(chain(**inp)[0], reference(inp["q"]))
+    graph, (out,) = ops.capture(chain, inp, None)
+    for _ in range(30):
+        q = fresh()
+        inp["q"].copy_(q)
+        graph.replay()
+        want = reference(q)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    del graph
+    assert int(kernels._counters[torch.device("cuda:0")].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -85,6 +85,16 @@ def kernel_errors() -> dict[str, float]:
     assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
     assert torch_gemm.plan(200, 96).split == 1 and not torch_gemm.pays(200, 96)
     assert torch_gemm.pays(2048, 2048) and torch_gemm.pays(2048, 5632) and not torch_gemm.pays(3072, 2048)
+    # The preload plan (each program's whole slice in one load and one dot; on a GPU the o
+    # projection's, launched as a dependent launch): the same product, rows independent.
+    pre = torch_gemm.preload_plan(256, 1024)
+    assert pre is not None and pre.split == 2 and pre.preload
+    assert torch_gemm.preload_plan(2048, 2048).split == 4 and torch_gemm.preload_plan(3072, 2048) is None
+    w, x = rnd(256, 1024) * 0.05, rnd(10, 1024)
+    counters = kern._counters[torch.device("cpu")]
+    y = torch_gemm.splitk_linear(x, w, pre, counters)
+    worst = max(worst, (y - x @ w.T).abs().max().item())
+    assert torch.equal(torch_gemm.splitk_linear(x[:3], w, pre, counters), y[:3])
     # SwiGLU inside the GEMM: the same bits as the silu_mul kernel, then the GEMM
     gu, w = rnd(2, 5, 2 * 704), rnd(256, 704) * 0.05
     assert torch.equal(kern.linear(gu, w, glu=True), kern.linear(Kernels.silu_mul(gu, 704), w))
