@@ -11,9 +11,10 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
   - host us: the host's own time per registry step (queue idle before it),
   - the weight-bytes floor of a target step (weight bytes / measured copy rate),
   - the bare step again under other settings of the fused kernels (``VARIANTS``): on the
-    plain ops, with every projection on cuBLAS (no split-K GEMM), and with the split-K GEMM
-    taking SwiGLU, RoPE + the KV write, or both from the kernels around it, and with the o
-    projection a dependent launch reading its weight during the attention (``preload``).
+    plain ops, with every projection on cuBLAS (no split-K GEMM), without RoPE + the KV write
+    in the q/k/v projection's epilogue (``Kernels.fuse_rope``), without the o projection as a
+    dependent launch that reads its weight during the attention (``Kernels.preload``), and
+    without either.
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -40,9 +41,8 @@ SMALL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_
 BUCKETS = (1, 8, 32)
 # Other settings of the fused kernels, each timed as a bare step beside the default one:
 # column -> the Kernels attributes set for it (None: the plain ops).
-VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "swiglu": {"fuse_swiglu": True},
-            "rope": {"fuse_rope": True}, "both": {"fuse_swiglu": True, "fuse_rope": True},
-            "preload": {"preload": True}}
+VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-rope": {"fuse_rope": False},
+            "no-preload": {"preload": False}, "neither": {"fuse_rope": False, "preload": False}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -191,8 +191,8 @@ def main(args) -> int:
           f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
           f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
           "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
-          "'swiglu' / 'rope' / 'both' the split-K GEMM taking SwiGLU / RoPE + the KV write / both, "
-          "'preload' the o projection a dependent launch reading its weight during the attention)")
+          "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' the o projection launched "
+          "plainly, 'neither' both)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -300,9 +300,8 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
                  defer: bool) -> Any:
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
     as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33, the
-    projections on the split-K GEMM where it fits (``Kernels.fits_linear``), and there SwiGLU
-    inside the down projection's GEMM and RoPE with the KV-cache write as the q/k/v
-    projection's epilogue (9 kernels).
+    projections on the split-K GEMM where it fits (``Kernels.fits_linear``), and there RoPE
+    with the KV-cache write as the q/k/v projection's epilogue (10 kernels).
     x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -322,12 +321,8 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)
     x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
                               cfg.rms_norm_eps)
-    gate_up = _proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern)
-    w_down = p[prefix + "mlp.down_proj.weight"]
-    if prefix + "mlp.down_proj.bias" not in p and kern.fits_swiglu_linear(gate_up, w_down):
-        down = kern.linear(gate_up, w_down, glu=True)      # SwiGLU made inside the down GEMM
-    else:
-        down = _proj(ops, p, prefix + "mlp.down_proj", kern.silu_mul(gate_up, cfg.intermediate_size), kern)
+    mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern), cfg.intermediate_size)
+    down = _proj(ops, p, prefix + "mlp.down_proj", mlp, kern)
     down = down if reduce is None else reduce(down)
     return (x, down) if defer else x + down
 

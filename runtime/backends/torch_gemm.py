@@ -2,11 +2,11 @@
 
 Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K] with M <= ``MAX_ROWS``
 and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
-launch shape it uses for a weight of that shape; two variants that do a neighbouring kernel's
-work in the same launch: ``glu`` (x made as SwiGLU's silu(gate) * up from the fused gate/up
-rows while it is loaded: the down projection) and ``splitk_qkv_rope`` (a head a column tile,
-RoPE and the KV-cache write as the epilogue: the q/k/v projection). Each gives the bits of
-the GEMM and the kernel it replaces run one after the other.
+launch shape it uses for a weight of that shape; ``splitk_qkv_rope``, the q/k/v projection
+with RoPE and the KV-cache write as its epilogue (a head a column tile; the bits of the GEMM
+followed by torch_kernels' ``rope_write_kv``); and ``preload_plan``, a launch shape whose
+programs read their whole weight slice before waiting for the kernel ahead of them, for a
+programmatic dependent launch (the o projection after the attention).
 Why: at one to sixteen rows a projection is a weight read. cuBLAS tiles N only, so a
 2,048- or 3,072-column projection runs 32-48 thread blocks on an H200's 132 SMs and reads
 its weight at 34-48 % of the copy rate (docs/performance.md § Session 11). This kernel also
@@ -59,12 +59,9 @@ class Plan(NamedTuple):
 
 @triton.jit
 def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr):
+             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     # acc[n, m] = sum over [k_lo, k_lo + K_PER_SPLIT) of w[n, k] x[m, k], float32; the weight
     # is the dot's left operand (the n rows), the padded rows of x its right one (MP columns).
-    # GLU: x is SwiGLU's output made on the fly from the fused gate/up rows [M, 2K] that
-    # x_ptr points to, x = silu(gate) * up, each product rounded to x's dtype as the
-    # standalone silu_mul kernel rounds it (torch_kernels.py), so the bits are the same.
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
@@ -73,14 +70,7 @@ def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.c
         k = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        if GLU:
-            xm = mm[None, :] & km[:, None]
-            g = tl.load(x_ptr + m[None, :] * 2 * K + k[:, None], mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + m[None, :] * 2 * K + K + k[:, None], mask=xm, other=0.0).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(w_ptr.dtype.element_ty).to(tl.float32)
-            x = (a * u).to(w_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
+        x = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=mm[None, :] & km[:, None], other=0.0)
         acc += tl.dot(w, x, input_precision=PRECISION)
     return acc
 
@@ -109,7 +99,7 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                    PRELOAD: tl.constexpr, PDL: tl.constexpr):
     # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
     # PDL: launched as a programmatic dependent launch, which may start while the kernel before
@@ -137,7 +127,7 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     else:
         if PDL:
             gdc_wait()
-        acc = _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION, GLU)
+        acc = _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
@@ -170,7 +160,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION, False)
+    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
     tile = n[:, None] * MP + m[None, :]
     if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
         dt = q_ptr.dtype.element_ty
@@ -233,17 +223,12 @@ def counters_needed(n: int, p: Plan) -> int:
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor,
-                  glu: bool = False, pdl: bool = False) -> torch.Tensor:
+                  pdl: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[N, K]^T -> [M, N] in x's dtype. ``counters``: int32 zeros,
-    at least ``counters_needed(N, p)`` of them, left zero again by every launch. ``glu``: x is
-    the fused gate/up output [M, 2K] and the product is (silu(gate) * up) @ w^T (not with a
-    preload plan). ``pdl`` (CUDA, compute capability 9.0+): a programmatic dependent launch."""
-    if glu and p.preload:
-        raise ValueError("a preload plan does not make SwiGLU in its loads")
+    at least ``counters_needed(N, p)`` of them, left zero again by every launch. ``pdl`` (CUDA,
+    compute capability 9.0+): a programmatic dependent launch."""
     m, k = x.shape
     n = w.shape[0]
-    if glu:
-        k //= 2
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = (torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
@@ -251,8 +236,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GLU=glu, PRELOAD=p.preload, PDL=pdl,
-        launch_pdl=pdl)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, launch_pdl=pdl)
     return y
 
 

@@ -14,12 +14,13 @@ float32 and rounds once where the plain ops round after each op):
                        (flash-decoding) and combined
 and when a projection at decode shapes goes to the split-K GEMM of
 ``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps;
-there the GEMM also takes over ``silu_mul`` (SwiGLU made in the down
-projection's loads, ``fits_swiglu_linear``) and ``rope_write_kv`` (the q/k/v
-projection's epilogue, ``fits_qkv_rope`` / ``qkv_rope``), with the same bits.
+there the GEMM also takes over ``rope_write_kv`` (the q/k/v projection's
+epilogue, ``fits_qkv_rope`` / ``qkv_rope``, with the same bits), and the o
+projection runs as a programmatic dependent launch that reads its weight while
+the attention runs (``preload``, ``attention``).
 Why: the plain layer runs ~33 kernels at decode shapes, most of them a few
 microseconds of elementwise work (see docs/performance.md § Fused kernels);
-this layer runs 11, or 9 with the GEMM's fusions (§ Session 14).
+this layer runs 10 (§ Session 14).
 
 Must not know: models, checkpoints, requests. The model (``runtime/model.py``)
 decides where each kernel applies (``Kernels.fits_attention``) and keeps the
@@ -249,17 +250,16 @@ class Kernels:
     # projection is a weight read (float32 projections of the bundled model are launch-bound
     # and stay on cuBLAS; the interpreter test adds float32).
     linear_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    # Work the split-K GEMM takes over from the kernel before or after it: SwiGLU in the down
-    # projection's loads, RoPE and the KV-cache write as the q/k/v projection's epilogue.
-    # NOTE: off: the two together made the ~1B verify step slower on an H200 (0.929 against
-    # 0.890 ms at batch 1; ``bench graphs`` times each side by side, docs/performance.md
-    # § Session 14).
-    fuse_swiglu: bool = False
-    fuse_rope: bool = False
+    # RoPE and the KV-cache write as the q/k/v projection's epilogue on the split-K GEMM
+    # (``qkv_rope``). NOTE: measured (``bench graphs``, docs/performance.md § Session 14): the
+    # ~1B verify at batch 1 ×2.16 the weight floor against ×2.21 without (SwiGLU made in the
+    # down projection's loads was tried the same way and made it slower: ×2.36; not kept).
+    fuse_rope: bool = True
     # A projection that ``torch_gemm.preload_plan`` takes (the o projection) runs as a
     # programmatic dependent launch after the attention (``attention``), each program reading
-    # its whole weight slice before it waits for the attention's end (``bench gemm-pdl``).
-    preload: bool = False
+    # its whole weight slice before it waits for the attention's end. NOTE: measured as
+    # above: ×2.15 against ×2.21 without, ×2.10 with ``fuse_rope`` too.
+    preload: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -283,10 +283,6 @@ class Kernels:
         rows = x.numel() // max(1, x.shape[-1])
         return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
                 and w.dim() == 2 and w.is_contiguous() and torch_gemm.pays(*w.shape))
-
-    def fits_swiglu_linear(self, gate_up: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether ``linear(gate_up, w, glu=True)`` takes SwiGLU inside the down projection."""
-        return self.fuse_swiglu and self.fits_linear(gate_up, w) and gate_up.shape[-1] == 2 * w.shape[1]
 
     def fits_qkv_rope(self, x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
         """Whether ``qkv_rope`` takes x [..., K] @ w^T for the fused q/k/v weight w [(H + 2 KVH) D, K]:
@@ -313,21 +309,20 @@ class Kernels:
                 raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
             self.reserve(x.device)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
-        """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds).
-        ``glu``: x is the fused gate/up output [..., 2K] and the result is
-        ``silu_mul(x, K) @ w^T``, SwiGLU made inside the GEMM (one launch fewer a layer)."""
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds); a
+        weight that ``torch_gemm.preload_plan`` takes runs as a dependent launch with ``preload``."""
         n, k = w.shape
         p = torch_gemm.plan(n, k)
         if torch_gemm.counters_needed(n, p) > self._COUNTERS:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
         pdl = False
-        if self.preload and not glu and _gdc(x):
+        if self.preload and _gdc(x):
             pre = torch_gemm.preload_plan(n, k)
             if pre is not None:
                 p, pdl = pre, True
-        y = torch_gemm.splitk_linear(x.reshape(-1, x.shape[-1]), w, p, self._counters[x.device], glu=glu, pdl=pdl)
+        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
         return y.view(*x.shape[:-1], n)
 
     @staticmethod

@@ -73,7 +73,6 @@ def kernel_errors() -> dict[str, float]:
     # a row's bits independent of the other rows, every counter back at zero.
     kern = Kernels()
     kern.linear_dtypes = (torch.float32,)
-    kern.fuse_swiglu = kern.fuse_rope = True              # off by default (docs/performance.md § Session 14)
     worst = 0.0
     for n, k in ((512, 256), (256, 2048), (96, 1600), (200, 96), (130, 1000)):
         w = rnd(n, k) * 0.05
@@ -95,10 +94,6 @@ def kernel_errors() -> dict[str, float]:
     y = torch_gemm.splitk_linear(x, w, pre, counters)
     worst = max(worst, (y - x @ w.T).abs().max().item())
     assert torch.equal(torch_gemm.splitk_linear(x[:3], w, pre, counters), y[:3])
-    # SwiGLU inside the GEMM: the same bits as the silu_mul kernel, then the GEMM
-    gu, w = rnd(2, 5, 2 * 704), rnd(256, 704) * 0.05
-    assert torch.equal(kern.linear(gu, w, glu=True), kern.linear(Kernels.silu_mul(gu, 704), w))
-    assert torch.equal(kern.linear(gu[:1, :1], w, glu=True), kern.linear(gu, w, glu=True)[:1, :1])
     # q/k/v with RoPE and the cache write as the GEMM's epilogue: the bits of the split-K GEMM
     # (a head a column tile) followed by rope_write_kv, with splits and without
     n = (h + 2 * kvh) * hd
@@ -136,12 +131,10 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # the bundled model's float32 projections on the split-K GEMM too, split down to 128 of K
     # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
     kernels.linear_dtypes = (torch.float32,)
-    kernels.fuse_swiglu = kernels.fuse_rope = True       # the GEMM's fusions in the model too
     torch_gemm._MIN_SPLIT_K = 128
     for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
-            key = _n + ("_glu" if kw.get("glu") else "")
-            calls[key] = calls.get(key, 0) + 1
+            calls[_n] = calls.get(_n, 0) + 1
             return _f(*a, **kw)
         setattr(kernels, name, counted)
     engine.ops.kernels = kernels
