@@ -304,9 +304,10 @@ class Kernels:
         return q.view(b, t, heads, -1)
 
     def _ready(self, x: torch.Tensor) -> None:
+        """The split-K GEMM's counters on x's device (allocated now when outside a capture)."""
         if x.device not in self._counters:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("Kernels.reserve(device) must run before a capture that uses Kernels.linear")
+                raise RuntimeError("Kernels.reserve(device) must run before a capture that uses the split-K GEMM")
             self.reserve(x.device)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
