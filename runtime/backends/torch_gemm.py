@@ -166,6 +166,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
         dt = q_ptr.dtype.element_ty
         x = _total(part_ptr, tile, N, nm, MP, D, SPLIT).to(dt).to(tl.float32)       # [D, MP]
         out_m = mm[None, :] & (d >= 0)[:, None]
+        row = tl.load(widx_ptr + m, mask=mm, other=0)                                 # k/v cache rows
         if pid_n < H + KVH:
             sw = pid_n * D + (d + D // 2) % D
             xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT).to(dt).to(tl.float32)
@@ -175,11 +176,9 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
             if pid_n < H:
                 tl.store(q_ptr + (m[None, :] * H + pid_n) * D + d[:, None], r.to(dt), mask=out_m)
             else:
-                row = tl.load(widx_ptr + m, mask=mm, other=0)
                 tl.store(kc_ptr + (row[None, :] * KVH + pid_n - H) * D + d[:, None], r.to(kc_ptr.dtype.element_ty),
                          mask=out_m)
         else:
-            row = tl.load(widx_ptr + m, mask=mm, other=0)
             tl.store(vc_ptr + (row[None, :] * KVH + pid_n - H - KVH) * D + d[:, None],
                      x.to(vc_ptr.dtype.element_ty), mask=out_m)
         tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")      # NOTE: as in _splitk_kernel
