@@ -118,6 +118,11 @@ class Scheduler:
     def admission_paused(self) -> bool:
         return self._paused
 
+    @property
+    def stopping(self) -> bool:
+        """``stop`` was called: nothing joins any more."""
+        return self._stopping
+
     def snapshot(self) -> tuple[int, int]:
         """(active, queued) request counts."""
         with self._cv:

@@ -102,22 +102,15 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
         service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
-    server, port = service.server, service.port
+    port = service.port
     announce(role, port, service.metrics_port, cfg.server.host, cfg.security)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
-    # NOTE: the workers hold no client state worth draining: stop with a
-    # short grace so in-flight rounds answer, then exit.
-    if rendezvous is not None or cfg.tp > 1:
-        # NOTE: a tensor-parallel target tears down on every rank (graphs, then weights) and
-        # then tells the other ranks to stop; exiting without that would leave them to find
-        # rank 0 gone.
-        service.stop(grace=SHUTDOWN_GRACE_S)
-        return 0
-    from core.admin_token import stop_serving
-
-    stop_serving(port)                        # the generated token's file goes with the service
-    server.stop(grace=SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
+    # NOTE: the workers hold no client state worth draining: stop with a short grace so
+    # in-flight rounds answer, then the service's ordered stop: the round loop ends its
+    # requests (the orchestrator's stream closes then, not at the end of the grace period),
+    # graphs go before weights, and a tensor-parallel target tells its other ranks to stop.
+    service.stop(grace=SHUTDOWN_GRACE_S)
     return 0
 
 

@@ -126,7 +126,10 @@ class DecodeSession:
                 self._cancel_all()
                 return
             with self._lock:
-                if self._input_done and not self._holds:
+                # NOTE: a closed round loop (the service stopping) ends the call once its requests
+                # have their final events out, without waiting for the caller to half-close: the
+                # server's grace period is for rounds in flight, not for an idle stream.
+                if (self._input_done or self.rounds.closed) and not self._holds:
                     return
 
     def _responses(self, items: list[tuple[Any, Any]]) -> list[tpb.DecodeStreamResponse]:

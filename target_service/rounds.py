@@ -297,6 +297,11 @@ class RoundHost:
                            link.reconnects if link is not None else 0, self.scheduler.round, self.configured,
                            self.paused)
 
+    @property
+    def closed(self) -> bool:
+        """``close`` was called: the loop takes no request any more."""
+        return self.scheduler.stopping
+
     def close(self) -> None:
         """End every request (UNAVAILABLE, slots released), stop reconnecting."""
         self.scheduler.stop()

@@ -206,6 +206,40 @@ def test_specsplit_up_sigterm_leaves_no_orphans_and_restarts_on_the_same_port(mo
         proc.wait(10)
         wait_until(lambda: all(gone(pid) for pid in kids), "the children of a killed `up` to exit", timeout=20)
     finally:
+        left = [service_of(pid) for pid in kids if not gone(pid)]
+        for pid in kids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running: {left}"
+
+
+def service_of(pid: int) -> str:
+    """Which service a child of `up` is (its subcommand), or "gone"."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return "gone"
+    return next((w for w in argv if w in ("orchestrator", "target", "draft")), "?")
+
+
+def test_sigterm_to_the_target_ends_the_orchestrators_stream_within_the_round_not_the_grace(model):
+    # The orchestrator keeps one DecodeStream open to the target; a target told to stop ends it
+    # once its round loop has closed (requests end UNAVAILABLE), instead of holding the port
+    # through the whole shutdown grace period (10 s) waiting for the caller to hang up.
+    proc, addresses = start_up(model)
+    kids = children_of(proc.pid)
+    try:
+        with SpecsplitClient(addresses["orchestrator"], timeout=60) as client:
+            assert client.generate_text("up", 8).finish_reason in ("length", "stop")
+            target = next(pid for pid in kids if service_of(pid) == "target")
+            t0 = time.monotonic()
+            os.kill(target, signal.SIGTERM)
+            wait_until(lambda: gone(target), "the target to exit", timeout=8)
+            assert time.monotonic() - t0 < 8
+            wait_until(lambda: unavailable_now(client), "Generate to answer UNAVAILABLE without a target", timeout=30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
         for pid in kids:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
