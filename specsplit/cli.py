@@ -102,8 +102,7 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
         service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
-    port = service.port
-    announce(role, port, service.metrics_port, cfg.server.host, cfg.security)
+    announce(role, service.port, service.metrics_port, cfg.server.host, cfg.security)
     sig = wait_for_signal()
     log.info("stopping", signal=sig)
     # NOTE: the workers hold no client state worth draining: stop with a short grace so

@@ -204,13 +204,14 @@ def test_specsplit_up_sigterm_leaves_no_orphans_and_restarts_on_the_same_port(mo
         assert again["orchestrator"] == addresses["orchestrator"] and health_ok(again["orchestrator"])
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        wait_until(lambda: all(gone(pid) for pid in kids), "the children of a killed `up` to exit", timeout=20)
+        try:
+            wait_until(lambda: all(gone(pid) for pid in kids), "the children of a killed `up` to exit", timeout=20)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; still running: {[service_of(p) for p in kids if not gone(p)]}") from None
     finally:
-        left = [service_of(pid) for pid in kids if not gone(pid)]
         for pid in kids:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert not left, f"still running: {left}"
 
 
 def service_of(pid: int) -> str:
@@ -232,10 +233,8 @@ def test_sigterm_to_the_target_ends_the_orchestrators_stream_within_the_round_no
         with SpecsplitClient(addresses["orchestrator"], timeout=60) as client:
             assert client.generate_text("up", 8).finish_reason in ("length", "stop")
             target = next(pid for pid in kids if service_of(pid) == "target")
-            t0 = time.monotonic()
             os.kill(target, signal.SIGTERM)
             wait_until(lambda: gone(target), "the target to exit", timeout=8)
-            assert time.monotonic() - t0 < 8
             wait_until(lambda: unavailable_now(client), "Generate to answer UNAVAILABLE without a target", timeout=30)
     finally:
         proc.send_signal(signal.SIGTERM)
