@@ -71,6 +71,8 @@ def _floor(ops, step, inputs: dict) -> float:
     On CPU (smoke runs) the floor is the bare eager step on prebuilt tensors."""
     import torch
 
+    from runtime.backends.torch_ops import gc_paused
+
     static = {k: ops.from_numpy(v, None if v.dtype.kind == "f" else "int64") for k, v in inputs.items()}
     if not ops.device.startswith("cuda"):
         with torch.no_grad():
@@ -80,7 +82,7 @@ def _floor(ops, step, inputs: dict) -> float:
             step(**static)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with gc_paused(), torch.cuda.graph(g):
             step(**static)
     t = _time(g.replay, 200, torch.cuda.synchronize)
     del g

@@ -10,6 +10,7 @@ tensors through pinned chunks (``fill_from_files``), and the device sampler
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from typing import Any
 
@@ -27,6 +28,34 @@ _STAGE_SLOTS = 8            # pinned staging buffers in the ring (uploads in fli
 _STAGE_BYTES = 1 << 20      # larger uploads (weights) take the plain synchronous path
 _FILL_CHUNK, _FILL_SLOTS = 32 << 20, 3   # fill_from_files: pinned chunk buffers (96 MiB while it runs)
 _ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]     # captures running now, and whether the collector was on before the first
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off while the body runs (nested and concurrent uses count).
+
+    NOTE: around every CUDA graph capture. A collection that runs inside a capture may free an
+    unreachable ``CUDAGraph`` (an engine dropped without ``close``, a test's leftovers); its
+    ``reset`` is then a CUDA call made while the stream is capturing, which invalidates the
+    capture (seen on an H200: ``operation not permitted when stream is capturing (function
+    reset)``, then cuBLAS failing inside the capture). Outside captures the collector runs as usual.
+    """
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
 
 
 class _StageRing:
@@ -402,6 +431,6 @@ class TorchOps:
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls other threads make meanwhile (another
         # worker serving eagerly) neither fail nor invalidate this capture.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = tuple(fn(**inputs))
         return graph, outputs

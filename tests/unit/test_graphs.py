@@ -129,3 +129,38 @@ def test_propose_kinds_bookkeeping(model_dir):
     assert calls and reg.stats.replays - before == len(calls) and reg.stats.eager_runs == 0   # one replay each
     reg.clear()
     assert reg.keys() == [] and not any(reg.can_replay(f"propose{k}", 1, 10) for k in (1, 2, 3))
+
+
+def test_garbage_collector_paused_through_nested_and_concurrent_captures():
+    # A collection inside a CUDA graph capture can free a dropped CUDAGraph, whose reset then
+    # invalidates the capture (docs/gpu.md); TorchOps.capture runs under gc_paused.
+    import gc
+    import threading
+
+    torch_ops = pytest.importorskip("runtime.backends.torch_ops")
+    assert gc.isenabled()
+    inside, release = threading.Event(), threading.Event()
+
+    def other_capture():
+        with torch_ops.gc_paused():
+            inside.set()
+            assert release.wait(10)
+
+    t = threading.Thread(target=other_capture)
+    try:
+        with torch_ops.gc_paused():
+            assert not gc.isenabled()
+            t.start()
+            assert inside.wait(10)
+        assert not gc.isenabled(), "the collector came back while another capture still ran"
+    finally:
+        release.set()
+        t.join(10)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with torch_ops.gc_paused():
+            pass
+        assert not gc.isenabled(), "a collector switched off before the capture was switched on by it"
+    finally:
+        gc.enable()
