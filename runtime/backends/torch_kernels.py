@@ -61,8 +61,12 @@ MAX_QUERY_ROWS = 32
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, EARLY: tl.constexpr):
     # s = x + d (rounded to x's dtype, as the plain add), y = s / rms(s) * w.
+    # EARLY: a dependent launch after this one (the q/k/v projection reading its weight ahead)
+    # may start now; it waits for this kernel's end before it reads y.
+    if EARLY:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -77,9 +81,12 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr, EARLY: tl.constexpr):
     # out = silu(gate) * up, gate/up = the two halves of one row of the fused output;
     # silu's result is rounded to the output dtype first, as the plain ops do.
+    # EARLY: as in _add_rms_norm_kernel (the down projection reading its weight ahead).
+    if EARLY:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < f
@@ -206,6 +213,31 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constex
     tl.store(out_ptr + qoff + d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, CHUNK: tl.constexpr, NCHUNK: tl.constexpr,
+                   NCHUNK_P: tl.constexpr):
+    # Program (row, chunk): the largest value of x[row, chunk*CHUNK : (chunk+1)*CHUNK] and its
+    # first index; the last program of the row to finish (an atomic counter, as in the split-K
+    # GEMM) takes the first chunk holding the row's largest value. Ties go to the lowest index,
+    # as torch.argmax's do: within a chunk tie_break_left, across chunks the lowest chunk.
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + row * V + cols, mask=cols < V, other=-float("inf"))
+    v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * NCHUNK + c, v)
+    tl.store(idx_ptr + row * NCHUNK + c, c * CHUNK + i)
+    tl.debug_barrier()                                       # NOTE: as in torch_gemm._arrive
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == NCHUNK - 1:
+        cs = tl.arange(0, NCHUNK_P)
+        ok = cs < NCHUNK
+        vs = tl.load(val_ptr + row * NCHUNK + cs, mask=ok, other=-float("inf"), cache_modifier=".cg")
+        best = tl.max(vs, 0)
+        first = tl.min(tl.where(ok & (vs == best), cs, NCHUNK_P), 0)
+        tl.store(out_ptr + row, tl.load(idx_ptr + row * NCHUNK + first, cache_modifier=".cg").to(tl.int64))
+        tl.atomic_xchg(count_ptr + row, 0, sem="relaxed")     # NOTE: as in torch_gemm's kernels
+
+
 @functools.cache
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -260,6 +292,14 @@ class Kernels:
     # its whole weight slice before it waits for the attention's end. NOTE: measured as
     # above: ×2.15 against ×2.21 without, ×2.10 with ``fuse_rope`` too.
     preload: bool = True
+    # With ``preload``, the same for a projection whose slices are longer than the registers
+    # hold (the down projection, after ``silu_mul``): the first part of each read ahead.
+    preload_down: bool = True
+    # With ``preload`` and ``fuse_rope``, the q/k/v projection (``qkv_rope``) as a dependent
+    # launch after ``add_rms_norm``, the first part of each program's slice read ahead.
+    preload_qkv: bool = True
+    # The greedy argmax over the vocabulary split over programs (``argmax``).
+    split_argmax: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -300,7 +340,8 @@ class Kernels:
         b, t, k = x.shape
         self._ready(x)
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
-                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device])
+                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
+                                       preload=(early := self._early(x) and self.preload_qkv), pdl=early)
         return q.view(b, t, heads, -1)
 
     def _ready(self, x: torch.Tensor) -> None:
@@ -319,12 +360,39 @@ class Kernels:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
         pdl = False
-        if self.preload and _gdc(x):
-            pre = torch_gemm.preload_plan(n, k)
+        if self._early(x):
+            pre = torch_gemm.preload_plan(n, k, partial=self.preload_down)
             if pre is not None:
                 p, pdl = pre, True
         y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
         return y.view(*x.shape[:-1], n)
+
+    def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:
+        """Whether ``argmax`` takes x: float32 over its last axis, a counter for every row."""
+        return (self.split_argmax and x.dtype == torch.float32 and axis in (-1, x.dim() - 1) and x.dim() >= 1
+                and x.numel() // max(1, x.shape[-1]) <= self._COUNTERS and x.shape[-1] > 0)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, -1) (``fits_argmax`` holds), split over the last axis: torch's
+        reduction runs a thread block a row (~10 us for 4 rows of a 32,000-token vocabulary on
+        an H200, docs/performance.md § Session 16). Same indices, ties included; a row holding
+        NaN is not torch's answer (NaN logits are a broken model either way)."""
+        v = x.shape[-1]
+        rows = x.numel() // v
+        self._ready(x)
+        chunk = min(4096, _pow2(v))
+        nchunk = triton.cdiv(v, chunk)
+        vals = torch.empty((rows, nchunk), dtype=torch.float32, device=x.device)
+        idx = torch.empty((rows, nchunk), dtype=torch.int32, device=x.device)
+        out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
+        _argmax_kernel[(rows, nchunk)](x.contiguous(), vals, idx, self._counters[x.device], out, v,
+                                       CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P=_pow2(nchunk))
+        return out
+
+    def _early(self, t: torch.Tensor) -> bool:
+        """Whether launches on t's device read ahead (``preload``): dependent launches there, and
+        the kernels before them letting them start early."""
+        return self.preload and _gdc(t)
 
     @staticmethod
     def fits(head_dim: int) -> bool:
@@ -336,22 +404,22 @@ class Kernels:
         """Whether one program holds a step's query rows (decode and verify, not long prefills)."""
         return groups * tokens <= MAX_QUERY_ROWS
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
         """(x + delta, rms_norm(x + delta) * w), both shaped and typed like x."""
         n = x.shape[-1]
         x2, d2 = x.reshape(-1, n).contiguous(), delta.reshape(-1, n).contiguous()
         s, y = torch.empty_like(x2), torch.empty_like(x2)
-        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, w, s, y, n, eps, BLOCK=_pow2(n))
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, w, s, y, n, eps, BLOCK=_pow2(n),
+                                             EARLY=self._early(x2) and self.preload_qkv and self.fuse_rope)
         return s.view(x.shape), y.view(x.shape)
 
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
         """gate_up [..., 2*ffn] -> silu(gate_up[..., :ffn]) * gate_up[..., ffn:]."""
         gu = gate_up.reshape(-1, 2 * ffn).contiguous()
         out = torch.empty((gu.shape[0], ffn), dtype=gu.dtype, device=gu.device)
         block = min(1024, _pow2(ffn))
-        _silu_mul_kernel[(gu.shape[0], triton.cdiv(ffn, block))](gu, out, ffn, BLOCK=block)
+        _silu_mul_kernel[(gu.shape[0], triton.cdiv(ffn, block))](gu, out, ffn, BLOCK=block,
+                                                                 EARLY=self._early(gu) and self.preload_down)
         return out.view(*gate_up.shape[:-1], ffn)
 
     @staticmethod
