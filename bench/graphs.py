@@ -12,11 +12,9 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
   - the weight-bytes floor of a target step (weight bytes / measured copy rate),
   - the bare step again under other settings of the fused kernels (``VARIANTS``): on the
     plain ops, with every projection on cuBLAS (no split-K GEMM), without RoPE + the KV write
-    in the q/k/v projection's epilogue (``Kernels.fuse_rope``), with no projection as a
-    dependent launch that reads its weight ahead (``Kernels.preload``), with only the o
-    projection so (session 14's default), without the q/k/v or the down projection so
-    (``Kernels.preload_qkv`` / ``preload_down``), and with torch's argmax
-    (``Kernels.split_argmax``).
+    in the q/k/v projection's epilogue (``Kernels.fuse_rope``), without the o projection as a
+    dependent launch that reads its weight during the attention (``Kernels.preload``),
+    without either, and with torch's argmax (``Kernels.split_argmax``).
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -44,8 +42,7 @@ BUCKETS = (1, 8, 32)
 # Other settings of the fused kernels, each timed as a bare step beside the default one:
 # column -> the Kernels attributes set for it (None: the plain ops).
 VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-rope": {"fuse_rope": False},
-            "no-preload": {"preload": False}, "o-preload": {"preload_qkv": False, "preload_down": False},
-            "no-qkv-pre": {"preload_qkv": False}, "no-down-pre": {"preload_down": False},
+            "no-preload": {"preload": False}, "neither": {"fuse_rope": False, "preload": False},
             "no-argmax": {"split_argmax": False}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
@@ -197,9 +194,8 @@ def main(args) -> int:
           f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
           f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
           "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
-          "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' every projection launched "
-          "plainly, 'o-preload' only the o projection reading ahead, 'no-qkv-pre' / 'no-down-pre' the q/k/v / "
-          "down projection launched plainly, 'no-argmax' torch's argmax)")
+          "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' the o projection launched "
+          "plainly, 'neither' both, 'no-argmax' torch's argmax)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -54,34 +54,19 @@ class Plan(NamedTuple):
     k_per_split: int        # K one program reduces (a multiple of block_k)
     warps: int
     stages: int
-    pre_k: int = 0          # K (a power of two) of each program's slice read into registers in one go before
-                            # a dependent launch's wait (``preload_plan``); the rest of the slice after it
+    preload: bool = False   # the whole slice (k_per_split, a power of two) read in one go (``preload_plan``)
 
 
 @triton.jit
 def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     # acc[n, m] = sum over [k_lo, k_lo + K_PER_SPLIT) of w[n, k] x[m, k], float32; the weight
     # is the dot's left operand (the n rows), the padded rows of x its right one (MP columns).
-    # PRE_K > 0: the first PRE_K of the range are read into registers in one go, before the
-    # wait of a dependent launch (PDL), and taken as one dot after it; the rest is the loop.
-    # NOTE: nothing but the weight is read before gdc_wait.
-    tl.static_assert(PRE_K == K_PER_SPLIT or PRE_K % BLOCK_K == 0)
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    if PRE_K > 0:
-        kk = k_lo + tl.arange(0, PRE_K)
-        kpm = kk < K
-        w_pre = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & kpm[None, :], other=0.0)
-    if PDL:
-        gdc_wait()
-    if PRE_K > 0:
-        x_pre = tl.load(x_ptr + m[None, :] * K + kk[:, None], mask=mm[None, :] & kpm[:, None], other=0.0)
-        acc = tl.dot(w_pre, x_pre, input_precision=PRECISION)
-    else:
-        acc = tl.zeros([BLOCK_N, MP], tl.float32)
-    for k0 in range(PRE_K, K_PER_SPLIT, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, MP], tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         k = k_lo + k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -115,10 +100,10 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   PRE_K: tl.constexpr, PDL: tl.constexpr):
+                   PRELOAD: tl.constexpr, PDL: tl.constexpr):
     # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
     # PDL: launched as a programmatic dependent launch, which may start while the kernel before
-    # it (whose output x is) still runs; gdc_wait (in _partial) waits for that kernel's end.
+    # it (whose output x is) still runs; gdc_wait waits for that kernel's end.
     # NOTE: nothing but the weight is read before gdc_wait, and nothing is written: y, the
     # partials and the counters may share memory the kernel before it still uses.
     pid_n = tl.program_id(0)
@@ -127,8 +112,22 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION,
-                   PRE_K, PDL)
+    k_lo = pid_k * K_PER_SPLIT
+    if PRELOAD:
+        # the program's whole weight slice [BLOCK_N, K_PER_SPLIT] loaded into registers before
+        # the wait (so the reads really happen while the kernel before runs), one dot after it
+        kk = k_lo + tl.arange(0, K_PER_SPLIT)
+        kmask = kk < K
+        w_all = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & kmask[None, :],
+                        other=0.0)
+        if PDL:
+            gdc_wait()
+        x_all = tl.load(x_ptr + m[None, :] * K + kk[:, None], mask=mm[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(w_all, x_all, input_precision=PRECISION)
+    else:
+        if PDL:
+            gdc_wait()
+        acc = _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION)
     out = y_ptr + m[None, :] * N + n[:, None]
     if SPLIT == 1:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
@@ -146,15 +145,14 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
                         M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                         D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, PRE_K: tl.constexpr, PDL: tl.constexpr):
+                        PRECISION: tl.constexpr):
     # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
     # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
     # The last program of a tile rounds the head's sum to the model's dtype, as the
     # projection's output is, then does what torch_kernels' rope_write_kv does with it:
     # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D]),
     # q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
-    # sum at the columns rotated by D/2, read from the partials too. PRE_K, PDL: as in
-    # _splitk_kernel (a dependent launch after the RMSNorm whose output x is).
+    # sum at the columns rotated by D/2, read from the partials too.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     d = tl.arange(0, D)
@@ -162,8 +160,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION,
-                   PRE_K, PDL)
+    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
     tile = n[:, None] * MP + m[None, :]
     if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
         dt = q_ptr.dtype.element_ty
@@ -200,45 +197,16 @@ def plan(n: int, k: int, block_n: int = 64) -> Plan:
     return Plan(block_n, block_k, triton.cdiv(k, per), per, 4, 5)
 
 
-# Weight elements one program of a dependent launch holds in registers before its wait (64 x 512
-# bf16: 64 registers a thread at 8 warps).
-PRE_ELEMS = 64 * 512
-
-
-def preload_plan(n: int, k: int, partial: bool = True) -> Plan | None:
-    """The launch shape of a dependent launch whose programs read their weight slice into
-    registers before the wait, for a weight that ``pays`` and fits one wave (``_TARGET_PROGRAMS``):
-    - the whole slice, 64 x 512 (8 warps), when K splits into such slices: the ~1B o projection
-      [2048, 2048] as 32 x 4. NOTE: measured as a dependent launch after a 4 us kernel
-      (``bench gemm-pdl``): 3.73 us against 5.68 for ``plan``;
-    - with ``partial``, ``plan``'s shape with the first 512 of each longer slice read ahead and
-      the rest in the loop after the wait (the ~1B down projection, [2048, 5632] as 32 x 4 slices
-      of 64 x 1,408).
-    None otherwise."""
-    per = PRE_ELEMS // 64
+def preload_plan(n: int, k: int) -> Plan | None:
+    """The launch shape that holds each program's whole weight slice in registers, 64 x 512
+    (8 warps), when the weight splits into such slices that fit one wave (``_TARGET_PROGRAMS``):
+    the ~1B o projection [2048, 2048] as 32 x 4. None otherwise. NOTE: measured as a dependent
+    launch after a 4 us kernel (``bench gemm-pdl``): 3.73 us against 5.68 for ``plan``."""
+    per = 512
     tiles, split = triton.cdiv(n, 64), k // per
-    if k % per == 0 and split >= 2 and tiles * split <= _TARGET_PROGRAMS:
-        return Plan(64, 128, split, per, 8, 1, per)
-    p = plan(n, k)
-    if not partial or not pays(n, k) or triton.cdiv(n, p.block_n) * p.split > _TARGET_PROGRAMS or p.k_per_split <= per:
+    if k % per or split < 2 or tiles * split > _TARGET_PROGRAMS:
         return None
-    return p._replace(warps=8, stages=3, pre_k=per)
-
-
-def qkv_plan(n: int, k: int, head_dim: int, preload: bool = False) -> Plan:
-    """``splitk_qkv_rope``'s launch shape: ``plan`` with a head a column tile; with ``preload``
-    (a dependent launch) the first ``PRE_ELEMS`` of each program's slice read ahead (8 warps)."""
-    p = plan(n, k, head_dim)
-    if not preload:
-        return p
-    pre = min(p.k_per_split, _pow2_floor(PRE_ELEMS // head_dim))
-    if pre < p.k_per_split:
-        pre -= pre % p.block_k                    # the loop after it steps by block_k (``_partial``)
-    return p._replace(warps=8, stages=3, pre_k=pre) if pre else p
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << max(0, x.bit_length() - 1)
+    return Plan(64, 128, split, per, 8, 1, True)
 
 
 def pays(n: int, k: int) -> bool:
@@ -267,29 +235,27 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRE_K=p.pre_k, PDL=pdl, launch_pdl=pdl)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, launch_pdl=pdl)
     return y
 
 
 def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                     kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
-                    counters: torch.Tensor, preload: bool = False, pdl: bool = False) -> torch.Tensor:
+                    counters: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
     epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
-    ``write_index`` [M]. cos/sin [M, D]. The same bits as ``splitk_linear`` with the plan
-    ``qkv_plan(N, K, D, preload)`` followed by torch_kernels' ``rope_write_kv``; ``pdl`` (CUDA,
-    compute capability 9.0+): a programmatic dependent launch, the same bits again.
-    ``counters``: int32 zeros, at least H + 2 KVH of them, left zero again."""
+    ``write_index`` [M]. cos/sin [M, D]. The same bits as ``splitk_linear`` with the plan of
+    ``plan(N, K, D)`` followed by torch_kernels' ``rope_write_kv``. ``counters``: int32 zeros,
+    at least H + 2 KVH of them, left zero again."""
     m, k = x.shape
     n = w.shape[0]
     d = n // (heads + 2 * kv_heads)
-    p = qkv_plan(n, k, d, preload=preload)
+    p = plan(n, k, d)
     x = x.contiguous()
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
     part = torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
     _splitk_rope_kernel[(heads + 2 * kv_heads, p.split)](
         x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
-        num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PRE_K=p.pre_k, PDL=pdl, launch_pdl=pdl)
+        num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return q

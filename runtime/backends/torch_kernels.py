@@ -12,6 +12,7 @@ float32 and rounds once where the plain ops round after each op):
                        each row's slot prefix, read in place from the flat
                        KV cache (no gather), split over the keys
                        (flash-decoding) and combined
+  - ``argmax``:        the greedy argmax over the vocabulary, split over programs
 and when a projection at decode shapes goes to the split-K GEMM of
 ``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps;
 there the GEMM also takes over ``rope_write_kv`` (the q/k/v projection's
@@ -61,12 +62,8 @@ MAX_QUERY_ROWS = 32
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr, EARLY: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     # s = x + d (rounded to x's dtype, as the plain add), y = s / rms(s) * w.
-    # EARLY: a dependent launch after this one (the q/k/v projection reading its weight ahead)
-    # may start now; it waits for this kernel's end before it reads y.
-    if EARLY:
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -81,12 +78,9 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr, EARLY: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr):
     # out = silu(gate) * up, gate/up = the two halves of one row of the fused output;
     # silu's result is rounded to the output dtype first, as the plain ops do.
-    # EARLY: as in _add_rms_norm_kernel (the down projection reading its weight ahead).
-    if EARLY:
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < f
@@ -292,13 +286,9 @@ class Kernels:
     # its whole weight slice before it waits for the attention's end. NOTE: measured as
     # above: ×2.15 against ×2.21 without, ×2.10 with ``fuse_rope`` too.
     preload: bool = True
-    # With ``preload``, the same for a projection whose slices are longer than the registers
-    # hold (the down projection, after ``silu_mul``): the first part of each read ahead.
-    preload_down: bool = True
-    # With ``preload`` and ``fuse_rope``, the q/k/v projection (``qkv_rope``) as a dependent
-    # launch after ``add_rms_norm``, the first part of each program's slice read ahead.
-    preload_qkv: bool = True
-    # The greedy argmax over the vocabulary split over programs (``argmax``).
+    # The greedy argmax over the vocabulary split over programs (``argmax``). NOTE: measured
+    # (``bench graphs``, docs/performance.md § Session 16): the ~1B verify at batch 1 8 us
+    # faster than with torch's argmax (a thread block a row), the draft's substeps too.
     split_argmax: bool = True
     _COUNTERS = 4096
 
@@ -340,8 +330,7 @@ class Kernels:
         b, t, k = x.shape
         self._ready(x)
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
-                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
-                                       preload=(early := self._early(x) and self.preload_qkv), pdl=early)
+                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device])
         return q.view(b, t, heads, -1)
 
     def _ready(self, x: torch.Tensor) -> None:
@@ -360,8 +349,8 @@ class Kernels:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
         pdl = False
-        if self._early(x):
-            pre = torch_gemm.preload_plan(n, k, partial=self.preload_down)
+        if self.preload and _gdc(x):
+            pre = torch_gemm.preload_plan(n, k)
             if pre is not None:
                 p, pdl = pre, True
         y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
@@ -389,11 +378,6 @@ class Kernels:
                                        CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P=_pow2(nchunk))
         return out
 
-    def _early(self, t: torch.Tensor) -> bool:
-        """Whether launches on t's device read ahead (``preload``): dependent launches there, and
-        the kernels before them letting them start early."""
-        return self.preload and _gdc(t)
-
     @staticmethod
     def fits(head_dim: int) -> bool:
         """RoPE and attention tiles span the head dim: a power of two from 16."""
@@ -404,22 +388,22 @@ class Kernels:
         """Whether one program holds a step's query rows (decode and verify, not long prefills)."""
         return groups * tokens <= MAX_QUERY_ROWS
 
-    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
         """(x + delta, rms_norm(x + delta) * w), both shaped and typed like x."""
         n = x.shape[-1]
         x2, d2 = x.reshape(-1, n).contiguous(), delta.reshape(-1, n).contiguous()
         s, y = torch.empty_like(x2), torch.empty_like(x2)
-        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, w, s, y, n, eps, BLOCK=_pow2(n),
-                                             EARLY=self._early(x2) and self.preload_qkv and self.fuse_rope)
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, d2, w, s, y, n, eps, BLOCK=_pow2(n))
         return s.view(x.shape), y.view(x.shape)
 
-    def silu_mul(self, gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
         """gate_up [..., 2*ffn] -> silu(gate_up[..., :ffn]) * gate_up[..., ffn:]."""
         gu = gate_up.reshape(-1, 2 * ffn).contiguous()
         out = torch.empty((gu.shape[0], ffn), dtype=gu.dtype, device=gu.device)
         block = min(1024, _pow2(ffn))
-        _silu_mul_kernel[(gu.shape[0], triton.cdiv(ffn, block))](gu, out, ffn, BLOCK=block,
-                                                                 EARLY=self._early(gu) and self.preload_down)
+        _silu_mul_kernel[(gu.shape[0], triton.cdiv(ffn, block))](gu, out, ffn, BLOCK=block)
         return out.view(*gate_up.shape[:-1], ffn)
 
     @staticmethod

@@ -28,10 +28,10 @@ def kernel_errors() -> dict[str, float]:
     rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     ops, out = TorchOps("cpu", "float32"), {}
     x, d, w = rnd(3, 4, 256), rnd(3, 4, 256), torch.rand(256, generator=g)
-    s, y = Kernels().add_rms_norm(x, d, w, 1e-5)
+    s, y = Kernels.add_rms_norm(x, d, w, 1e-5)
     out["add_rms_norm"] = max((s - (x + d)).abs().max().item(), (y - ops.rms_norm(x + d, w, 1e-5)).abs().max().item())
     gu = rnd(3, 4, 2 * 704)
-    out["silu_mul"] = (Kernels().silu_mul(gu, 704) - F.silu(gu[..., :704]) * gu[..., 704:]).abs().max().item()
+    out["silu_mul"] = (Kernels.silu_mul(gu, 704) - F.silu(gu[..., :704]) * gu[..., 704:]).abs().max().item()
 
     # argmax split over the vocabulary: torch.argmax's indices, ties to the lowest index
     # within a chunk and across chunks, a row of -inf, a vocabulary not a multiple of the chunk
@@ -96,23 +96,16 @@ def kernel_errors() -> dict[str, float]:
     assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
     assert torch_gemm.plan(200, 96).split == 1 and not torch_gemm.pays(200, 96)
     assert torch_gemm.pays(2048, 2048) and torch_gemm.pays(2048, 5632) and not torch_gemm.pays(3072, 2048)
-    # The preload plans (on a GPU launched as dependent launches): each program's whole slice
-    # in one load and one dot (the o projection's), or the first 512 of a longer slice so and
-    # the rest in the loop (the down projection's): the same product, rows independent.
+    # The preload plan (each program's whole slice in one load and one dot; on a GPU the o
+    # projection's, launched as a dependent launch): the same product, rows independent.
     pre = torch_gemm.preload_plan(256, 1024)
-    assert pre is not None and pre.split == 2 and pre.pre_k == pre.k_per_split == 512
+    assert pre is not None and pre.split == 2 and pre.preload
     assert torch_gemm.preload_plan(2048, 2048).split == 4 and torch_gemm.preload_plan(3072, 2048) is None
-    down = torch_gemm.preload_plan(2048, 5632)
-    assert down is not None and (down.split, down.k_per_split, down.pre_k) == (4, 1408, 512)
-    assert torch_gemm.preload_plan(2048, 5632, partial=False) is None
-    part = torch_gemm.preload_plan(128, 2816)
-    assert part is not None and (part.split, part.k_per_split, part.pre_k) == (4, 768, 512)
+    w, x = rnd(256, 1024) * 0.05, rnd(10, 1024)
     counters = kern._counters[torch.device("cpu")]
-    for p, (n, k) in ((pre, (256, 1024)), (part, (128, 2816))):
-        w, x = rnd(n, k) * 0.05, rnd(10, k)
-        y = torch_gemm.splitk_linear(x, w, p, counters)
-        worst = max(worst, (y - x @ w.T).abs().max().item())
-        assert torch.equal(torch_gemm.splitk_linear(x[:3], w, p, counters), y[:3])
+    y = torch_gemm.splitk_linear(x, w, pre, counters)
+    worst = max(worst, (y - x @ w.T).abs().max().item())
+    assert torch.equal(torch_gemm.splitk_linear(x[:3], w, pre, counters), y[:3])
     # q/k/v with RoPE and the cache write as the GEMM's epilogue: the bits of the split-K GEMM
     # (a head a column tile) followed by rope_write_kv, with splits and without
     n = (h + 2 * kvh) * hd
@@ -130,20 +123,6 @@ def kernel_errors() -> dict[str, float]:
         qkv = torch_gemm.splitk_linear(x.reshape(-1, 256), w, p, kern._counters[torch.device("cpu")])
         q2 = Kernels.rope_write_kv(qkv.view(b, 3, h + 2 * kvh, hd), cos, sin, h, kvh, kc2, vc2, rows)
         assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), least
-        # the preload shape (on a GPU a dependent launch after add_rms_norm): part of each
-        # slice read ahead, the rest in the loop; the same bits as that plan's GEMM + rope_write_kv
-        for elems in (torch_gemm.PRE_ELEMS, 64 * 128):       # the whole slice, or its first 128 of K
-            torch_gemm.PRE_ELEMS = elems
-            pp = torch_gemm.qkv_plan(n, 256, hd, preload=True)
-            assert 0 < pp.pre_k <= pp.k_per_split
-            assert (pp.pre_k < pp.k_per_split) == (elems == 64 * 128 and pp.k_per_split > 128)
-            q3 = torch_gemm.splitk_qkv_rope(x.reshape(-1, 256), w, cos.reshape(-1, hd), sin.reshape(-1, hd), h,
-                                            kvh, kc1, vc1, rows, kern._counters[torch.device("cpu")], preload=True)
-            qkv = torch_gemm.splitk_linear(x.reshape(-1, 256), w, pp, kern._counters[torch.device("cpu")])
-            q4 = Kernels.rope_write_kv(qkv.view(b, 3, h + 2 * kvh, hd), cos, sin, h, kvh, kc2, vc2, rows)
-            assert torch.equal(q3.view(b, 3, h, hd), q4) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), least
-            worst = max(worst, (q3.view(b, 3, h, hd) - q1).abs().max().item())
-        torch_gemm.PRE_ELEMS = 64 * 512
     torch_gemm._MIN_SPLIT_K = 512
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
