@@ -97,6 +97,11 @@ def test_steps_outside_graphs_run_the_plain_ops():
     used = []
 
     class Spy:
+        def fits_argmax(self, x, axis):
+            # the greedy argmax between replays may take the kernel (its compile-time values
+            # depend on the vocabulary only); here torch's answers instead
+            return False
+
         def __getattr__(self, name):
             used.append(name)
             raise AssertionError(f"fused kernel {name} used outside a captured graph")
