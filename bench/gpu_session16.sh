@@ -41,7 +41,7 @@ final)
     tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|error|Error|assert" | tail -10
   timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
-  timeout "$(left 590)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
+  timeout "$(left 480)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
     2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
   ;;
 *) echo "unknown mode $mode"; exit 2 ;;
