@@ -287,7 +287,7 @@ class Kernels:
     # above: ×2.15 against ×2.21 without, ×2.10 with ``fuse_rope`` too.
     preload: bool = True
     # The greedy argmax over the vocabulary split over programs (``argmax``). NOTE: measured
-    # (``bench graphs``, docs/performance.md § Session 16): the ~1B verify at batch 1 8 us
+    # (``bench graphs``, docs/performance.md § Session 16): the ~1B verify at batch 1 6-8 us
     # faster than with torch's argmax (a thread block a row), the draft's substeps too.
     split_argmax: bool = True
     _COUNTERS = 4096
