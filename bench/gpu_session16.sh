@@ -18,31 +18,16 @@ source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-verify}"
 gpu_prologue
 case "$mode" in
-verify)
-  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -E "passed|failed|error|Error|assert" | tail -10
-  timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
-  timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | tail -2
-  timeout "$(left 590)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
-    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
-  ;;
-kernels)
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -E "passed|failed|error|Error|assert" | tail -10
-  timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
-  timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | tail -2
-  timeout "$(left 590)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
-    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
-  ;;
-final)
-  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
-    tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -E "passed|failed|error|Error|assert" | tail -10
-  timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
-  timeout "$(left 480)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
-    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
-  ;;
+verify|kernels|final) ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
+# Every mode runs the same checks; only 'final' leaves out the profile (its call had less device time left).
+timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
+  tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
+  | grep -E "passed|failed|error|Error|assert" | tail -10
+timeout 120 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
+if [ "$mode" != final ]; then
+  timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | tail -2
+fi
+timeout "$(left 480)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
+  2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
