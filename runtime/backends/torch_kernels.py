@@ -358,8 +358,8 @@ class Kernels:
 
     def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:
         """Whether ``argmax`` takes x: float32 over its last axis, a counter for every row."""
-        return (self.split_argmax and x.dtype == torch.float32 and axis in (-1, x.dim() - 1) and x.dim() >= 1
-                and x.numel() // max(1, x.shape[-1]) <= self._COUNTERS and x.shape[-1] > 0)
+        return (self.split_argmax and x.dtype == torch.float32 and x.dim() >= 1 and axis in (-1, x.dim() - 1)
+                and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= self._COUNTERS)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) (``fits_argmax`` holds), split over the last axis: torch's

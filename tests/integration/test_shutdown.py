@@ -194,9 +194,7 @@ def test_specsplit_up_sigterm_leaves_no_orphans_and_restarts_on_the_same_port(mo
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        for pid in kids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(kids)
     # Same orchestrator port again; then kill -9 `up` itself: its children follow (PR_SET_PDEATHSIG).
     proc, again = start_up(model, port=ports[0])
     kids = children_of(proc.pid)
@@ -209,9 +207,14 @@ def test_specsplit_up_sigterm_leaves_no_orphans_and_restarts_on_the_same_port(mo
         except AssertionError as exc:
             raise AssertionError(f"{exc}; still running: {[service_of(p) for p in kids if not gone(p)]}") from None
     finally:
-        for pid in kids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(kids)
+
+
+def kill_left(pids) -> None:
+    """SIGKILL whichever of pids still runs (a test's cleanup)."""
+    for pid in pids:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def service_of(pid: int) -> str:
@@ -239,6 +242,4 @@ def test_sigterm_to_the_target_ends_the_orchestrators_stream_within_the_round_no
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-        for pid in kids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(kids)
