@@ -321,7 +321,11 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)
     x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
                               cfg.rms_norm_eps)
-    mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern), cfg.intermediate_size)
+    w_gu = p[prefix + "mlp.gate_up_proj.weight"]
+    if prefix + "mlp.gate_up_proj.bias" not in p and kern.fits_swiglu(hn, w_gu, cfg.intermediate_size):
+        mlp = kern.swiglu(hn, w_gu)
+    else:
+        mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern), cfg.intermediate_size)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp, kern)
     down = down if reduce is None else reduce(down)
     return (x, down) if defer else x + down

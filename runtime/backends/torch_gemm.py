@@ -184,6 +184,45 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
         tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")      # NOTE: as in _splitk_kernel
 
 
+@triton.jit
+def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_PER_SPLIT: tl.constexpr,
+                          SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    # SwiGLU's gate/up projection with silu(gate) * up as its epilogue: w [2F, K] holds the
+    # gate rows [0, F) and the up rows [F, 2F) (the model's fused gate_up weight). A column
+    # tile of BLOCK_N weight rows interleaves them: tile row 2i is gate row f, row 2i + 1 up
+    # row F + f, f = pid_n * BLOCK_N / 2 + i, so the tile's program (or the last of its
+    # splits) holds both halves of BLOCK_N / 2 outputs. Each half is rounded to the model's
+    # dtype, as the projection's output is, then silu_mul's math: the bits of the split-K GEMM
+    # followed by torch_kernels' silu_mul, without the [M, 2F] output's write and read.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    i = tl.arange(0, BLOCK_N)
+    f = pid_n * (BLOCK_N // 2) + i // 2
+    n = tl.where(f < F, f + (i % 2) * F, 2 * F)               # 2F: a padded row, masked in _partial
+    m = tl.arange(0, MP)
+    mm = m < M
+    acc = _partial(x_ptr, w_ptr, M, 2 * F, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION)
+    last = True
+    if SPLIT > 1:
+        # partials [SPLIT, tiles * BLOCK_N, MP], indexed by the tile's own rows
+        j = pid_n * BLOCK_N + i
+        tile = j[:, None] * MP + m[None, :]
+        nv = tl.num_programs(0) * BLOCK_N
+        last = _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, nv, j < nv, MP, SPLIT)
+        if last:
+            acc = _total(part_ptr, tile, nv, j < nv, MP, BLOCK_N, SPLIT)
+    if last:
+        dt = y_ptr.dtype.element_ty
+        gu = tl.permute(tl.reshape(acc.to(dt).to(tl.float32), [BLOCK_N // 2, 2, MP]), [0, 2, 1])
+        g, u = tl.split(gu)                                                      # [BLOCK_N / 2, MP] each
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        fo = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + m[None, :] * F + fo[:, None], (a * u).to(dt), mask=(fo < F)[:, None] & mm[None, :])
+        if SPLIT > 1:
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")  # NOTE: as in _splitk_kernel
+
+
 def plan(n: int, k: int, block_n: int = 64) -> Plan:
     """The launch shape for a weight [n, k]: ``block_n`` columns a program (64; a head's width
     for ``splitk_qkv_rope``), K split in powers of two until the launch has about
@@ -259,3 +298,23 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return q
+
+
+def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (M <= MAX_ROWS) and the fused gate/up
+    weight w [2F, K], in one launch with the plan of ``plan(2F, K)``: -> [M, F]. The same bits
+    as ``splitk_linear`` with that plan followed by torch_kernels' ``silu_mul``. ``counters``:
+    int32 zeros, at least ``counters_needed(2F, plan(2F, K))`` of them, left zero again."""
+    m, k = x.shape
+    f = w.shape[0] // 2
+    p = plan(2 * f, k)
+    x = x.contiguous()
+    y = torch.empty((m, f), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(2 * f, p.block_n)
+    part = (torch.empty((p.split, tiles * p.block_n, MAX_ROWS), dtype=torch.float32, device=x.device)
+            if p.split > 1 else y)
+    _splitk_swiglu_kernel[(tiles, p.split)](
+        x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
+        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return y

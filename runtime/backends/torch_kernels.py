@@ -78,6 +78,18 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
 
 
 @triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+    # y = x / rms(x) * w, float32 inside, rounded once to y's dtype.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr):
     # out = silu(gate) * up, gate/up = the two halves of one row of the fused output;
     # silu's result is rounded to the output dtype first, as the plain ops do.
@@ -118,18 +130,21 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc
 
 
 @triton.jit(do_not_specialize=["span", "max_len", "T", "nsplit"])
-def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
+def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
                             span, max_len, scale, T, nsplit,
                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr):
+                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr,
+                            FOLD: tl.constexpr, NSPLIT_P: tl.constexpr):
     # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
     # (row r = g*T + t is query head kh*G + g of token t) against keys
     # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
     # and j < span. Online softmax (running max m, sum l, unnormalised acc); one split
-    # writes the output, several write (acc, m, l) for _attention_combine_kernel.
+    # writes the output, several write (acc, m, l) for _attention_combine_kernel, or with
+    # FOLD the last split of (b, kh) to finish (an atomic counter, as in the split-K GEMM)
+    # combines them itself (_combine_rows): one launch less.
     # EARLY: the dependent launch after this one (the combine, or the o projection after a
-    # direct launch) may start now; it waits for this kernel's end before it reads.
+    # direct or folded launch) may start now; it waits for this kernel's end before it reads.
     if EARLY:
         gdc_launch_dependents()
     bk = tl.program_id(0)
@@ -173,6 +188,36 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
         tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + at * 2, m_i)
         tl.store(ml_ptr + at * 2 + 1, l_i)
+        if FOLD:
+            tl.debug_barrier()                                # NOTE: as in torch_gemm._arrive
+            if tl.atomic_add(count_ptr + bk, 1, sem="acq_rel") == nsplit - 1:
+                _combine_rows(acc_ptr, ml_ptr, out_ptr, bk, nsplit, qoff, live, D, M, NSPLIT_P)
+                tl.atomic_xchg(count_ptr + bk, 0, sem="relaxed")     # NOTE: as in torch_gemm's kernels
+
+
+@triton.jit
+def _combine_rows(acc_ptr, ml_ptr, out_ptr, bk, nsplit, qoff, live, D: tl.constexpr, M: tl.constexpr,
+                  NSPLIT_P: tl.constexpr):
+    # The M query rows of (batch row, K/V head) bk from its nsplit partials, in split order (the
+    # same bits whichever split finishes last): out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s,
+    # m = max_s m_s. Unrolled over NSPLIT_P (masked past nsplit) so that the partials' loads are
+    # not a chain of round trips; .cg: the other programs' partials are read from L2, not L1.
+    r = tl.arange(0, M)
+    d = tl.arange(0, D)
+    sp = tl.arange(0, NSPLIT_P)
+    at = (bk * nsplit + sp[:, None]) * M + r[None, :]                                  # [NSPLIT_P, M]
+    m_all = tl.max(tl.load(ml_ptr + at * 2, mask=(sp < nsplit)[:, None], other=-1.0e30, cache_modifier=".cg"), 0)
+    den = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    for s in tl.static_range(NSPLIT_P):
+        ok = (r >= 0) & (s < nsplit)
+        at = (bk * nsplit + s) * M + r
+        w = tl.where(ok, tl.exp(tl.load(ml_ptr + at * 2, mask=ok, other=-1.0e30, cache_modifier=".cg") - m_all), 0.0)
+        den += w * tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
+                                    cache_modifier=".cg")
+    out = acc / tl.maximum(den, 1.0e-30)[:, None]
+    tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "nsplit"])
@@ -290,6 +335,17 @@ class Kernels:
     # (``bench graphs``, docs/performance.md § Session 16): the ~1B verify at batch 1 6-8 us
     # faster than with torch's argmax (a thread block a row), the draft's substeps too.
     split_argmax: bool = True
+    # The attention's splits combined by the last split program of each (batch row, K/V head)
+    # instead of a combine launch (``attention``). NOTE: measured (``bench graphs``,
+    # docs/performance.md § Session 17).
+    fold_combine: bool = True
+    # SwiGLU's gate/up projection on the split-K GEMM with silu(gate) * up as its epilogue
+    # (``swiglu``) instead of cuBLAS and a silu_mul launch. NOTE: measured as above.
+    fuse_swiglu: bool = True
+    # The RMSNorms outside the fused layers (the draft's input norms, the final norm, a
+    # layer's first input norm) on a Triton kernel (``rms_norm``) instead of torch's.
+    # NOTE: measured as above.
+    triton_norm: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -332,6 +388,36 @@ class Kernels:
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
                                        kv_heads, k_cache, v_cache, write_index, self._counters[x.device])
         return q.view(b, t, heads, -1)
+
+    def fits_swiglu(self, x: torch.Tensor, w: torch.Tensor, ffn: int) -> bool:
+        """Whether ``swiglu`` takes x [..., K] and the fused gate/up weight w [2 ffn, K]: as
+        ``fits_linear`` for the rows and dtypes (whatever the weight's width), a counter for
+        every column tile when K splits."""
+        rows = x.numel() // max(1, x.shape[-1])
+        if not (self.fuse_swiglu and rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes
+                and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and w.shape[0] == 2 * ffn > 0):
+            return False
+        return torch_gemm.counters_needed(2 * ffn, torch_gemm.plan(2 * ffn, w.shape[1])) <= self._COUNTERS
+
+    def swiglu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x [..., K] @ w^T (``fits_swiglu`` holds) in one launch -> [..., ffn]."""
+        self._ready(x)
+        y = torch_gemm.splitk_swiglu(x.reshape(-1, x.shape[-1]), w, self._counters[x.device])
+        return y.view(*x.shape[:-1], w.shape[0] // 2)
+
+    def fits_rms_norm(self, x: torch.Tensor) -> bool:
+        """Whether ``rms_norm`` takes x: a floating-point row of at most 16,384 (one program a row)."""
+        return self.triton_norm and x.dim() >= 1 and 0 < x.shape[-1] <= 16384 and x.is_floating_point()
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * w over the last axis, shaped and typed like x."""
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n).contiguous()
+        y = torch.empty_like(x2)
+        if x2.shape[0]:
+            _rms_norm_kernel[(x2.shape[0],)](x2, w, y, n, eps, BLOCK=_pow2(n))
+        return y.view(x.shape)
 
     def _ready(self, x: torch.Tensor) -> None:
         """The split-K GEMM's counters on x's device (allocated now when outside a capture)."""
@@ -421,17 +507,25 @@ class Kernels:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                   positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
         """``cache_attention`` as the model runs it: with ``preload``, letting the o projection
-        after it start at once (``early``)."""
+        after it start at once (``early``); with ``fold_combine``, the splits combined by the
+        last of them (no combine launch)."""
+        counters = None
+        if self.fold_combine and q.shape[0] * k_cache.shape[1] <= self._COUNTERS:
+            self._ready(q)
+            counters = self._counters[q.device]
         return self.cache_attention(q, k_cache, v_cache, read_slots, positions, span, max_len,
-                                    early=self.preload and _gdc(q))
+                                    early=self.preload and _gdc(q), counters=counters)
 
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                         positions: torch.Tensor, span: int, max_len: int,
-                        min_split_keys: int = _BLOCK_N, early: bool = False) -> torch.Tensor:
+                        min_split_keys: int = _BLOCK_N, early: bool = False,
+                        counters: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
         (``min_split_keys``: see ``attention_plan``). ``early`` (``_gdc`` devices): the kernel
-        after it may be a programmatic dependent launch that starts before this one ends."""
+        after it may be a programmatic dependent launch that starts before this one ends.
+        ``counters`` (int32 zeros, one per batch row x K/V head, left zero again): the last
+        split of each combines the splits (no combine launch); None: the combine kernel."""
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
@@ -446,11 +540,14 @@ class Kernels:
             ml = torch.empty((b * kvh * nsplit * m, 2), dtype=torch.float32, device=q.device)
         else:
             acc = ml = out                                   # not written when nothing is split
+        fold = counters is not None and nsplit > 1
         _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
+                                                   counters if fold else out,
                                                    span, max_len, 1.0 / math.sqrt(d), t, nsplit,
                                                    H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
-                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early)
-        if nsplit > 1:
+                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early,
+                                                   FOLD=fold, NSPLIT_P=_pow2(nsplit))
+        if nsplit > 1 and not fold:
             _attention_combine_kernel[(b * kvh, g * t)](acc, ml, out, t, nsplit, H=h, KVH=kvh, G=g, D=d, M=m,
                                                   NSPLIT_P=_pow2(nsplit), EARLY=early, launch_pdl=early)
         return out

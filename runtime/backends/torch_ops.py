@@ -333,7 +333,11 @@ class TorchOps:
 
     def rms_norm(self, x, w, eps):
         # One fused kernel on CUDA (float32 accumulation, result in x's dtype)
-        # instead of the eight of the spelled-out upcast / mean / rsqrt / scale.
+        # instead of the eight of the spelled-out upcast / mean / rsqrt / scale; with the
+        # fused kernels on, Triton's (half the time of torch's at decode shapes).
+        kern = self.kernels
+        if kern is not None and kern.fits_rms_norm(x):
+            return kern.rms_norm(x, w.to(x.dtype), eps)
         return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
     def silu(self, x):

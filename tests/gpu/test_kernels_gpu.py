@@ -9,7 +9,9 @@ What is shown (docs/gpu.md records the run):
   on the other rows or on the run, a captured launch gives the eager launch's bits, and
   every launch leaves its counters at zero; the q/k/v projection with RoPE and the KV-cache
   write in its epilogue gives the bits of the GEMM followed by rope_write_kv;
-  the o projection as a dependent launch after the attention gives a plain launch's bits;
+  the o projection as a dependent launch after the attention gives a plain launch's bits (the
+  splits combined by a launch of their own or by the last of them); the gate/up projection with
+  SiLU·mul in its epilogue gives the bits of the GEMM followed by silu_mul;
 - the bundled model under CUDA graphs with the kernels decodes the same greedy tokens as
   eagerly with the plain ops (float32), and target-only equals speculative (float32, and
   bfloat16 with the projections on the split-K GEMM).
@@ -54,6 +56,7 @@ def test_each_kernel_equals_the_plain_ops(dtype):
     x, d, w = rnd(8, 4, 2048), rnd(8, 4, 2048), rnd(2048)
     s, y = Kernels.add_rms_norm(x, d, w, 1e-5)
     worst["add_rms_norm"] = max(_rel(s, x + d), _rel(y, ops.rms_norm(x + d, w, 1e-5)))
+    worst["rms_norm"] = _rel(Kernels.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
     gu = rnd(8, 4, 2 * 5632)
     worst["silu_mul"] = _rel(Kernels.silu_mul(gu, 5632), F.silu(gu[..., :5632]) * gu[..., 5632:])
 
@@ -82,7 +85,10 @@ def test_each_kernel_equals_the_plain_ops(dtype):
                                   h // kvh)
         ref = ops.attention(q, ops.gather_context(kc, read_slots, span, max_len),
                             ops.gather_context(vc, read_slots, span, max_len), mask)
-        worst["cache_attention"] = max(worst.get("cache_attention", 0.0), _rel(got, ref))
+        counters = torch.zeros(b * kvh, dtype=torch.int32, device="cuda")
+        folded = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len, counters=counters)
+        assert int(counters.abs().sum()) == 0
+        worst["cache_attention"] = max(worst.get("cache_attention", 0.0), _rel(got, ref), _rel(folded, ref))
     print(f"\n[gpu kernels {dtype}] worst relative difference from the plain ops: {json.dumps(worst)}")
     assert all(v < TOL[dtype] for v in worst.values()), worst
 
@@ -115,15 +121,18 @@ def test_split_k_linear_equals_f_linear_and_keeps_each_rows_bits(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("span", [384, 40])
-def test_o_projection_as_a_dependent_launch_after_the_attention(dtype, span):
+@pytest.mark.parametrize("fold", [True, False])
+def test_o_projection_as_a_dependent_launch_after_the_attention(dtype, span, fold):
     """``Kernels.preload``: the attention lets the o projection launch at once (the combine
-    kernel a dependent launch too, or the direct launch at a short span), and the projection
-    reads its weight slice before it waits. Captured, with fresh queries before every replay:
-    the bits of the same plan launched plainly after a plain attention."""
+    kernel a dependent launch too, or the splits combined by the last of them with
+    ``fold_combine``, or the direct launch at a short span), and the projection reads its
+    weight slice before it waits. Captured, with fresh queries before every replay: the bits
+    of the same plan launched plainly after a plain attention."""
     from runtime.backends import torch_gemm
 
     kernels = Kernels()
     kernels.preload = True
+    kernels.fold_combine = fold
     ops = TorchOps("cuda:0", "bfloat16", fused_kernels=True)
     dt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -140,8 +149,9 @@ def test_o_projection_as_a_dependent_launch_after_the_attention(dtype, span):
         return (kernels.linear(attn.reshape(1, 4, h * hd), w),)
 
     def reference(q):
-        attn = Kernels.cache_attention(q, kc, vc, slots, pos, span, max_len)
         kernels._ready(q)
+        attn = Kernels.cache_attention(q, kc, vc, slots, pos, span, max_len,
+                                       counters=kernels._counters[q.device] if fold else None)
         return torch_gemm.splitk_linear(attn.reshape(4, h * hd), w, pre, kernels._counters[q.device]).view(1, 4, -1)
 
     fresh = lambda: torch.randn(1, 4, h, hd, device="cuda", generator=g).to(dt)  # noqa: E731
@@ -214,6 +224,50 @@ def test_qkv_projection_with_rope_and_the_cache_write_in_its_epilogue(dtype):
     print(f"\n[gpu kernels] q/k/v + RoPE + cache write {dtype}: worst relative difference from cuBLAS + "
           f"rope_write_kv {worst:.2e}")
     assert worst < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_projection_with_silu_mul_in_its_epilogue(dtype):
+    """``Kernels.swiglu`` at the ~1B gate/up shape [2 x 5632, 2048] and an odd one that splits K:
+    the bits of the split-K GEMM (the [2F, K] weight's plan) followed by ``silu_mul``, a row's
+    bits independent of the other rows, eager and captured with fresh inputs, counters back at
+    zero, and within bf16 rounding of cuBLAS + SiLU."""
+    from runtime.backends import torch_gemm
+
+    kernels = Kernels()
+    ops = TorchOps("cuda:0", "bfloat16", fused_kernels=True)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    worst = 0.0
+    for f, k in ((5632, 2048), (700, 2048)):
+        w = (torch.randn(2 * f, k, device="cuda", generator=g) * 0.02).to(dtype)
+        x16 = torch.randn(16, k, device="cuda", generator=g).to(dtype)
+        assert kernels.fits_swiglu(x16, w, f)
+        kernels._ready(x16)
+        counters = kernels._counters[x16.device]
+        p = torch_gemm.plan(2 * f, k)
+
+        def reference(x):
+            return Kernels.silu_mul(torch_gemm.splitk_linear(x, w, p, counters), f)
+
+        y16 = kernels.swiglu(x16, w)
+        assert torch.equal(y16, reference(x16)), (f, k)
+        for rows in (1, 4, 7):
+            assert torch.equal(kernels.swiglu(x16[:rows], w), y16[:rows]), (f, k, rows)
+        gu = x16 @ w.T
+        worst = max(worst, _rel(y16, F.silu(gu[:, :f]) * gu[:, f:]))
+        inp = {"x": x16.clone()}
+        graph, (captured,) = ops.capture(lambda x: (kernels.swiglu(x, w),), inp, None)
+        for _ in range(10):
+            new = torch.randn(16, k, device="cuda", generator=g).to(dtype)
+            inp["x"].copy_(new)
+            graph.replay()
+            want = reference(new)
+            torch.cuda.synchronize()
+            assert torch.equal(captured, want), (f, k)
+        del graph
+    assert int(kernels._counters[torch.device("cuda:0")].abs().sum()) == 0
+    print(f"\n[gpu kernels] gate/up + SiLU·mul {dtype}: worst relative difference from cuBLAS + SiLU {worst:.2e}")
+    assert worst < 3e-2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -30,6 +30,8 @@ def kernel_errors() -> dict[str, float]:
     x, d, w = rnd(3, 4, 256), rnd(3, 4, 256), torch.rand(256, generator=g)
     s, y = Kernels.add_rms_norm(x, d, w, 1e-5)
     out["add_rms_norm"] = max((s - (x + d)).abs().max().item(), (y - ops.rms_norm(x + d, w, 1e-5)).abs().max().item())
+    out["rms_norm"] = (Kernels.rms_norm(x, w, 1e-5) - ops.rms_norm(x, w, 1e-5)).abs().max().item()
+    assert Kernels.rms_norm(x[:0], w, 1e-5).shape == (0, 4, 256)
     gu = rnd(3, 4, 2 * 704)
     out["silu_mul"] = (Kernels.silu_mul(gu, 704) - F.silu(gu[..., :704]) * gu[..., 704:]).abs().max().item()
 
@@ -65,10 +67,15 @@ def kernel_errors() -> dict[str, float]:
             torch_kernels._TARGET_PROGRAMS = programs
             q = rnd(b, t, h, hd)
             got = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len, least)
+            # the splits combined by the last split program (an atomic counter) instead of a launch
+            counters = torch.zeros(b * kvh, dtype=torch.int32)
+            folded = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len, least,
+                                             counters=counters)
+            assert int(counters.abs().sum()) == 0
             mask = ops.attention_mask(torch.arange(span).reshape(1, 1, span) <= positions.reshape(b, t, 1), h // kvh)
             ref = ops.attention(q, ops.gather_context(kc, read_slots, span, max_len),
                                 ops.gather_context(vc, read_slots, span, max_len), mask)
-            worst = max(worst, (got - ref).abs().max().item())
+            worst = max(worst, (got - ref).abs().max().item(), (folded - ref).abs().max().item())
     torch_kernels._TARGET_PROGRAMS = 256
     # Regression (seen on an H200): strided views of read_slots / positions (a fused propose's
     # substep column) were read as dense arrays, so batch rows past the first read wrong rows.
@@ -123,6 +130,20 @@ def kernel_errors() -> dict[str, float]:
         qkv = torch_gemm.splitk_linear(x.reshape(-1, 256), w, p, kern._counters[torch.device("cpu")])
         q2 = Kernels.rope_write_kv(qkv.view(b, 3, h + 2 * kvh, hd), cos, sin, h, kvh, kc2, vc2, rows)
         assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), least
+    # SwiGLU's gate/up with silu * up as the GEMM's epilogue: the bits of the split-K GEMM (the
+    # plan of the [2F, K] weight) followed by silu_mul, with splits and without, F not a
+    # multiple of the tile, a row's bits independent of the other rows
+    for least, f, kk in ((64, 96, 256), (512, 100, 256), (128, 704, 512)):
+        torch_gemm._MIN_SPLIT_K = least
+        w, x = rnd(2 * f, kk) * 0.05, rnd(b, 3, kk)
+        assert kern.fits_swiglu(x, w, f) and not kern.fits_swiglu(x, w, f + 1) and not kern.fits_swiglu(rnd(17, kk), w, f)
+        y = kern.swiglu(x, w)
+        p = torch_gemm.plan(2 * f, kk)
+        assert (p.split > 1) == (least < 512), (least, p)
+        ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p, kern._counters[torch.device("cpu")]), f)
+        assert torch.equal(y.reshape(-1, f), ref), (least, f, (y.reshape(-1, f) - ref).abs().max())
+        assert torch.equal(kern.swiglu(x[:1, :2], w), y[:1, :2])
+        worst = max(worst, (y - F.silu(x @ w[:f].T) * (x @ w[f:].T)).abs().max().item())
     torch_gemm._MIN_SPLIT_K = 512
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
@@ -144,7 +165,8 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
     kernels.linear_dtypes = (torch.float32,)
     torch_gemm._MIN_SPLIT_K = 128
-    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope", "argmax"):
+    for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope", "argmax",
+                 "swiglu", "rms_norm"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
             calls[_n] = calls.get(_n, 0) + 1
             return _f(*a, **kw)
