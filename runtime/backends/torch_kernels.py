@@ -130,21 +130,18 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc
 
 
 @triton.jit(do_not_specialize=["span", "max_len", "T", "nsplit"])
-def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
+def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
                             span, max_len, scale, T, nsplit,
                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr,
-                            FOLD: tl.constexpr, NSPLIT_P: tl.constexpr):
+                            DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr):
     # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
     # (row r = g*T + t is query head kh*G + g of token t) against keys
     # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
     # and j < span. Online softmax (running max m, sum l, unnormalised acc); one split
-    # writes the output, several write (acc, m, l) for _attention_combine_kernel, or with
-    # FOLD the last split of (b, kh) to finish (an atomic counter, as in the split-K GEMM)
-    # combines them itself (_combine_rows): one launch less.
+    # writes the output, several write (acc, m, l) for _attention_combine_kernel.
     # EARLY: the dependent launch after this one (the combine, or the o projection after a
-    # direct or folded launch) may start now; it waits for this kernel's end before it reads.
+    # direct launch) may start now; it waits for this kernel's end before it reads.
     if EARLY:
         gdc_launch_dependents()
     bk = tl.program_id(0)
@@ -188,36 +185,6 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
         tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + at * 2, m_i)
         tl.store(ml_ptr + at * 2 + 1, l_i)
-        if FOLD:
-            tl.debug_barrier()                                # NOTE: as in torch_gemm._arrive
-            if tl.atomic_add(count_ptr + bk, 1, sem="acq_rel") == nsplit - 1:
-                _combine_rows(acc_ptr, ml_ptr, out_ptr, bk, nsplit, qoff, live, D, M, NSPLIT_P)
-                tl.atomic_xchg(count_ptr + bk, 0, sem="relaxed")     # NOTE: as in torch_gemm's kernels
-
-
-@triton.jit
-def _combine_rows(acc_ptr, ml_ptr, out_ptr, bk, nsplit, qoff, live, D: tl.constexpr, M: tl.constexpr,
-                  NSPLIT_P: tl.constexpr):
-    # The M query rows of (batch row, K/V head) bk from its nsplit partials, in split order (the
-    # same bits whichever split finishes last): out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s,
-    # m = max_s m_s. Unrolled over NSPLIT_P (masked past nsplit) so that the partials' loads are
-    # not a chain of round trips; .cg: the other programs' partials are read from L2, not L1.
-    r = tl.arange(0, M)
-    d = tl.arange(0, D)
-    sp = tl.arange(0, NSPLIT_P)
-    at = (bk * nsplit + sp[:, None]) * M + r[None, :]                                  # [NSPLIT_P, M]
-    m_all = tl.max(tl.load(ml_ptr + at * 2, mask=(sp < nsplit)[:, None], other=-1.0e30, cache_modifier=".cg"), 0)
-    den = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    for s in tl.static_range(NSPLIT_P):
-        ok = (r >= 0) & (s < nsplit)
-        at = (bk * nsplit + s) * M + r
-        w = tl.where(ok, tl.exp(tl.load(ml_ptr + at * 2, mask=ok, other=-1.0e30, cache_modifier=".cg") - m_all), 0.0)
-        den += w * tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                                    cache_modifier=".cg")
-    out = acc / tl.maximum(den, 1.0e-30)[:, None]
-    tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "nsplit"])
@@ -335,10 +302,6 @@ class Kernels:
     # (``bench graphs``, docs/performance.md § Session 16): the ~1B verify at batch 1 6-8 us
     # faster than with torch's argmax (a thread block a row), the draft's substeps too.
     split_argmax: bool = True
-    # The attention's splits combined by the last split program of each (batch row, K/V head)
-    # instead of a combine launch (``attention``). NOTE: measured (``bench graphs``,
-    # docs/performance.md § Session 17).
-    fold_combine: bool = True
     # SwiGLU's gate/up projection on the split-K GEMM with silu(gate) * up as its epilogue
     # (``swiglu``) instead of cuBLAS and a silu_mul launch. NOTE: measured as above.
     fuse_swiglu: bool = True
@@ -507,25 +470,17 @@ class Kernels:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                   positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
         """``cache_attention`` as the model runs it: with ``preload``, letting the o projection
-        after it start at once (``early``); with ``fold_combine``, the splits combined by the
-        last of them (no combine launch)."""
-        counters = None
-        if self.fold_combine and q.shape[0] * k_cache.shape[1] <= self._COUNTERS:
-            self._ready(q)
-            counters = self._counters[q.device]
+        after it start at once (``early``)."""
         return self.cache_attention(q, k_cache, v_cache, read_slots, positions, span, max_len,
-                                    early=self.preload and _gdc(q), counters=counters)
+                                    early=self.preload and _gdc(q))
 
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                         positions: torch.Tensor, span: int, max_len: int,
-                        min_split_keys: int = _BLOCK_N, early: bool = False,
-                        counters: torch.Tensor | None = None) -> torch.Tensor:
+                        min_split_keys: int = _BLOCK_N, early: bool = False) -> torch.Tensor:
         """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
         (``min_split_keys``: see ``attention_plan``). ``early`` (``_gdc`` devices): the kernel
-        after it may be a programmatic dependent launch that starts before this one ends.
-        ``counters`` (int32 zeros, one per batch row x K/V head, left zero again): the last
-        split of each combines the splits (no combine launch); None: the combine kernel."""
+        after it may be a programmatic dependent launch that starts before this one ends."""
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
@@ -540,14 +495,11 @@ class Kernels:
             ml = torch.empty((b * kvh * nsplit * m, 2), dtype=torch.float32, device=q.device)
         else:
             acc = ml = out                                   # not written when nothing is split
-        fold = counters is not None and nsplit > 1
         _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
-                                                   counters if fold else out,
                                                    span, max_len, 1.0 / math.sqrt(d), t, nsplit,
                                                    H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
-                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early,
-                                                   FOLD=fold, NSPLIT_P=_pow2(nsplit))
-        if nsplit > 1 and not fold:
+                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early)
+        if nsplit > 1:
             _attention_combine_kernel[(b * kvh, g * t)](acc, ml, out, t, nsplit, H=h, KVH=kvh, G=g, D=d, M=m,
                                                   NSPLIT_P=_pow2(nsplit), EARLY=early, launch_pdl=early)
         return out
