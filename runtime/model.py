@@ -247,10 +247,16 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     dt = ops.dtype_name(x)
     cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     kern = ops.kernels
+    if delta is None:
+        hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
+    elif kern is not None:
+        x, hn = kern.add_rms_norm(x, delta, p[prefix + "input_layernorm.weight"], eps)
+    else:
+        x = x + delta
+        hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
             and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
-        return _fused_layer(ops, kern, p, prefix, cfg, x, delta, meta, cache, reduce, defer)
-    x, hn = _add_norm(ops, kern, x, delta, p[prefix + "input_layernorm.weight"], eps)
+        return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce, defer)
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
         v = qkv[:, :, h + kvh:]
@@ -289,41 +295,23 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     return (x, down) if defer else x + down
 
 
-def _add_norm(ops: Ops, kern: Any, x: Tensor, delta: Tensor | None, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(x + delta, its RMSNorm); x and its norm without a delta. One kernel with the fused kernels."""
-    if delta is None:
-        return x, ops.rms_norm(x, w, eps)
-    if kern is not None:
-        return kern.add_rms_norm(x, delta, w, eps)
-    x = x + delta
-    return x, ops.rms_norm(x, w, eps)
-
-
-def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, x: Tensor, delta: Tensor | None,
+def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, x: Tensor, hn: Tensor,
                  meta: AttnMeta, cache: tuple[Tensor, Tensor], reduce: Callable[[Tensor], Tensor] | None,
                  defer: bool) -> Any:
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
     as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33, the
     projections on the split-K GEMM where it fits (``Kernels.fits_linear``), and there RoPE
-    with the KV-cache write as the q/k/v projection's epilogue, SiLU·mul as the gate/up's, and
-    each RMSNorm (with the residual add before it) in the loads of the projection after it
-    (6 kernels). x [B, T, d] and the previous layer's last residual term (or None) -> [B, T, d]."""
+    with the KV-cache write as the q/k/v projection's epilogue (10 kernels).
+    x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
     k_cache, v_cache = cache
     # NOTE: k/v are written to the cache before attention reads it (the kernels run in
     # stream order), so tokens of this forward see each other.
-    w_qkv, w_in = p[prefix + "self_attn.qkv_proj.weight"], p[prefix + "input_layernorm.weight"]
-    if prefix + "self_attn.qkv_proj.bias" not in p and kern.fits_qkv_rope(x, w_qkv, hd):
-        if kern.fits_norm(x, delta):
-            x, q = kern.norm_qkv_rope(x, delta, w_in, eps, w_qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache,
-                                      meta.write_index)
-        else:
-            x, hn = _add_norm(ops, kern, x, delta, w_in, eps)
-            q = kern.qkv_rope(hn, w_qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+    w_qkv = p[prefix + "self_attn.qkv_proj.weight"]
+    if prefix + "self_attn.qkv_proj.bias" not in p and kern.fits_qkv_rope(hn, w_qkv, hd):
+        q = kern.qkv_rope(hn, w_qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
     else:
-        x, hn = _add_norm(ops, kern, x, delta, w_in, eps)
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
         q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
     if kern.fits_attention(h // kvh, t):
@@ -331,16 +319,12 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     else:                                                                      # many query rows: plain attention
         attn = _context_attention(ops, q, cache, meta)
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)
-    o = o if reduce is None else reduce(o)
-    w_gu, w_post = p[prefix + "mlp.gate_up_proj.weight"], p[prefix + "post_attention_layernorm.weight"]
-    if prefix + "mlp.gate_up_proj.bias" not in p and kern.fits_swiglu(x, w_gu, cfg.intermediate_size):
-        if kern.fits_norm(x, o):
-            x, mlp = kern.norm_swiglu(x, o, w_post, eps, w_gu)
-        else:
-            x, hn = kern.add_rms_norm(x, o, w_post, eps)
-            mlp = kern.swiglu(hn, w_gu)
+    x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
+                              cfg.rms_norm_eps)
+    w_gu = p[prefix + "mlp.gate_up_proj.weight"]
+    if prefix + "mlp.gate_up_proj.bias" not in p and kern.fits_swiglu(hn, w_gu, cfg.intermediate_size):
+        mlp = kern.swiglu(hn, w_gu)
     else:
-        x, hn = kern.add_rms_norm(x, o, w_post, eps)
         mlp = kern.silu_mul(_proj(ops, p, prefix + "mlp.gate_up_proj", hn, kern), cfg.intermediate_size)
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp, kern)
     down = down if reduce is None else reduce(down)

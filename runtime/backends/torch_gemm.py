@@ -97,53 +97,6 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _partial_norm(x_ptr, d_ptr, nw_ptr, s_ptr, w_ptr, M, N, K, n, k_lo, write_s, K_PER_SPLIT: tl.constexpr,
-                  MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  DELTA: tl.constexpr):
-    # The RMSNorm before the projection, done in its loads: with DELTA the residual add first,
-    # s = round(x + delta) (add_rms_norm's sum; write_s: this program stores its K range of s),
-    # else s = x. Returns (acc, ss): acc[n, m] = sum_k w[n, k] round(s[m, k] nw[k]) and
-    # ss[m] = sum_k s[m, k]^2 over [k_lo, k_lo + K_PER_SPLIT), both float32. The row's
-    # 1 / rms = 1 / sqrt(sum of ss over K / K + eps) scales acc afterwards (``_inv_rms``):
-    # x / rms * nw @ w^T with the scale taken out of the sum, so no second pass over x.
-    nm = n < N
-    m = tl.arange(0, MP)
-    mm = m < M
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N, MP], tl.float32)
-    ss = tl.zeros([MP], tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-        k = k_lo + k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        xm = mm[None, :] & km[:, None]
-        xo = m[None, :] * K + k[:, None]
-        sx = tl.load(x_ptr + xo, mask=xm, other=0.0).to(tl.float32)
-        if DELTA:
-            sx = (sx + tl.load(d_ptr + xo, mask=xm, other=0.0).to(tl.float32)).to(dt)
-            if write_s:
-                tl.store(s_ptr + xo, sx, mask=xm)
-            sx = sx.to(tl.float32)
-        ss += tl.sum(sx * sx, 0)
-        nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
-        acc += tl.dot(w, (sx * nw[:, None]).to(dt), input_precision=PRECISION)
-    return acc, ss
-
-
-@triton.jit
-def _inv_rms(ss_ptr, ss, pid_n, tiles, K, eps, MP: tl.constexpr, SPLIT: tl.constexpr):
-    # 1 / rms of each row from the programs' ss of one column tile (ss_ptr [SPLIT, tiles, MP],
-    # this program's own ss when nothing splits), summed in split order: the same bits whichever
-    # program finishes last.
-    if SPLIT > 1:
-        m = tl.arange(0, MP)
-        ss = tl.zeros([MP], tl.float32)
-        for s in range(SPLIT):
-            ss += tl.load(ss_ptr + (s * tiles + pid_n) * MP + m, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(ss / K + eps)
-
-
-@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -190,10 +143,9 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 
 @triton.jit
 def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
-                        d_ptr, nw_ptr, s_ptr, ss_ptr, eps,
                         M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                         D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, NORM: tl.constexpr, DELTA: tl.constexpr):
+                        PRECISION: tl.constexpr):
     # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
     # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
     # The last program of a tile rounds the head's sum to the model's dtype, as the
@@ -201,8 +153,6 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
     # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D]),
     # q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
     # sum at the columns rotated by D/2, read from the partials too.
-    # NORM: x is the layer's input before its RMSNorm (``_partial_norm``; with DELTA the residual
-    # add too, its sum stored by the programs of tile 0); each sum scaled by the row's 1 / rms.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     d = tl.arange(0, D)
@@ -210,26 +160,16 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
     nm = n < N
     m = tl.arange(0, MP)
     mm = m < M
-    if NORM:
-        acc, ss = _partial_norm(x_ptr, d_ptr, nw_ptr, s_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, pid_n == 0,
-                                K_PER_SPLIT, MP, D, BLOCK_K, PRECISION, DELTA)
-        if SPLIT > 1:
-            tl.store(ss_ptr + (pid_k * tl.num_programs(0) + pid_n) * MP + m, ss)
-    else:
-        acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
+    acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
     tile = n[:, None] * MP + m[None, :]
     if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
         dt = q_ptr.dtype.element_ty
-        scale = tl.full([MP], 1.0, tl.float32)
-        if NORM:
-            scale = _inv_rms(ss_ptr, ss, pid_n, tl.num_programs(0), K, eps, MP, SPLIT)
-        x = (_total(part_ptr, tile, N, nm, MP, D, SPLIT) * scale[None, :]).to(dt).to(tl.float32)   # [D, MP]
+        x = _total(part_ptr, tile, N, nm, MP, D, SPLIT).to(dt).to(tl.float32)       # [D, MP]
         out_m = mm[None, :] & (d >= 0)[:, None]
         row = tl.load(widx_ptr + m, mask=mm, other=0)                                 # k/v cache rows
         if pid_n < H + KVH:
             sw = pid_n * D + (d + D // 2) % D
-            xs = (_total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT)
-                  * scale[None, :]).to(dt).to(tl.float32)
+            xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT).to(dt).to(tl.float32)
             c = tl.load(cos_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
             r = x * c + xs * s
@@ -245,10 +185,9 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
 
 
 @triton.jit
-def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, d_ptr, nw_ptr, s_ptr, ss_ptr, eps,
-                          M, F, K, K_PER_SPLIT: tl.constexpr,
+def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_PER_SPLIT: tl.constexpr,
                           SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, NORM: tl.constexpr, DELTA: tl.constexpr):
+                          PRECISION: tl.constexpr):
     # SwiGLU's gate/up projection with silu(gate) * up as its epilogue: w [2F, K] holds the
     # gate rows [0, F) and the up rows [F, 2F) (the model's fused gate_up weight). A column
     # tile of BLOCK_N weight rows interleaves them: tile row 2i is gate row f, row 2i + 1 up
@@ -256,7 +195,6 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, d_ptr, nw_pt
     # splits) holds both halves of BLOCK_N / 2 outputs. Each half is rounded to the model's
     # dtype, as the projection's output is, then silu_mul's math: the bits of the split-K GEMM
     # followed by torch_kernels' silu_mul, without the [M, 2F] output's write and read.
-    # NORM: as in _splitk_rope_kernel (the RMSNorm, and with DELTA the residual add, in the loads).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     i = tl.arange(0, BLOCK_N)
@@ -264,14 +202,7 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, d_ptr, nw_pt
     n = tl.where(f < F, f + (i % 2) * F, 2 * F)               # 2F: a padded row, masked in _partial
     m = tl.arange(0, MP)
     mm = m < M
-    if NORM:
-        acc, ss = _partial_norm(x_ptr, d_ptr, nw_ptr, s_ptr, w_ptr, M, 2 * F, K, n, pid_k * K_PER_SPLIT, pid_n == 0,
-                                K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION, DELTA)
-        if SPLIT > 1:
-            tl.store(ss_ptr + (pid_k * tl.num_programs(0) + pid_n) * MP + m, ss)
-    else:
-        acc = _partial(x_ptr, w_ptr, M, 2 * F, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K,
-                       PRECISION)
+    acc = _partial(x_ptr, w_ptr, M, 2 * F, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, BLOCK_N, BLOCK_K, PRECISION)
     last = True
     if SPLIT > 1:
         # partials [SPLIT, tiles * BLOCK_N, MP], indexed by the tile's own rows
@@ -283,8 +214,6 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, d_ptr, nw_pt
             acc = _total(part_ptr, tile, nv, j < nv, MP, BLOCK_N, SPLIT)
     if last:
         dt = y_ptr.dtype.element_ty
-        if NORM:
-            acc = acc * _inv_rms(ss_ptr, ss, pid_n, tl.num_programs(0), K, eps, MP, SPLIT)[None, :]
         gu = tl.permute(tl.reshape(acc.to(dt).to(tl.float32), [BLOCK_N // 2, 2, MP]), [0, 2, 1])
         g, u = tl.split(gu)                                                      # [BLOCK_N / 2, MP] each
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -349,29 +278,14 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
     return y
 
 
-def _norm_args(x: torch.Tensor, norm: tuple | None, split: int, tiles: int) -> tuple[list, dict, torch.Tensor | None]:
-    """The kernels' norm arguments (delta, norm weight, s, ss, eps), NORM/DELTA and the residual
-    sum s (a new tensor with a delta, x itself without, None without ``norm``)."""
-    if norm is None:
-        return [x, x, x, x, 0.0], {"NORM": False, "DELTA": False}, None
-    delta, nw, eps = norm
-    s = torch.empty_like(x) if delta is not None else x
-    ss = torch.empty((split, tiles, MAX_ROWS), dtype=torch.float32, device=x.device) if split > 1 else x
-    return ([delta.contiguous() if delta is not None else x, nw.to(x.dtype).contiguous(), s, ss, float(eps)],
-            {"NORM": True, "DELTA": delta is not None}, s)
-
-
 def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                     kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
-                    counters: torch.Tensor, norm: tuple | None = None):
+                    counters: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
     epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
     ``write_index`` [M]. cos/sin [M, D]. The same bits as ``splitk_linear`` with the plan of
     ``plan(N, K, D)`` followed by torch_kernels' ``rope_write_kv``. ``counters``: int32 zeros,
-    at least H + 2 KVH of them, left zero again.
-    ``norm`` = (delta or None, norm weight [K], eps): x is the layer's input before its RMSNorm
-    (``_partial_norm``: the norm's scale out of the sum, so other rounding than add_rms_norm
-    then this GEMM) and the result is (q, x + delta), or (q, x) without a delta."""
+    at least H + 2 KVH of them, left zero again."""
     m, k = x.shape
     n = w.shape[0]
     d = n // (heads + 2 * kv_heads)
@@ -379,20 +293,18 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     x = x.contiguous()
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
     part = torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
-    extra, flags, s = _norm_args(x, norm, p.split, heads + 2 * kv_heads)
     _splitk_rope_kernel[(heads + 2 * kv_heads, p.split)](
-        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index, q, k_cache, v_cache, *extra, m, n, k,
+        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
-        num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **flags)
-    return q if norm is None else (q, s)
+        num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return q
 
 
-def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, norm: tuple | None = None):
+def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (M <= MAX_ROWS) and the fused gate/up
     weight w [2F, K], in one launch with the plan of ``plan(2F, K)``: -> [M, F]. The same bits
     as ``splitk_linear`` with that plan followed by torch_kernels' ``silu_mul``. ``counters``:
-    int32 zeros, at least ``counters_needed(2F, plan(2F, K))`` of them, left zero again.
-    ``norm``: as in ``splitk_qkv_rope`` (the result is then (y, x + delta), or (y, x))."""
+    int32 zeros, at least ``counters_needed(2F, plan(2F, K))`` of them, left zero again."""
     m, k = x.shape
     f = w.shape[0] // 2
     p = plan(2 * f, k)
@@ -401,9 +313,8 @@ def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, norm
     tiles = triton.cdiv(2 * f, p.block_n)
     part = (torch.empty((p.split, tiles * p.block_n, MAX_ROWS), dtype=torch.float32, device=x.device)
             if p.split > 1 else y)
-    extra, flags, s = _norm_args(x, norm, p.split, tiles)
     _splitk_swiglu_kernel[(tiles, p.split)](
-        x, w, y, part, counters, *extra, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
+        x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **flags)
-    return y if norm is None else (y, s)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return y

@@ -309,10 +309,6 @@ class Kernels:
     # layer's first input norm) on a Triton kernel (``rms_norm``) instead of torch's.
     # NOTE: measured as above.
     triton_norm: bool = True
-    # A layer's two RMSNorms (with the residual add before them) done in the loads of the
-    # projection after them, the q/k/v (``norm_qkv_rope``) and the gate/up (``norm_swiglu``),
-    # instead of add_rms_norm launches. NOTE: measured as above.
-    fuse_norm: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -371,33 +367,6 @@ class Kernels:
         self._ready(x)
         y = torch_gemm.splitk_swiglu(x.reshape(-1, x.shape[-1]), w, self._counters[x.device])
         return y.view(*x.shape[:-1], w.shape[0] // 2)
-
-    def fits_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> bool:
-        """Whether the norm_* projections take the layer input x (and the residual term delta):
-        ``fuse_norm`` on, delta shaped and typed like x."""
-        return self.fuse_norm and (delta is None or (delta.shape == x.shape and delta.dtype == x.dtype))
-
-    def norm_qkv_rope(self, x: torch.Tensor, delta: torch.Tensor | None, nw: torch.Tensor, eps: float,
-                      w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor):
-        """``qkv_rope`` of rms_norm(x + delta) * nw in one launch (``fits_norm`` and ``fits_qkv_rope``
-        hold): returns (x + delta, or x without a delta; the rotated q [B, T, H, D])."""
-        b, t, k = x.shape
-        self._ready(x)
-        q, s = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
-                                          kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
-                                          norm=(None if delta is None else delta.reshape(-1, k), nw, eps))
-        return s.view(x.shape), q.view(b, t, heads, -1)
-
-    def norm_swiglu(self, x: torch.Tensor, delta: torch.Tensor | None, nw: torch.Tensor, eps: float,
-                    w: torch.Tensor):
-        """``swiglu`` of rms_norm(x + delta) * nw in one launch (``fits_norm`` and ``fits_swiglu`` hold):
-        returns (x + delta, or x without a delta; silu(gate) * up [..., ffn])."""
-        k = x.shape[-1]
-        self._ready(x)
-        y, s = torch_gemm.splitk_swiglu(x.reshape(-1, k), w, self._counters[x.device],
-                                        norm=(None if delta is None else delta.reshape(-1, k), nw, eps))
-        return s.view(x.shape), y.view(*x.shape[:-1], w.shape[0] // 2)
 
     def fits_rms_norm(self, x: torch.Tensor) -> bool:
         """Whether ``rms_norm`` takes x: a floating-point row of at most 16,384 (one program a row)."""
