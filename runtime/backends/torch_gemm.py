@@ -300,14 +300,15 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     return q
 
 
-def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, block_n: int = 64) -> torch.Tensor:
     """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (M <= MAX_ROWS) and the fused gate/up
-    weight w [2F, K], in one launch with the plan of ``plan(2F, K)``: -> [M, F]. The same bits
-    as ``splitk_linear`` with that plan followed by torch_kernels' ``silu_mul``. ``counters``:
-    int32 zeros, at least ``counters_needed(2F, plan(2F, K))`` of them, left zero again."""
+    weight w [2F, K], in one launch with the plan of ``plan(2F, K, block_n)`` (``block_n`` weight
+    rows a program, half of them gate rows): -> [M, F]. The same bits as ``splitk_linear`` with
+    that plan followed by torch_kernels' ``silu_mul``. ``counters``: int32 zeros, at least
+    ``counters_needed(2F, plan(2F, K, block_n))`` of them, left zero again."""
     m, k = x.shape
     f = w.shape[0] // 2
-    p = plan(2 * f, k)
+    p = plan(2 * f, k, block_n)
     x = x.contiguous()
     y = torch.empty((m, f), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(2 * f, p.block_n)

@@ -220,7 +220,8 @@ def test_qkv_projection_with_rope_and_the_cache_write_in_its_epilogue(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_swiglu_projection_with_silu_mul_in_its_epilogue(dtype):
-    """``Kernels.swiglu`` at the ~1B gate/up shape [2 x 5632, 2048] and an odd one that splits K:
+    """``Kernels.swiglu`` at the ~1B gate/up shape [2 x 5632, 2048] (64 and 32 weight rows a
+    program) and an odd one that splits K:
     the bits of the split-K GEMM (the [2F, K] weight's plan) followed by ``silu_mul``, a row's
     bits independent of the other rows, eager and captured with fresh inputs, counters back at
     zero, and within bf16 rounding of cuBLAS + SiLU."""
@@ -230,13 +231,14 @@ def test_swiglu_projection_with_silu_mul_in_its_epilogue(dtype):
     ops = TorchOps("cuda:0", "bfloat16", fused_kernels=True)
     g = torch.Generator(device="cuda").manual_seed(4)
     worst = 0.0
-    for f, k in ((5632, 2048), (700, 2048)):
+    for f, k, block in ((5632, 2048, 64), (5632, 2048, 32), (700, 2048, 64)):
+        kernels.swiglu_block_n = block
         w = (torch.randn(2 * f, k, device="cuda", generator=g) * 0.02).to(dtype)
         x16 = torch.randn(16, k, device="cuda", generator=g).to(dtype)
         assert kernels.fits_swiglu(x16, w, f)
         kernels._ready(x16)
         counters = kernels._counters[x16.device]
-        p = torch_gemm.plan(2 * f, k)
+        p = torch_gemm.plan(2 * f, k, block)
 
         def reference(x):
             return Kernels.silu_mul(torch_gemm.splitk_linear(x, w, p, counters), f)

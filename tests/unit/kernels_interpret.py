@@ -138,6 +138,12 @@ def kernel_errors() -> dict[str, float]:
         ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p, kern._counters[torch.device("cpu")]), f)
         assert torch.equal(y.reshape(-1, f), ref), (least, f, (y.reshape(-1, f) - ref).abs().max())
         assert torch.equal(kern.swiglu(x[:1, :2], w), y[:1, :2])
+        kern.swiglu_block_n = 32                     # 16 outputs a program
+        y32 = kern.swiglu(x, w)
+        p32 = torch_gemm.plan(2 * f, kk, 32)
+        ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p32, kern._counters[torch.device("cpu")]), f)
+        assert torch.equal(y32.reshape(-1, f), ref), (least, f)
+        del kern.swiglu_block_n
         worst = max(worst, (y - F.silu(x @ w[:f].T) * (x @ w[f:].T)).abs().max().item())
     torch_gemm._MIN_SPLIT_K = 512
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
