@@ -6,7 +6,8 @@
 #                                                # with SiLU·mul as its epilogue, Triton's RMSNorm for the norms
 #                                                # outside the fused layers: the kernel GPU tests, bench graphs (each
 #                                                # change off in its own column), bench profile, bench peer at batch 1
-#   bash bench/gpu_session17.sh OUT_DIR final    # the final defaults: the kernel, propose and round-loop GPU tests,
+#   bash bench/gpu_session17.sh OUT_DIR final    # the final defaults (gate/up + SiLU·mul, Triton RMSNorm; the fold and
+#                                                # the norm in the loads removed): the kernel, propose and round-loop GPU tests,
 #                                                # bench graphs, bench peer at batch 1
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
@@ -24,5 +25,5 @@ timeout 180 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee
 if [ "$mode" = kernels ]; then
   timeout 90 python3 -m specsplit bench profile --device cuda:0 2>&1 | quiet | tee "$out/bench_profile.txt" | tail -2
 fi
-timeout "$(left 560)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
+timeout "$(left 540)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
   2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
