@@ -301,7 +301,8 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     """``decoder_layer``'s cached path on the fused kernels (``Ops.kernels``): the same math
     as the plain ops below it, up to rounding; 11 kernels at decode shapes instead of ~33, the
     projections on the split-K GEMM where it fits (``Kernels.fits_linear``), and there RoPE
-    with the KV-cache write as the q/k/v projection's epilogue (10 kernels).
+    with the KV-cache write as the q/k/v projection's epilogue and SiLU·mul as the gate/up's
+    (8 kernels, the attention's combine counted).
     x [B, T, d], hn = its input RMSNorm -> [B, T, d]."""
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -4,7 +4,9 @@ Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K] with M 
 and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
 launch shape it uses for a weight of that shape; ``splitk_qkv_rope``, the q/k/v projection
 with RoPE and the KV-cache write as its epilogue (a head a column tile; the bits of the GEMM
-followed by torch_kernels' ``rope_write_kv``); and ``preload_plan``, a launch shape whose
+followed by torch_kernels' ``rope_write_kv``); ``splitk_swiglu``, SwiGLU's gate/up projection
+with silu(gate) * up as its epilogue (a tile holds gate and up rows of the same outputs; the
+bits of the GEMM followed by ``silu_mul``); and ``preload_plan``, a launch shape whose
 programs read their whole weight slice before waiting for the kernel ahead of them, for a
 programmatic dependent launch (the o projection after the attention).
 Why: at one to sixteen rows a projection is a weight read. cuBLAS tiles N only, so a

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the Torch backend's decoder layer (CUDA).
 
-Owns: four kernels that each replace a chain of small framework ops of one
+Owns: the kernels that each replace a chain of small framework ops of one
 decoder layer, equal to those ops up to rounding (every kernel computes in
 float32 and rounds once where the plain ops round after each op):
   - ``add_rms_norm``:  the residual add and the RMSNorm that follows it
@@ -13,15 +13,17 @@ float32 and rounds once where the plain ops round after each op):
                        KV cache (no gather), split over the keys
                        (flash-decoding) and combined
   - ``argmax``:        the greedy argmax over the vocabulary, split over programs
+  - ``rms_norm``:      the RMSNorms outside the fused layers (torch's takes twice as long)
 and when a projection at decode shapes goes to the split-K GEMM of
 ``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps;
 there the GEMM also takes over ``rope_write_kv`` (the q/k/v projection's
-epilogue, ``fits_qkv_rope`` / ``qkv_rope``, with the same bits), and the o
-projection runs as a programmatic dependent launch that reads its weight while
-the attention runs (``preload``, ``attention``).
+epilogue, ``fits_qkv_rope`` / ``qkv_rope``, with the same bits) and
+``silu_mul`` (the gate/up projection's epilogue, ``fits_swiglu`` / ``swiglu``,
+same bits), and the o projection runs as a programmatic dependent launch that
+reads its weight while the attention runs (``preload``, ``attention``).
 Why: the plain layer runs ~33 kernels at decode shapes, most of them a few
 microseconds of elementwise work (see docs/performance.md § Fused kernels);
-this layer runs 10 (§ Session 14).
+this layer runs 8 (§ Session 17).
 
 Must not know: models, checkpoints, requests. The model (``runtime/model.py``)
 decides where each kernel applies (``Kernels.fits_attention``) and keeps the
@@ -303,14 +305,18 @@ class Kernels:
     # faster than with torch's argmax (a thread block a row), the draft's substeps too.
     split_argmax: bool = True
     # SwiGLU's gate/up projection on the split-K GEMM with silu(gate) * up as its epilogue
-    # (``swiglu``) instead of cuBLAS and a silu_mul launch. NOTE: measured as above.
+    # (``swiglu``) instead of cuBLAS and a silu_mul launch. NOTE: measured (``bench graphs``,
+    # docs/performance.md § Session 17): the ~1B verify at batch 1 12 us faster (0.856 against
+    # 0.868 ms, and 0.826 against 0.836 in the final run).
     fuse_swiglu: bool = True
-    # Weight rows one ``swiglu`` program reduces (half gate, half up): 64 -> 176 programs for the
-    # ~1B gate/up [11264, 2048] on 132 SMs, 32 -> 352.
-    swiglu_block_n: int = 64
+    # Weight rows one ``swiglu`` program reduces (half gate, half up): 32 -> 352 programs for the
+    # ~1B gate/up [11264, 2048] on 132 SMs, 64 -> 176. NOTE: measured as above: the ~1B verify at
+    # batch 1 0.821 ms with 32 against 0.826 with 64 (equal at batch 8 and 32).
+    swiglu_block_n: int = 32
     # The RMSNorms outside the fused layers (the draft's input norms, the final norm, a
-    # layer's first input norm) on a Triton kernel (``rms_norm``) instead of torch's.
-    # NOTE: measured as above.
+    # layer's first input norm) on a Triton kernel (``rms_norm``) instead of torch's (3.6 us a
+    # launch at decode shapes, § Session 16). NOTE: measured as above: the ~1B draft substep at
+    # batch 1 0.112 ms against 0.121 (verify 0.826 against 0.831).
     triton_norm: bool = True
     _COUNTERS = 4096
 
