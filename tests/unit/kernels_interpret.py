@@ -7,6 +7,7 @@ kernels on against the same engine with them off. Prints one JSON object.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -128,23 +129,20 @@ def kernel_errors() -> dict[str, float]:
     # SwiGLU's gate/up with silu * up as the GEMM's epilogue: the bits of the split-K GEMM (the
     # plan of the [2F, K] weight) followed by silu_mul, with splits and without, F not a
     # multiple of the tile, a row's bits independent of the other rows
-    for least, f, kk in ((64, 96, 256), (512, 100, 256), (128, 704, 512)):
+    # (16 and 32 outputs a program)
+    for (least, f, kk), block in itertools.product(((64, 96, 256), (512, 100, 256), (128, 704, 512)), (32, 64)):
         torch_gemm._MIN_SPLIT_K = least
+        kern.swiglu_block_n = block
         w, x = rnd(2 * f, kk) * 0.05, rnd(b, 3, kk)
         assert kern.fits_swiglu(x, w, f) and not kern.fits_swiglu(x, w, f + 1) and not kern.fits_swiglu(rnd(17, kk), w, f)
         y = kern.swiglu(x, w)
-        p = torch_gemm.plan(2 * f, kk)
+        p = torch_gemm.plan(2 * f, kk, block)
         assert (p.split > 1) == (least < 512), (least, p)
         ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p, kern._counters[torch.device("cpu")]), f)
-        assert torch.equal(y.reshape(-1, f), ref), (least, f, (y.reshape(-1, f) - ref).abs().max())
+        assert torch.equal(y.reshape(-1, f), ref), (least, f, block, (y.reshape(-1, f) - ref).abs().max())
         assert torch.equal(kern.swiglu(x[:1, :2], w), y[:1, :2])
-        kern.swiglu_block_n = 32                     # 16 outputs a program
-        y32 = kern.swiglu(x, w)
-        p32 = torch_gemm.plan(2 * f, kk, 32)
-        ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p32, kern._counters[torch.device("cpu")]), f)
-        assert torch.equal(y32.reshape(-1, f), ref), (least, f)
-        del kern.swiglu_block_n
         worst = max(worst, (y - F.silu(x @ w[:f].T) * (x @ w[f:].T)).abs().max().item())
+    del kern.swiglu_block_n
     torch_gemm._MIN_SPLIT_K = 512
     assert int(kern._counters[torch.device("cpu")].abs().sum()) == 0
     out["linear"] = worst
