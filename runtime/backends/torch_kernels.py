@@ -295,6 +295,11 @@ class Kernels:
     # ~1B verify at batch 1 ×2.16 the weight floor against ×2.21 without (SwiGLU made in the
     # down projection's loads was tried the same way and made it slower: ×2.36; not kept).
     fuse_rope: bool = True
+    # RoPE's swapped halves in that epilogue taken from the head's own sum in registers instead
+    # of a second read of the split partials (``torch_gemm.splitk_qkv_rope``'s ``swap_in_regs``;
+    # the same bits, tested). NOTE: not measured yet (built after session 17's device time ran
+    # out): off until ``bench graphs``' ``rope-swap`` column shows it pays.
+    rope_swap_in_regs: bool = False
     # A projection that ``torch_gemm.preload_plan`` takes (the o projection) runs as a
     # programmatic dependent launch after the attention (``attention``), each program reading
     # its whole weight slice before it waits for the attention's end. NOTE: measured as
@@ -358,7 +363,8 @@ class Kernels:
         b, t, k = x.shape
         self._ready(x)
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
-                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device])
+                                       kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
+                                       swap_in_regs=self.rope_swap_in_regs)
         return q.view(b, t, heads, -1)
 
     def fits_swiglu(self, x: torch.Tensor, w: torch.Tensor, ffn: int) -> bool:

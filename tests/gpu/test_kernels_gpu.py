@@ -8,7 +8,8 @@ What is shown (docs/gpu.md records the run):
   and two odd ones, at 1 to 16 rows, in bfloat16 and float16: a row's bits do not depend
   on the other rows or on the run, a captured launch gives the eager launch's bits, and
   every launch leaves its counters at zero; the q/k/v projection with RoPE and the KV-cache
-  write in its epilogue gives the bits of the GEMM followed by rope_write_kv;
+  write in its epilogue gives the bits of the GEMM followed by rope_write_kv (RoPE's swapped
+  halves read again from the partials or taken in registers);
   the o projection as a dependent launch after the attention gives a plain launch's bits; the gate/up projection with
   SiLU·mul in its epilogue gives the bits of the GEMM followed by silu_mul;
 - the bundled model under CUDA graphs with the kernels decodes the same greedy tokens as
@@ -196,6 +197,11 @@ def test_qkv_projection_with_rope_and_the_cache_write_in_its_epilogue(dtype):
         q1 = kernels.qkv_rope(inp["x"], w, inp["cos"], inp["sin"], h, kvh, kc1, vc1, inp["rows"])
         q2 = reference(inp["x"], inp["cos"], inp["sin"], inp["rows"], kc2, vc2)
         assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), (b, t)
+        kc4, vc4 = caches()
+        kernels.rope_swap_in_regs = True             # RoPE's swapped halves from registers: the same bits
+        q4 = kernels.qkv_rope(inp["x"], w, inp["cos"], inp["sin"], h, kvh, kc4, vc4, inp["rows"])
+        del kernels.rope_swap_in_regs
+        assert torch.equal(q4, q1) and torch.equal(kc4, kc1) and torch.equal(vc4, vc1), (b, t)
         q3 = reference(inp["x"], inp["cos"], inp["sin"], inp["rows"], kc3, vc3, gemm=False)
         worst = max(worst, _rel(q1, q3), _rel(kc1, kc3), _rel(vc1, vc3))
         kc, vc = caches()

@@ -119,6 +119,7 @@ def kernel_errors() -> dict[str, float]:
         rows = torch.tensor([5, 6, 7, 130, 131, 132])
         kc1, vc1 = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
         kc2, vc2 = kc1.clone(), vc1.clone()
+        kc3, vc3 = kc1.clone(), vc1.clone()
         assert kern.fits_qkv_rope(x, w, hd)
         q1 = kern.qkv_rope(x, w, cos, sin, h, kvh, kc1, vc1, rows)
         p = torch_gemm.plan(n, 256, hd)
@@ -126,6 +127,10 @@ def kernel_errors() -> dict[str, float]:
         qkv = torch_gemm.splitk_linear(x.reshape(-1, 256), w, p, kern._counters[torch.device("cpu")])
         q2 = Kernels.rope_write_kv(qkv.view(b, 3, h + 2 * kvh, hd), cos, sin, h, kvh, kc2, vc2, rows)
         assert torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2), least
+        kern.rope_swap_in_regs = True                # the swapped halves from registers: same bits
+        q3 = kern.qkv_rope(x, w, cos, sin, h, kvh, kc3, vc3, rows)
+        del kern.rope_swap_in_regs
+        assert torch.equal(q3, q1) and torch.equal(kc3, kc1) and torch.equal(vc3, vc1), least
     # SwiGLU's gate/up with silu * up as the GEMM's epilogue: the bits of the split-K GEMM (the
     # plan of the [2F, K] weight) followed by silu_mul, with splits and without, F not a
     # multiple of the tile, a row's bits independent of the other rows
