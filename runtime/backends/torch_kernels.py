@@ -73,10 +73,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.co
     d = tl.load(d_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
     s = (x + d).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * n + cols, s, mask=m)
-    sf = s.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n + cols, (sf * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+    _store_rms_norm(s.to(tl.float32), w_ptr, y_ptr, row, cols, m, n, eps)
 
 
 @triton.jit
@@ -85,7 +82,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
-    x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
+    _store_rms_norm(tl.load(x_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32), w_ptr, y_ptr, row, cols, m,
+                    n, eps)
+
+
+@triton.jit
+def _store_rms_norm(x, w_ptr, y_ptr, row, cols, m, n, eps):
+    # y[row] = x / rms(x) * w for the float32 row x (masked columns 0), rounded once.
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * n + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
@@ -339,21 +342,23 @@ class Kernels:
         if device not in self._counters:
             self._counters[device] = torch.zeros(self._COUNTERS, dtype=torch.int32, device=device)
 
-    def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether ``linear`` takes x [..., K] @ w [N, K]^T: at most ``torch_gemm.MAX_ROWS``
-        rows, a contiguous weight of a ``linear_dtypes`` dtype whose shape ``torch_gemm.pays``
-        for, x of the same dtype."""
+    def _fits_gemm(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """What every split-K GEMM launch needs: at most ``torch_gemm.MAX_ROWS`` rows of x
+        [..., K], a contiguous 2-D weight of a ``linear_dtypes`` dtype, x of the same dtype."""
         rows = x.numel() // max(1, x.shape[-1])
         return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
-                and w.dim() == 2 and w.is_contiguous() and torch_gemm.pays(*w.shape))
+                and w.dim() == 2 and w.is_contiguous())
+
+    def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``linear`` takes x [..., K] @ w [N, K]^T: ``_fits_gemm``, and a weight shape
+        ``torch_gemm.pays`` for."""
+        return self._fits_gemm(x, w) and torch_gemm.pays(*w.shape)
 
     def fits_qkv_rope(self, x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
         """Whether ``qkv_rope`` takes x [..., K] @ w^T for the fused q/k/v weight w [(H + 2 KVH) D, K]:
-        as ``fits_linear`` for the rows and dtypes (whatever the weight's width: a head a program
-        fills the SMs), D a power of two from 16, a column tile's counter for every head."""
-        rows = x.numel() // max(1, x.shape[-1])
-        return (self.fuse_rope and rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes
-                and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and self.fits(head_dim)
+        ``_fits_gemm`` (whatever the weight's width: a head a program fills the SMs), D a power
+        of two from 16, a column tile's counter for every head."""
+        return (self.fuse_rope and self._fits_gemm(x, w) and self.fits(head_dim)
                 and w.shape[0] % head_dim == 0 and w.shape[0] // head_dim <= self._COUNTERS)
 
     def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -368,12 +373,10 @@ class Kernels:
         return q.view(b, t, heads, -1)
 
     def fits_swiglu(self, x: torch.Tensor, w: torch.Tensor, ffn: int) -> bool:
-        """Whether ``swiglu`` takes x [..., K] and the fused gate/up weight w [2 ffn, K]: as
-        ``fits_linear`` for the rows and dtypes (whatever the weight's width), a counter for
-        every column tile when K splits."""
-        rows = x.numel() // max(1, x.shape[-1])
-        if not (self.fuse_swiglu and rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes
-                and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous() and w.shape[0] == 2 * ffn > 0):
+        """Whether ``swiglu`` takes x [..., K] and the fused gate/up weight w [2 ffn, K]:
+        ``_fits_gemm`` (whatever the weight's width), a counter for every column tile when K
+        splits."""
+        if not (self.fuse_swiglu and self._fits_gemm(x, w) and w.shape[0] == 2 * ffn > 0):
             return False
         p = torch_gemm.plan(2 * ffn, w.shape[1], self.swiglu_block_n)
         return torch_gemm.counters_needed(2 * ffn, p) <= self._COUNTERS

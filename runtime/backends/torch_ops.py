@@ -335,10 +335,10 @@ class TorchOps:
         # One fused kernel on CUDA (float32 accumulation, result in x's dtype)
         # instead of the eight of the spelled-out upcast / mean / rsqrt / scale; with the
         # fused kernels on, Triton's (half the time of torch's at decode shapes).
-        kern = self.kernels
+        w, kern = w.to(x.dtype), self.kernels
         if kern is not None and kern.fits_rms_norm(x):
-            return kern.rms_norm(x, w.to(x.dtype), eps)
-        return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
+            return kern.rms_norm(x, w, eps)
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
 
     def silu(self, x):
         return F.silu(x)
