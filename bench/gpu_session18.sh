@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 18 on the GPU host (one H200), one device call per mode:
+#
+#   bash bench/gpu_session18.sh OUT_DIR first   # session 17's last code on the GPU: the kernel GPU tests (the review mend,
+#                                               # RoPE's swapped halves in registers), bench graphs (its `rope-swap`
+#                                               # column), bench adaptive on the current kernels, bench services at batch 8
+#   bash bench/gpu_session18.sh OUT_DIR final   # the final defaults: kernel, propose and round-loop GPU tests, bench
+#                                               # graphs, bench services at batch 8 and 1, bench peer at batch 1
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md).
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-first}"
+gpu_prologue
+case "$mode" in
+first) tests=(tests/gpu/test_kernels_gpu.py) ;;
+final) tests=(tests/gpu/test_kernels_gpu.py tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py) ;;
+*) echo "unknown mode $mode"; exit 2 ;;
+esac
+timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu "${tests[@]}" 2>&1 | tee "$out/gpu_tests.log" \
+  | grep -E "passed|failed|error|Error|assert|\[gpu" | tail -16
+timeout 180 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -3
+if [ "$mode" = first ]; then
+  timeout 200 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
+    --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
+  timeout "$(left 570)" python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
+else
+  timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
+    --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
+  timeout "$(left 570)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \
+    2>&1 | quiet | tee "$out/bench_peer.txt" | tail -3
+fi
