@@ -4,6 +4,10 @@
 #   bash bench/gpu_session18.sh OUT_DIR first   # session 17's last code on the GPU: the kernel GPU tests (the review mend,
 #                                               # RoPE's swapped halves in registers), bench graphs (its `rope-swap`
 #                                               # column), bench adaptive on the current kernels, bench services at batch 8
+#   bash bench/gpu_session18.sh OUT_DIR head    # the output head's two launches fewer (Kernels.fuse_head) and the
+#                                               # RoPE swap on: the kernel GPU tests, bench graphs (`no-head`,
+#                                               # `no-rope-swap` columns); batch 8 on the bundled model: bench
+#                                               # services in float32 and in bfloat16, bench profile --small
 #   bash bench/gpu_session18.sh OUT_DIR final   # the final defaults: kernel, propose and round-loop GPU tests, bench
 #                                               # graphs, bench services at batch 8 and 1, bench peer at batch 1
 #
@@ -12,7 +16,7 @@ source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
 case "$mode" in
-first) tests=(tests/gpu/test_kernels_gpu.py) ;;
+first|head) tests=(tests/gpu/test_kernels_gpu.py) ;;
 final) tests=(tests/gpu/test_kernels_gpu.py tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py) ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
@@ -24,6 +28,11 @@ if [ "$mode" = first ]; then
     --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
   timeout "$(left 570)" python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
     --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
+elif [ "$mode" = head ]; then
+  timeout 120 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
+    --max-tokens 128 --dtype bfloat16 2>&1 | quiet | tee "$out/services_bf16.txt" | tail -4
+  timeout "$(left 570)" python3 -m specsplit bench profile --small --batch 8 --device cuda:0 2>&1 | quiet \
+    | tee "$out/profile_small.txt" | tail -40
 else
   timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
     --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6

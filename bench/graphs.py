@@ -14,11 +14,12 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
     plain ops, with every projection on cuBLAS (no split-K GEMM), without RoPE + the KV write
     in the q/k/v projection's epilogue (``Kernels.fuse_rope``), without the o projection as a
     dependent launch that reads its weight during the attention (``Kernels.preload``),
-    without either, with torch's argmax (``Kernels.split_argmax``), with gate/up on cuBLAS and
+    with torch's argmax (``Kernels.split_argmax``), with gate/up on cuBLAS and
     SiLU·mul in a kernel of its own (``Kernels.fuse_swiglu``), with torch's RMSNorm for
-    the norms outside the fused layers (``Kernels.triton_norm``), with 64 weight rows a
-    gate/up program instead of 32 (``Kernels.swiglu_block_n``), and with RoPE's swapped halves
-    taken in registers in the q/k/v epilogue (``Kernels.rope_swap_in_regs``, off by default).
+    the norms outside the fused layers (``Kernels.triton_norm``), with RoPE's swapped halves
+    read back from the split partials (``Kernels.rope_swap_in_regs`` off), and with the last
+    residual add, the final norm, the logits' cast and the argmax as four launches
+    (``Kernels.fuse_head`` off).
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -46,10 +47,9 @@ BUCKETS = (1, 8, 32)
 # Other settings of the fused kernels, each timed as a bare step beside the default one:
 # column -> the Kernels attributes set for it (None: the plain ops).
 VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-rope": {"fuse_rope": False},
-            "no-preload": {"preload": False}, "neither": {"fuse_rope": False, "preload": False},
-            "no-argmax": {"split_argmax": False}, "no-swiglu": {"fuse_swiglu": False},
-            "no-norm": {"triton_norm": False}, "swiglu-64": {"swiglu_block_n": 64},
-            "rope-swap": {"rope_swap_in_regs": True}}
+            "no-preload": {"preload": False}, "no-argmax": {"split_argmax": False},
+            "no-swiglu": {"fuse_swiglu": False}, "no-norm": {"triton_norm": False},
+            "no-rope-swap": {"rope_swap_in_regs": False}, "no-head": {"fuse_head": False}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -201,9 +201,9 @@ def main(args) -> int:
           f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
           "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
           "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' the o projection launched "
-          "plainly, 'neither' both, 'no-argmax' torch's argmax, "
-          "'no-swiglu' gate/up on cuBLAS then SiLU·mul, 'no-norm' torch's RMSNorm, 'swiglu-64' 64 weight "
-          "rows a gate/up program, 'rope-swap' RoPE's halves swapped in registers)")
+          "plainly, 'no-argmax' torch's argmax, 'no-swiglu' gate/up on cuBLAS then SiLU·mul, 'no-norm' "
+          "torch's RMSNorm, 'no-rope-swap' RoPE's swapped halves read back from the partials, 'no-head' the "
+          "last add, final norm, cast and argmax as four launches)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -361,22 +361,38 @@ def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
     return ops.cast(ops.linear(normed, p[head_weight_name(cfg)]), "float32")
 
 
+def head_argmax(ops: Ops, p: Params, cfg: ModelConfig, normed: Tensor) -> tuple[Tensor, Tensor]:
+    """normed [..., d] (after the final RMSNorm) -> (logits float32 [..., V], their argmax
+    int64 [...]): ``lm_head``'s values, the cast and the argmax one launch where the backend can."""
+    return ops.float_argmax(ops.linear(normed, p[head_weight_name(cfg)]))
+
+
 def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: AttnMeta | None,
                    caches: list[tuple[Tensor, Tensor]] | None, reduce: Callable[[Tensor], Tensor] | None = None,
-                   **train: Any) -> Tensor:
-    """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer).
+                   final_norm: bool = False, **train: Any) -> Any:
+    """tokens int64 [B, T] -> hidden [B, T, d] (residual stream after the last layer), or
+    with ``final_norm`` (hidden, its final RMSNorm) for ``head_argmax``.
     ``reduce``: the tensor-parallel sum of ``decoder_layer`` (the embedding is replicated)."""
     x = ops.embedding(p["model.embed_tokens.weight"], tokens)
     # With the fused kernels, each layer's last residual add rides on the next layer's
-    # input RMSNorm (one add_rms_norm kernel instead of an add and a norm).
-    defer = ops.kernels is not None and meta is not None
+    # input RMSNorm (one add_rms_norm kernel instead of an add and a norm), the last layer's
+    # on the final norm when the caller wants it (``Kernels.fuse_head``).
+    kern = ops.kernels
+    defer = kern is not None and meta is not None
+    last_too = defer and final_norm and kern.fuse_head
     delta = None
     n = cfg.num_hidden_layers
     for i in range(n):
+        keep = defer and (i < n - 1 or last_too)
         out = decoder_layer(ops, p, f"model.layers.{i}.", cfg, x, meta, caches[i] if caches is not None else None,
-                            reduce=reduce, delta=delta, defer=defer and i < n - 1, **train)
-        x, delta = out if defer and i < n - 1 else (out, None)
-    return x
+                            reduce=reduce, delta=delta, defer=keep, **train)
+        x, delta = out if keep else (out, None)
+    if not final_norm:
+        return x
+    w = p["model.norm.weight"]
+    if delta is not None:
+        return kern.add_rms_norm(x, delta, ops.cast(w, ops.dtype_name(x)), cfg.rms_norm_eps)
+    return x, ops.rms_norm(x, w, cfg.rms_norm_eps)
 
 
 def mtp_forward(ops: Ops, p: Params, cfg: ModelConfig, prev_hidden: Tensor, tokens: Tensor,

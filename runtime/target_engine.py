@@ -43,7 +43,7 @@ from runtime.config import CacheConfig, ModelConfig
 from runtime.decode_ahead import AheadGate, AheadStats, PendingStep
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
-from runtime.model import Params, Rope, build_attn_meta, fuse_projections, lm_head, target_forward
+from runtime.model import Params, Rope, build_attn_meta, fuse_projections, head_argmax, lm_head, target_forward
 from runtime.request_checks import check_batch, check_token_range
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 
@@ -123,9 +123,10 @@ class TargetEngine:
         -> hidden [B, T, d], argmax int64 [B, T], logits float32 [B, T, V] (stay on the device)."""
         meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
                                self.cache.max_len, attend_len or self.cache.max_len, self._groups)
-        hidden = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers)
-        logits = lm_head(self.ops, self._weights, self.cfg, hidden)
-        return hidden, self.ops.argmax(logits, -1), logits
+        hidden, normed = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers,
+                                        final_norm=True)
+        logits, best = head_argmax(self.ops, self._weights, self.cfg, normed)
+        return hidden, best, logits
 
     def _prefill_step(self, tokens, write_slots, positions, read_slots, last_index, attend_len):
         """As ``_step``, but the output head runs on each row's last real position only:

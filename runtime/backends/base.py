@@ -112,6 +112,10 @@ class Ops(Protocol):
         -> [B, T, H, D]. Softmax in float32."""
     def less_equal(self, a: Tensor, b: Tensor) -> Tensor: ...
     def argmax(self, x: Tensor, axis: int) -> Tensor: ...
+    def float_argmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(x cast to float32, its argmax over the last axis): an output head's logits and the
+        greedy token, in one pass where the backend has a kernel for it. The argmax of the
+        cast values is the argmax of x (the cast is exact and keeps the order, ties too)."""
     def clip(self, x: Tensor, lo: int, hi: int) -> Tensor: ...
 
     # --- memory / device ---------------------------------------------------

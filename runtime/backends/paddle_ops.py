@@ -195,6 +195,10 @@ class PaddleOps:
     def argmax(self, x, axis):
         return paddle.argmax(x, axis=axis)
 
+    def float_argmax(self, x):
+        y = paddle.cast(x, "float32")
+        return y, paddle.argmax(y, axis=-1)
+
     def clip(self, x, lo, hi):
         return paddle.clip(x, lo, hi)
 

@@ -225,16 +225,20 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constex
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, CHUNK: tl.constexpr, NCHUNK: tl.constexpr,
-                   NCHUNK_P: tl.constexpr):
+def _argmax_kernel(x_ptr, f32_ptr, val_ptr, idx_ptr, count_ptr, out_ptr, V, CHUNK: tl.constexpr,
+                   NCHUNK: tl.constexpr, NCHUNK_P: tl.constexpr, CAST: tl.constexpr):
     # Program (row, chunk): the largest value of x[row, chunk*CHUNK : (chunk+1)*CHUNK] and its
     # first index; the last program of the row to finish (an atomic counter, as in the split-K
     # GEMM) takes the first chunk holding the row's largest value. Ties go to the lowest index,
     # as torch.argmax's do: within a chunk tie_break_left, across chunks the lowest chunk.
+    # CAST: x (half precision) is also written to f32_ptr as float32, from the same loads; the
+    # argmax of the exact float32 values is x's.
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row * V + cols, mask=cols < V, other=-float("inf"))
+    x = tl.load(x_ptr + row * V + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+    if CAST:
+        tl.store(f32_ptr + row * V + cols, x, mask=cols < V)
     v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * NCHUNK + c, v)
     tl.store(idx_ptr + row * NCHUNK + c, c * CHUNK + i)
@@ -300,9 +304,10 @@ class Kernels:
     fuse_rope: bool = True
     # RoPE's swapped halves in that epilogue taken from the head's own sum in registers instead
     # of a second read of the split partials (``torch_gemm.splitk_qkv_rope``'s ``swap_in_regs``;
-    # the same bits, tested). NOTE: not measured yet (built after session 17's device time ran
-    # out): off until ``bench graphs``' ``rope-swap`` column shows it pays.
-    rope_swap_in_regs: bool = False
+    # the same bits, tested). NOTE: measured (``bench graphs``, docs/performance.md § Session 18):
+    # the ~1B verify at batch 1 0.812 ms against 0.820 at context 256, 0.850 against 0.857 at
+    # 2,048 (equal at batch 8 and 32).
+    rope_swap_in_regs: bool = True
     # A projection that ``torch_gemm.preload_plan`` takes (the o projection) runs as a
     # programmatic dependent launch after the attention (``attention``), each program reading
     # its whole weight slice before it waits for the attention's end. NOTE: measured as
@@ -326,6 +331,11 @@ class Kernels:
     # launch at decode shapes, § Session 16). NOTE: measured as above: the ~1B draft substep at
     # batch 1 0.112 ms against 0.121 (verify 0.826 against 0.831).
     triton_norm: bool = True
+    # Two launches fewer at the target's output head: its last residual add with the final
+    # RMSNorm (one ``add_rms_norm``, ``runtime/model.py`` ``target_forward(final_norm=True)``),
+    # and the logits' cast to float32 written by the split argmax from its own loads
+    # (``float_argmax``). NOTE: not measured yet (session 18): ``bench graphs``' ``no-head``.
+    fuse_head: bool = True
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -434,6 +444,22 @@ class Kernels:
         reduction runs a thread block a row (~10 us for 4 rows of a 32,000-token vocabulary on
         an H200, docs/performance.md § Session 16). Same indices, ties included; a row holding
         NaN is not torch's answer (NaN logits are a broken model either way)."""
+        return self._split_argmax(x, None)
+
+    def fits_float_argmax(self, x: torch.Tensor) -> bool:
+        """Whether ``float_argmax`` takes x: as ``fits_argmax``, of a half-precision dtype too."""
+        return (self.split_argmax and self.fuse_head and x.dtype in (torch.float32, *self.linear_dtypes)
+                and x.dim() >= 1 and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= self._COUNTERS)
+
+    def float_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x as float32, its argmax over the last axis) in one launch (``fits_float_argmax``
+        holds): the output head's cast to float32 written by the split argmax from its own loads."""
+        if x.dtype == torch.float32:
+            return x, self._split_argmax(x, None)
+        f32 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return f32, self._split_argmax(x, f32)
+
+    def _split_argmax(self, x: torch.Tensor, f32: torch.Tensor | None) -> torch.Tensor:
         v = x.shape[-1]
         rows = x.numel() // v
         self._ready(x)
@@ -442,8 +468,9 @@ class Kernels:
         vals = torch.empty((rows, nchunk), dtype=torch.float32, device=x.device)
         idx = torch.empty((rows, nchunk), dtype=torch.int32, device=x.device)
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
-        _argmax_kernel[(rows, nchunk)](x.contiguous(), vals, idx, self._counters[x.device], out, v,
-                                       CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P=_pow2(nchunk))
+        _argmax_kernel[(rows, nchunk)](x.contiguous(), x if f32 is None else f32, vals, idx, self._counters[x.device],
+                                       out, v, CHUNK=chunk, NCHUNK=nchunk, NCHUNK_P=_pow2(nchunk),
+                                       CAST=f32 is not None)
         return out
 
     @staticmethod

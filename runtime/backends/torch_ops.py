@@ -391,6 +391,13 @@ class TorchOps:
             return kern.argmax(x)
         return torch.argmax(x, dim=axis)
 
+    def float_argmax(self, x):
+        kern = self.kernels
+        if kern is not None and kern.fits_float_argmax(x):
+            return kern.float_argmax(x)
+        y = x.float()
+        return y, self.argmax(y, -1)
+
     def clip(self, x, lo, hi):
         return torch.clamp(x, lo, hi)
 

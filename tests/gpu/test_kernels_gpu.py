@@ -65,6 +65,10 @@ def test_each_kernel_equals_the_plain_ops(dtype):
         logits = torch.round(torch.randn(*shape, generator=g, device="cuda") * 4) / 4      # ties
         assert kern.fits_argmax(logits, -1)
         assert torch.equal(kern.argmax(logits), torch.argmax(logits, -1)), shape
+        half = logits.to(dt)                                                # the head's own dtype
+        assert kern.fits_float_argmax(half)
+        f32, best = kern.float_argmax(half)
+        assert torch.equal(f32, half.float()) and torch.equal(best, torch.argmax(half.float(), -1)), shape
     h, kvh, hd, slots, max_len = 16, 4, 128, 8, 4096
     kc, vc = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
     for b, t, span in ((1, 4, 384), (1, 4, 3072), (8, 4, 3072), (2, 16, 384)):

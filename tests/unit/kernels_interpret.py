@@ -47,6 +47,17 @@ def kernel_errors() -> dict[str, float]:
         worst = max(worst, int((kern.argmax(x) != torch.argmax(x, -1)).sum()))
     out["argmax"] = worst
     assert not kern.fits_argmax(x.double(), -1) and not kern.fits_argmax(x, 0)
+    # the output head's cast to float32 from the argmax's own loads: the exact float32 values
+    # of half-precision logits and torch's argmax of them; float32 logits come back as they are
+    worst = 0
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xh = x.to(dt)
+        assert kern.fits_float_argmax(xh)
+        f32, best = kern.float_argmax(xh)
+        assert f32.dtype == torch.float32 and torch.equal(f32, xh.float()) and (dt != torch.float32 or f32 is xh)
+        worst = max(worst, int((best != torch.argmax(xh.float(), -1)).sum()))
+    out["float_argmax"] = worst
+    assert not kern.fits_float_argmax(x.double())
 
     b, t, h, kvh, hd, slots, max_len = 2, 4, 4, 2, 64, 3, 256
     qkv, cos, sin = rnd(b, t, h + 2 * kvh, hd), rnd(b, t, 1, hd), rnd(b, t, 1, hd)
@@ -170,7 +181,7 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     kernels.linear_dtypes = (torch.float32,)
     torch_gemm._MIN_SPLIT_K = 128
     for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope", "argmax",
-                 "swiglu", "rms_norm"):
+                 "swiglu", "rms_norm", "float_argmax"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
             calls[_n] = calls.get(_n, 0) + 1
             return _f(*a, **kw)

@@ -35,7 +35,7 @@ def test_kernels_equal_the_plain_ops_and_keep_greedy_tokens():
     assert result["engine"]["tokens"] == 12
     assert all(result["engine"]["calls"].get(n, 0) > 0
                for n in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope",
-                         "argmax", "swiglu", "rms_norm")), \
+                         "argmax", "swiglu", "rms_norm", "float_argmax")), \
         result["engine"]      # rope_write_kv: the steps of more than torch_gemm.MAX_ROWS rows
 
 
