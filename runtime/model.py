@@ -18,6 +18,7 @@ Conventions (see DESIGN § The speculative round):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -119,15 +120,20 @@ class Rope:
         half = sin.shape[1] // 2
         self.cos = ops.from_numpy(cos, "float32")
         self.sin = ops.from_numpy(np.concatenate([-sin[:, :half], sin[:, half:]], axis=1), "float32")
+        # The same tables in the compute dtype (``build_attn_meta``): cast once here, not in
+        # every step (each element's rounding is the same either way).
+        self.cos_c, self.sin_c = ops.cast(self.cos, ops.dtype), ops.cast(self.sin, ops.dtype)
         self.max_pos = max_pos
 
-    def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32), for ``apply_rope``."""
+    def tables(self, ops: Ops, positions: Tensor, compute_dtype: bool = False) -> tuple[Tensor, Tensor]:
+        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32, or the compute
+        dtype with ``compute_dtype``), for ``apply_rope``."""
         b, t = ops.shape(positions)
         flat = ops.reshape(positions, (b * t,))
-        d = ops.shape(self.cos)[1]
-        cos = ops.reshape(ops.index_select(self.cos, flat, 0), (b, t, 1, d))
-        sin = ops.reshape(ops.index_select(self.sin, flat, 0), (b, t, 1, d))
+        cos_t, sin_t = (self.cos_c, self.sin_c) if compute_dtype else (self.cos, self.sin)
+        d = ops.shape(cos_t)[1]
+        cos = ops.reshape(ops.index_select(cos_t, flat, 0), (b, t, 1, d))
+        sin = ops.reshape(ops.index_select(sin_t, flat, 0), (b, t, 1, d))
         return cos, sin
 
 
@@ -155,19 +161,28 @@ class AttnMeta:
                               bucket, not max_len)
     mask        key position j visible to query at position p iff j <= p: bool
                 [B, T, La] in the form the backend's attention takes
-                (``Ops.attention_mask``, queries grouped per K/V head)
+                (``Ops.attention_mask``, queries grouped per K/V head); made on first
+                use (the fused attention never asks: its causal bound is ``positions``)
     cos, sin    [B, T, 1, D] in the compute dtype (sin sign-folded, see ``Rope``)
     positions   int64 [B, T]  each token's position (the fused attention's causal bound)
     """
 
+    ops: Ops
     write_index: Tensor
     read_slots: Tensor
-    mask: Tensor
     cos: Tensor
     sin: Tensor
     attend_len: int
     max_len: int
-    positions: Tensor = None
+    positions: Tensor
+    groups: int
+
+    @functools.cached_property
+    def mask(self) -> Tensor:
+        ops, (b, t) = self.ops, self.ops.shape(self.positions)
+        key_pos = ops.arange(self.attend_len)                                  # [La]
+        visible = ops.less_equal(ops.reshape(key_pos, (1, 1, self.attend_len)), ops.reshape(self.positions, (b, t, 1)))
+        return ops.attention_mask(visible, self.groups)
 
 
 def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor,
@@ -181,13 +196,10 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
     """
     b, t = ops.shape(positions)
     write_index = ops.reshape(write_slots * max_len + positions, (b * t,))
-    key_pos = ops.arange(attend_len)                                           # [La]
-    mask = ops.less_equal(ops.reshape(key_pos, (1, 1, attend_len)), ops.reshape(positions, (b, t, 1)))
-    cos, sin = rope.tables(ops, positions)
     # RoPE in the compute dtype (as transformers' Llama computes it): for a bf16 model the
-    # tables are cast here once, not in every layer; float32 models keep float32 tables.
-    return AttnMeta(write_index, read_slots, ops.attention_mask(mask, groups),
-                    ops.cast(cos, ops.dtype), ops.cast(sin, ops.dtype), attend_len, max_len, positions)
+    # tables were cast once (``Rope``), not in every layer; float32 models keep float32 tables.
+    cos, sin = rope.tables(ops, positions, compute_dtype=True)
+    return AttnMeta(ops, write_index, read_slots, cos, sin, attend_len, max_len, positions, groups)
 
 
 # ---------------------------------------------------------------------------
@@ -315,8 +327,10 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     else:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
         q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+    w_o = p[prefix + "self_attn.o_proj.weight"]
     if kern.fits_attention(h // kvh, t):
-        attn = kern.attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len, meta.max_len)
+        attn = kern.attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len, meta.max_len,
+                              w_o)
     else:                                                                      # many query rows: plain attention
         attn = _context_attention(ops, q, cache, meta)
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)

@@ -426,13 +426,16 @@ class Kernels:
         if torch_gemm.counters_needed(n, p) > self._COUNTERS:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
-        pdl = False
-        if self.preload and _gdc(x):
-            pre = torch_gemm.preload_plan(n, k)
-            if pre is not None:
-                p, pdl = pre, True
-        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
+        pdl = self._preloads(x, w)
+        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, torch_gemm.preload_plan(n, k) if pdl else p,
+                                     self._counters[x.device], pdl=pdl)
         return y.view(*x.shape[:-1], n)
+
+    def _preloads(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether x @ w^T runs as a dependent launch reading its weight early (``preload``):
+        on the split-K GEMM, with a weight ``torch_gemm.preload_plan`` takes."""
+        return (self.preload and _gdc(x) and self.fits_linear(x, w)
+                and torch_gemm.preload_plan(*w.shape) is not None)
 
     def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:
         """Whether ``argmax`` takes x: float32 over its last axis, a counter for every row."""
@@ -514,11 +517,14 @@ class Kernels:
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
-                  positions: torch.Tensor, span: int, max_len: int) -> torch.Tensor:
-        """``cache_attention`` as the model runs it: with ``preload``, letting the o projection
-        after it start at once (``early``)."""
+                  positions: torch.Tensor, span: int, max_len: int, w_o: torch.Tensor) -> torch.Tensor:
+        """``cache_attention`` as the model runs it: letting the o projection after it (weight
+        ``w_o``) start at once (``early``) when that one is a dependent launch (``_preloads``).
+        NOTE: measured (``bench graphs``, docs/performance.md § Session 18): early with the o
+        projection on cuBLAS (a verify of 32 rows) made the ~1B verify at batch 8 ~60 us slower."""
+        b, t, h, d = q.shape
         return self.cache_attention(q, k_cache, v_cache, read_slots, positions, span, max_len,
-                                    early=self.preload and _gdc(q))
+                                    early=self._preloads(q.view(b, t, h * d), w_o))
 
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,

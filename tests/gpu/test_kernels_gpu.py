@@ -141,9 +141,11 @@ def test_o_projection_as_a_dependent_launch_after_the_attention(dtype, span):
     pos = torch.arange(span - 4, span, device="cuda").view(1, 4)
     pre = torch_gemm.preload_plan(2048, 2048)
     assert pre is not None
+    assert kernels._preloads(torch.zeros(1, 4, h * hd, device="cuda", dtype=dt), w)
+    assert not kernels._preloads(torch.zeros(8, 4, h * hd, device="cuda", dtype=dt), w)   # 32 rows: cuBLAS
 
     def chain(q):
-        attn = kernels.attention(q, kc, vc, slots, pos, span, max_len)
+        attn = kernels.attention(q, kc, vc, slots, pos, span, max_len, w)
         return (kernels.linear(attn.reshape(1, 4, h * hd), w),)
 
     def reference(q):
