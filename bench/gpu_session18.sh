@@ -11,6 +11,8 @@
 #   bash bench/gpu_session18.sh OUT_DIR final   # the final defaults: kernel, propose and round-loop GPU tests, bench
 #                                               # graphs, bench services at batch 8 and 1, bench peer at batch 1
 #
+#   bash bench/gpu_session18.sh OUT_DIR short   # RoPE's tables read at each position inside the kernels (no gathers):
+#                                               # the kernel GPU tests and bench graphs only
 #   bash bench/gpu_session18.sh OUT_DIR last    # the final code, what the final call left out: bench profile (one ~1B
 #                                               # round), bench adaptive, bench peer at batch 8 (both models)
 #
@@ -19,7 +21,7 @@ source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
 case "$mode" in
-first|head) tests=(tests/gpu/test_kernels_gpu.py) ;;
+first|head|short) tests=(tests/gpu/test_kernels_gpu.py) ;;
 last) tests=() ;;
 final) tests=(tests/gpu/test_kernels_gpu.py tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py) ;;
 *) echo "unknown mode $mode"; exit 2 ;;
@@ -43,7 +45,7 @@ elif [ "$mode" = head ]; then
     --max-tokens 128 --dtype bfloat16 2>&1 | quiet | tee "$out/services_bf16.txt" | tail -4
   timeout "$(left 570)" python3 -m specsplit bench profile --small --batch 8 --device cuda:0 2>&1 | quiet \
     | tee "$out/profile_small.txt" | tail -40
-else
+elif [ "$mode" = final ]; then
   timeout 150 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 1 --prompts 16 \
     --max-tokens 128 2>&1 | quiet | tee "$out/services.txt" | tail -6
   timeout "$(left 570)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 --max-tokens 128 \

@@ -121,19 +121,17 @@ class Rope:
         self.cos = ops.from_numpy(cos, "float32")
         self.sin = ops.from_numpy(np.concatenate([-sin[:, :half], sin[:, half:]], axis=1), "float32")
         # The same tables in the compute dtype (``build_attn_meta``): cast once here, not in
-        # every step (each element's rounding is the same either way).
+        # every step (each element rounds the same either way).
         self.cos_c, self.sin_c = ops.cast(self.cos, ops.dtype), ops.cast(self.sin, ops.dtype)
         self.max_pos = max_pos
 
-    def tables(self, ops: Ops, positions: Tensor, compute_dtype: bool = False) -> tuple[Tensor, Tensor]:
-        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32, or the compute
-        dtype with ``compute_dtype``), for ``apply_rope``."""
+    def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32), for ``apply_rope``."""
         b, t = ops.shape(positions)
         flat = ops.reshape(positions, (b * t,))
-        cos_t, sin_t = (self.cos_c, self.sin_c) if compute_dtype else (self.cos, self.sin)
-        d = ops.shape(cos_t)[1]
-        cos = ops.reshape(ops.index_select(cos_t, flat, 0), (b, t, 1, d))
-        sin = ops.reshape(ops.index_select(sin_t, flat, 0), (b, t, 1, d))
+        d = ops.shape(self.cos)[1]
+        cos = ops.reshape(ops.index_select(self.cos, flat, 0), (b, t, 1, d))
+        sin = ops.reshape(ops.index_select(self.sin, flat, 0), (b, t, 1, d))
         return cos, sin
 
 
@@ -163,19 +161,36 @@ class AttnMeta:
                 [B, T, La] in the form the backend's attention takes
                 (``Ops.attention_mask``, queries grouped per K/V head); made on first
                 use (the fused attention never asks: its causal bound is ``positions``)
-    cos, sin    [B, T, 1, D] in the compute dtype (sin sign-folded, see ``Rope``)
+    cos, sin    [B, T, 1, D] in the compute dtype (sin sign-folded, see ``Rope``),
+                gathered on first use (the fused kernels read ``cos_table``/``sin_table``
+                [P, D] at ``positions`` themselves)
     positions   int64 [B, T]  each token's position (the fused attention's causal bound)
     """
 
     ops: Ops
     write_index: Tensor
     read_slots: Tensor
-    cos: Tensor
-    sin: Tensor
+    cos_table: Tensor
+    sin_table: Tensor
     attend_len: int
     max_len: int
     positions: Tensor
     groups: int
+
+    @functools.cached_property
+    def _cos_sin(self) -> tuple[Tensor, Tensor]:
+        ops, (b, t) = self.ops, self.ops.shape(self.positions)
+        flat, d = ops.reshape(self.positions, (b * t,)), ops.shape(self.cos_table)[1]
+        return (ops.reshape(ops.index_select(self.cos_table, flat, 0), (b, t, 1, d)),
+                ops.reshape(ops.index_select(self.sin_table, flat, 0), (b, t, 1, d)))
+
+    @property
+    def cos(self) -> Tensor:
+        return self._cos_sin[0]
+
+    @property
+    def sin(self) -> Tensor:
+        return self._cos_sin[1]
 
     @functools.cached_property
     def mask(self) -> Tensor:
@@ -198,8 +213,7 @@ def build_attn_meta(ops: Ops, rope: Rope, write_slots: Tensor, positions: Tensor
     write_index = ops.reshape(write_slots * max_len + positions, (b * t,))
     # RoPE in the compute dtype (as transformers' Llama computes it): for a bf16 model the
     # tables were cast once (``Rope``), not in every layer; float32 models keep float32 tables.
-    cos, sin = rope.tables(ops, positions, compute_dtype=True)
-    return AttnMeta(ops, write_index, read_slots, cos, sin, attend_len, max_len, positions, groups)
+    return AttnMeta(ops, write_index, read_slots, rope.cos_c, rope.sin_c, attend_len, max_len, positions, groups)
 
 
 # ---------------------------------------------------------------------------
@@ -256,8 +270,6 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     b, t, d = ops.shape(x)
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
-    dt = ops.dtype_name(x)
-    cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     kern = ops.kernels
     if delta is None:
         hn = ops.rms_norm(x, p[prefix + "input_layernorm.weight"], eps)
@@ -269,6 +281,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
             and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
         return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce, defer)
+    dt = ops.dtype_name(x)
+    cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     if prefix + "self_attn.qkv_proj.weight" in p:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn), (b, t, h + 2 * kvh, hd))
         v = qkv[:, :, h + kvh:]
@@ -322,11 +336,14 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     # NOTE: k/v are written to the cache before attention reads it (the kernels run in
     # stream order), so tokens of this forward see each other.
     w_qkv = p[prefix + "self_attn.qkv_proj.weight"]
+    # RoPE's tables read at each token's position inside the kernels (no gather launch).
+    tables = (meta.cos_table, meta.sin_table)
+    rows = ops.reshape(meta.positions, (b * t,))
     if prefix + "self_attn.qkv_proj.bias" not in p and kern.fits_qkv_rope(hn, w_qkv, hd):
-        q = kern.qkv_rope(hn, w_qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+        q = kern.qkv_rope(hn, w_qkv, *tables, h, kvh, k_cache, v_cache, meta.write_index, table_rows=rows)
     else:
         qkv = ops.reshape(_proj(ops, p, prefix + "self_attn.qkv_proj", hn, kern), (b, t, h + 2 * kvh, hd))
-        q = kern.rope_write_kv(qkv, meta.cos, meta.sin, h, kvh, k_cache, v_cache, meta.write_index)
+        q = kern.rope_write_kv(qkv, *tables, h, kvh, k_cache, v_cache, meta.write_index, table_rows=rows)
     w_o = p[prefix + "self_attn.o_proj.weight"]
     if kern.fits_attention(h // kvh, t):
         attn = kern.attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len, meta.max_len,

@@ -144,16 +144,16 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 
 
 @triton.jit
-def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
-                        M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
+def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, trow_ptr, widx_ptr, q_ptr, kc_ptr,
+                        vc_ptr, M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                         D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP_IN_REGS: tl.constexpr):
+                        PRECISION: tl.constexpr, SWAP_IN_REGS: tl.constexpr, INDEXED: tl.constexpr):
     # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
     # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
     # The last program of a tile rounds the head's sum to the model's dtype, as the
     # projection's output is, then does what torch_kernels' rope_write_kv does with it:
-    # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D]),
-    # q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
+    # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D], or
+    # INDEXED: tables read at row trow[m]), q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
     # sum at the columns rotated by D/2, read from the partials too (SWAP_IN_REGS: taken from the
     # tile's own sum by swapping its halves in registers, the same values).
     pid_n = tl.program_id(0)
@@ -178,8 +178,9 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, wid
             else:
                 sw = pid_n * D + (d + D // 2) % D
                 xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT).to(dt).to(tl.float32)
-            c = tl.load(cos_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + m[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
+            tr = tl.load(trow_ptr + m, mask=mm, other=0) if INDEXED else m               # table rows
+            c = tl.load(cos_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
             r = x * c + xs * s
             if pid_n < H:
                 tl.store(q_ptr + (m[None, :] * H + pid_n) * D + d[:, None], r.to(dt), mask=out_m)
@@ -288,10 +289,12 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
 
 def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                     kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
-                    counters: torch.Tensor, swap_in_regs: bool = False) -> torch.Tensor:
+                    counters: torch.Tensor, swap_in_regs: bool = False,
+                    table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
     epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
-    ``write_index`` [M]. cos/sin [M, D]. The same bits as ``splitk_linear`` with the plan of
+    ``write_index`` [M]. cos/sin [M, D], or with ``table_rows`` [M] tables [P, D] read at those
+    rows (the RoPE tables at each token's position: no gather launch). The same bits as ``splitk_linear`` with the plan of
     ``plan(N, K, D)`` followed by torch_kernels' ``rope_write_kv``. ``counters``: int32 zeros,
     at least H + 2 KVH of them, left zero again. ``swap_in_regs``: RoPE's swapped halves from the
     tile's own sum instead of a second read of the partials (the same bits)."""
@@ -303,10 +306,11 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
     part = torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
     _splitk_rope_kernel[(heads + 2 * kv_heads, p.split)](
-        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index, q, k_cache, v_cache, m, n, k,
+        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index if table_rows is None else table_rows,
+        write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SWAP_IN_REGS=swap_in_regs)
+        SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None)
     return q
 
 

@@ -108,16 +108,18 @@ def _silu_mul_kernel(gu_ptr, out_ptr, f, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, trow_ptr, widx_ptr, q_ptr, kc_ptr, vc_ptr,
                           H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
-                          HP: tl.constexpr, KP: tl.constexpr):
+                          HP: tl.constexpr, KP: tl.constexpr, INDEXED: tl.constexpr):
     # One token: its q/k heads rotated, x*cos + [x2, x1]*sin with the sign-folded sin
-    # table (runtime/model.py Rope), q to q_ptr, k and v to cache row widx[token].
+    # table (runtime/model.py Rope), q to q_ptr, k and v to cache row widx[token]. cos/sin
+    # hold a row a token, or (INDEXED) are the tables, read at row trow[token].
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     sw = (d + D // 2) % D
-    c = tl.load(cos_ptr + tok * D + d).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + tok * D + d).to(tl.float32)[None, :]
+    tr = tl.load(trow_ptr + tok) if INDEXED else tok
+    c = tl.load(cos_ptr + tr * D + d).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + tr * D + d).to(tl.float32)[None, :]
     base = qkv_ptr + tok * (H + 2 * KVH) * D
     hq = tl.arange(0, HP)[:, None]
     mq = hq < H
@@ -372,14 +374,17 @@ class Kernels:
                 and w.shape[0] % head_dim == 0 and w.shape[0] // head_dim <= self._COUNTERS)
 
     def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                 kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+                 kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
+                 table_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``rope_write_kv`` of the q/k/v projection x [B, T, K] @ w^T in one launch (``fits_qkv_rope``
-        holds): returns the rotated q [B, T, H, D], writes k and v to cache rows ``write_index``."""
+        holds): returns the rotated q [B, T, H, D], writes k and v to cache rows ``write_index``;
+        cos/sin as ``rope_write_kv`` takes them."""
         b, t, k = x.shape
+        d = cos.shape[-1]
         self._ready(x)
-        q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(b * t, -1), sin.reshape(b * t, -1), heads,
+        q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(-1, d), sin.reshape(-1, d), heads,
                                        kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
-                                       swap_in_regs=self.rope_swap_in_regs)
+                                       swap_in_regs=self.rope_swap_in_regs, table_rows=table_rows)
         return q.view(b, t, heads, -1)
 
     def fits_swiglu(self, x: torch.Tensor, w: torch.Tensor, ffn: int) -> bool:
@@ -506,14 +511,17 @@ class Kernels:
 
     @staticmethod
     def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
+                      table_rows: torch.Tensor | None = None) -> torch.Tensor:
         """qkv [B, T, H+2KVH, D] (the fused projection), cos/sin [B, T, 1, D] -> rotated q
-        [B, T, H, D]; rotated k and v written to cache rows ``write_index`` [B*T]."""
+        [B, T, H, D]; rotated k and v written to cache rows ``write_index`` [B*T]. With
+        ``table_rows`` [B*T]: cos/sin are the tables [P, D], read at those rows (no gather launch)."""
         b, t, _, d = qkv.shape
         q = torch.empty((b, t, heads, d), dtype=qkv.dtype, device=qkv.device)
-        _rope_write_kv_kernel[(b * t,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), write_index, q,
+        _rope_write_kv_kernel[(b * t,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
+                                        write_index if table_rows is None else table_rows, write_index, q,
                                         k_cache, v_cache, H=heads, KVH=kv_heads, D=d,
-                                        HP=_pow2(heads), KP=_pow2(kv_heads))
+                                        HP=_pow2(heads), KP=_pow2(kv_heads), INDEXED=table_rows is not None)
         return q
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,

@@ -70,6 +70,13 @@ def kernel_errors() -> dict[str, float]:
     ops.scatter_rows_(vc_ref, rows, qkv[:, :, h + kvh:].reshape(b * t, kvh, hd))
     out["rope_write_kv"] = max((q - qk[:, :, :h]).abs().max().item(), (kc - kc_ref).abs().max().item(),
                                (vc - vc_ref).abs().max().item())
+    # the RoPE tables read at each token's position in the kernel: the bits of the gathered rows
+    cos_t, sin_t, pos = rnd(300, hd), rnd(300, hd), torch.tensor([3, 299, 0, 17, 17, 150, 2, 9])
+    kc2, vc2 = kc_ref.clone(), vc_ref.clone()
+    q2 = Kernels.rope_write_kv(qkv, cos_t, sin_t, h, kvh, kc2, vc2, rows, table_rows=pos)
+    q3 = Kernels.rope_write_kv(qkv, cos_t[pos].view(b, t, 1, hd), sin_t[pos].view(b, t, 1, hd), h, kvh,
+                               kc_ref, vc_ref, rows)
+    assert torch.equal(q2, q3) and torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
 
     read_slots, positions = torch.tensor([2, 0]), torch.tensor([[60, 61, 62, 63], [10, 11, 12, 13]])
     worst = 0.0
@@ -142,6 +149,11 @@ def kernel_errors() -> dict[str, float]:
         q3 = kern.qkv_rope(x, w, cos, sin, h, kvh, kc3, vc3, rows)
         del kern.rope_swap_in_regs
         assert torch.equal(q3, q1) and torch.equal(kc3, kc1) and torch.equal(vc3, vc1), least
+        cos_t, sin_t, pos = rnd(40, hd), rnd(40, hd), torch.tensor([39, 0, 7, 7, 20, 1])   # tables at positions
+        kc4, vc4 = kc1.clone(), vc1.clone()
+        q4 = kern.qkv_rope(x, w, cos_t, sin_t, h, kvh, kc4, vc4, rows, table_rows=pos)
+        q5 = kern.qkv_rope(x, w, cos_t[pos].view(b, 3, 1, hd), sin_t[pos].view(b, 3, 1, hd), h, kvh, kc1, vc1, rows)
+        assert torch.equal(q4, q5) and torch.equal(kc4, kc1) and torch.equal(vc4, vc1), least
     # SwiGLU's gate/up with silu * up as the GEMM's epilogue: the bits of the split-K GEMM (the
     # plan of the [2F, K] weight) followed by silu_mul, with splits and without, F not a
     # multiple of the tile, a row's bits independent of the other rows
