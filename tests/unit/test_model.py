@@ -7,8 +7,8 @@ from runtime.backends import make_ops
 from runtime.batch_layout import Row, layout_rows
 from runtime.config import ModelConfig, RuntimeConfig
 from runtime.kv_cache import KVCache
-from runtime.model import (Rope, build_attn_meta, fuse_projections, init_params, lm_head, mtp_forward, mtp_tensor_shapes,
-                           target_forward, target_tensor_shapes)
+from runtime.model import (Rope, build_attn_meta, fuse_projections, head_argmax, init_params, lm_head, mtp_forward,
+                           mtp_tensor_shapes, target_forward, target_tensor_shapes)
 
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0)
@@ -123,6 +123,40 @@ def test_mtp_layer_matches_reference(backend):
                         train_mask=mask, cos_sin=rope.tables(ops, pos))
     g = ops.to_numpy(g)[0]
     assert np.abs(g - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["paddle", "torch"])
+def test_the_steps_head_path_and_lazy_meta_equal_the_plain_definitions(backend):
+    """The target step's output head (``target_forward(final_norm=True)`` then ``head_argmax``:
+    the float32 cast and the argmax in one ``Ops.float_argmax``) gives ``lm_head``'s logits and
+    their argmax; ``AttnMeta`` makes the mask and the gathered RoPE rows only when asked, equal
+    to the explicit ones."""
+    p = _params()
+    ops = make_ops(RuntimeConfig(backend=backend))
+    dp = {k: ops.from_numpy(v) for k, v in p.items()}
+    cache = KVCache(ops, CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, 2, 64)
+    rope = Rope(ops, CFG, 64)
+    slot = cache.allocate("r").slot
+    tokens = np.random.default_rng(3).integers(0, CFG.vocab_size, 6)
+    lay = layout_rows([Row(slot, 0, tokens)], 8, cache.scratch_slot, 64)
+    t = lambda a: ops.from_numpy(a, "int64")  # noqa: E731
+    groups = CFG.num_attention_heads // CFG.num_key_value_heads
+    meta = build_attn_meta(ops, rope, t(lay.write_slots), t(lay.positions), t(lay.read_slots), 64, 64, groups)
+    assert "mask" not in vars(meta) and "_cos_sin" not in vars(meta)          # nothing made yet
+    want_mask = np.arange(64)[None, None, :] <= lay.positions[:, :, None]
+    assert np.array_equal(ops.to_numpy(ops.attention_mask(ops.from_numpy(want_mask, "bool"), groups)),
+                          ops.to_numpy(meta.mask))
+    cos, sin = rope.tables(ops, t(lay.positions))
+    assert np.array_equal(ops.to_numpy(meta.cos), ops.to_numpy(cos))
+    assert np.array_equal(ops.to_numpy(meta.sin), ops.to_numpy(sin))
+    with ops.no_grad():
+        h = target_forward(ops, dp, CFG, t(lay.tokens), meta, cache.layers)
+        h2, normed = target_forward(ops, dp, CFG, t(lay.tokens), meta, cache.layers, final_norm=True)
+        logits, best = head_argmax(ops, dp, CFG, normed)
+        want = ops.to_numpy(lm_head(ops, dp, CFG, h))
+    assert np.array_equal(ops.to_numpy(h2), ops.to_numpy(h))
+    assert ops.dtype_name(logits) == "float32" and np.array_equal(ops.to_numpy(logits), want)
+    assert np.array_equal(ops.to_numpy(best), want.argmax(-1))
 
 
 def test_paddle_and_torch_agree():
