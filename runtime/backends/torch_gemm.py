@@ -153,9 +153,10 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
     # The last program of a tile rounds the head's sum to the model's dtype, as the
     # projection's output is, then does what torch_kernels' rope_write_kv does with it:
     # q and k rotated (x*cos + [x2, x1]*sin with the sign-folded sin table, cos/sin [M, D], or
-    # INDEXED: tables read at row trow[m]), q to q [M, H, D], k and v to cache row widx[m]. The rotation's other half is the same
-    # sum at the columns rotated by D/2, read from the partials too (SWAP_IN_REGS: taken from the
-    # tile's own sum by swapping its halves in registers, the same values).
+    # INDEXED: tables read at row trow[m]), q to q [M, H, D], k and v to cache row widx[m].
+    # The rotation's other half is the same sum at the columns rotated by D/2, read from the
+    # partials too (SWAP_IN_REGS: taken from the tile's own sum by swapping its halves in
+    # registers, the same values).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     d = tl.arange(0, D)
@@ -294,10 +295,11 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
     epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
     ``write_index`` [M]. cos/sin [M, D], or with ``table_rows`` [M] tables [P, D] read at those
-    rows (the RoPE tables at each token's position: no gather launch). The same bits as ``splitk_linear`` with the plan of
-    ``plan(N, K, D)`` followed by torch_kernels' ``rope_write_kv``. ``counters``: int32 zeros,
-    at least H + 2 KVH of them, left zero again. ``swap_in_regs``: RoPE's swapped halves from the
-    tile's own sum instead of a second read of the partials (the same bits)."""
+    rows (the RoPE tables at each token's position: no gather launch). The same bits as
+    ``splitk_linear`` with the plan of ``plan(N, K, D)`` followed by torch_kernels'
+    ``rope_write_kv``. ``counters``: int32 zeros, at least H + 2 KVH of them, left zero again.
+    ``swap_in_regs``: RoPE's swapped halves from the tile's own sum instead of a second read of
+    the partials (the same bits)."""
     m, k = x.shape
     n = w.shape[0]
     d = n // (heads + 2 * kv_heads)

@@ -13,6 +13,8 @@ float32 and rounds once where the plain ops round after each op):
                        KV cache (no gather), split over the keys
                        (flash-decoding) and combined
   - ``argmax``:        the greedy argmax over the vocabulary, split over programs
+                       (``float_argmax``: also writing half-precision logits as float32
+                       from the same loads, the output head's cast)
   - ``rms_norm``:      the RMSNorms outside the fused layers (torch's takes twice as long)
 and when a projection at decode shapes goes to the split-K GEMM of
 ``torch_gemm.py`` (``fits_linear`` / ``linear``), whose counters it keeps;
