@@ -19,7 +19,8 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
     the norms outside the fused layers (``Kernels.triton_norm``), with RoPE's swapped halves
     read back from the split partials (``Kernels.rope_swap_in_regs`` off), and with the last
     residual add, the final norm, the logits' cast and the argmax as four launches
-    (``Kernels.fuse_head`` off).
+    (``Kernels.fuse_head`` off), and with up to 64 rows on the split-K GEMMs in row blocks
+    (``Kernels.gemm_row_blocks`` = 4; the default 1 sends more than 16 rows to cuBLAS).
 All numbers come from one process, side by side; ratios are printed.
 """
 
@@ -49,7 +50,8 @@ BUCKETS = (1, 8, 32)
 VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-rope": {"fuse_rope": False},
             "no-preload": {"preload": False}, "no-argmax": {"split_argmax": False},
             "no-swiglu": {"fuse_swiglu": False}, "no-norm": {"triton_norm": False},
-            "no-rope-swap": {"rope_swap_in_regs": False}, "no-head": {"fuse_head": False}}
+            "no-rope-swap": {"rope_swap_in_regs": False}, "no-head": {"fuse_head": False},
+            "row-blocks": {"gemm_row_blocks": 4}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -203,7 +205,8 @@ def main(args) -> int:
           "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' the o projection launched "
           "plainly, 'no-argmax' torch's argmax, 'no-swiglu' gate/up on cuBLAS then SiLU·mul, 'no-norm' "
           "torch's RMSNorm, 'no-rope-swap' RoPE's swapped halves read back from the partials, 'no-head' the "
-          "last add, final norm, cast and argmax as four launches)")
+          "last add, final norm, cast and argmax as four launches, 'row-blocks' up to 64 rows on the split-K "
+          "GEMMs)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -1,7 +1,7 @@
-"""A split-K Triton GEMM for decode-shaped projections (CUDA, bf16/fp16, at most 16 rows).
+"""A split-K Triton GEMM for decode-shaped projections (CUDA, bf16/fp16, blocks of 16 rows).
 
-Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K] with M <= ``MAX_ROWS``
-and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
+Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K], M in row blocks of
+``MAX_ROWS`` (a program axis: each block is the launch of its rows alone), and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
 launch shape it uses for a weight of that shape; ``splitk_qkv_rope``, the q/k/v projection
 with RoPE and the KV-cache write as its epilogue (a head a column tile; the bits of the GEMM
 followed by torch_kernels' ``rope_write_kv``); ``splitk_swiglu``, SwiGLU's gate/up projection
@@ -18,7 +18,8 @@ each program writes its partial sum, and the last program of a column tile to fi
 atomic counter) adds the partials in split order and writes the tile. The sum order is
 fixed, so the result does not depend on which program finishes last, and a row's result
 does not depend on the other rows (the plan depends on (N, K) only): the same row gives the
-same bits at one row or sixteen, as in a target-only step and a verify.
+same bits at one row or sixteen, or in any number of row blocks, as in a target-only step and
+a verify (``torch_kernels.Kernels.gemm_row_blocks`` decides how many rows go to it).
 
 Must not know: models, layers, engines. ``runtime/backends/torch_kernels.py`` decides when it
 applies and owns the counters' buffer (allocated outside any CUDA graph's pool).
@@ -99,6 +100,15 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 
 
 @triton.jit
+def _row_block(M, MP: tl.constexpr):
+    # Program axis 2: the row block r, rows [r * MP, r * MP + MP) of the launch. Each block is
+    # the launch of its rows alone (its own partials and counters), so a row's bits never depend
+    # on the other rows, however many. -> (r, its first row, the rows from there on).
+    r = tl.program_id(2)
+    return r, r * MP, M - r * MP
+
+
+@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -110,6 +120,9 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     # partials and the counters may share memory the kernel before it still uses.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    r, r0, M = _row_block(M, MP)
+    x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * N
+    part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, MP)
@@ -159,6 +172,13 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
     # registers, the same values).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    r, r0, M = _row_block(M, MP)
+    x_ptr, q_ptr, widx_ptr = x_ptr + r0 * K, q_ptr + r0 * H * D, widx_ptr + r0
+    part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
+    if INDEXED:
+        trow_ptr += r0
+    else:
+        cos_ptr, sin_ptr = cos_ptr + r0 * D, sin_ptr + r0 * D
     d = tl.arange(0, D)
     n = pid_n * D + d
     nm = n < N
@@ -207,6 +227,10 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_P
     # followed by torch_kernels' silu_mul, without the [M, 2F] output's write and read.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    r, r0, M = _row_block(M, MP)
+    x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * F
+    part_ptr = part_ptr + r * SPLIT * tl.num_programs(0) * BLOCK_N * MP
+    count_ptr = count_ptr + r * tl.num_programs(0)
     i = tl.arange(0, BLOCK_N)
     f = pid_n * (BLOCK_N // 2) + i // 2
     n = tl.where(f < F, f + (i % 2) * F, 2 * F)               # 2F: a padded row, masked in _partial
@@ -265,22 +289,29 @@ def pays(n: int, k: int) -> bool:
     return triton.cdiv(n, p.block_n) <= MAX_TILES and p.split > 1
 
 
-def counters_needed(n: int, p: Plan) -> int:
-    """Counter slots a launch of ``p`` over n columns uses (0 without a split)."""
-    return triton.cdiv(n, p.block_n) if p.split > 1 else 0
+def counters_needed(n: int, p: Plan, rows: int = 1) -> int:
+    """Counter slots a launch of ``p`` over n columns and ``rows`` rows uses (0 without a split)."""
+    return triton.cdiv(n, p.block_n) * row_blocks(rows) if p.split > 1 else 0
+
+
+def row_blocks(rows: int) -> int:
+    """Row blocks of ``MAX_ROWS`` a launch over ``rows`` rows runs (program axis 2)."""
+    return max(1, triton.cdiv(rows, MAX_ROWS))
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor,
                   pdl: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ w[N, K]^T -> [M, N] in x's dtype. ``counters``: int32 zeros,
-    at least ``counters_needed(N, p)`` of them, left zero again by every launch. ``pdl`` (CUDA,
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, M in row blocks of ``MAX_ROWS`` (one launch;
+    a row's bits those of its block alone). ``counters``: int32 zeros, at least
+    ``counters_needed(N, p, M)`` of them, left zero again by every launch. ``pdl`` (CUDA,
     compute capability 9.0+): a programmatic dependent launch."""
     m, k = x.shape
     n = w.shape[0]
+    rb = row_blocks(m)
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = (torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
-    _splitk_kernel[(triton.cdiv(n, p.block_n), p.split)](
+    part = (torch.empty((rb, p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
+    _splitk_kernel[(triton.cdiv(n, p.block_n), p.split, rb)](
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
@@ -292,12 +323,12 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
                     kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
                     counters: torch.Tensor, swap_in_regs: bool = False,
                     table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ w[(H + 2 KVH) D, K]^T with RoPE and the cache write as its
-    epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
+    """x [M, K] (in row blocks, as ``splitk_linear``) @ w[(H + 2 KVH) D, K]^T with RoPE and the
+    cache write as its epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
     ``write_index`` [M]. cos/sin [M, D], or with ``table_rows`` [M] tables [P, D] read at those
     rows (the RoPE tables at each token's position: no gather launch). The same bits as
     ``splitk_linear`` with the plan of ``plan(N, K, D)`` followed by torch_kernels'
-    ``rope_write_kv``. ``counters``: int32 zeros, at least H + 2 KVH of them, left zero again.
+    ``rope_write_kv``. ``counters``: int32 zeros, H + 2 KVH a row block, left zero again.
     ``swap_in_regs``: RoPE's swapped halves from the tile's own sum instead of a second read of
     the partials (the same bits)."""
     m, k = x.shape
@@ -305,9 +336,10 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     d = n // (heads + 2 * kv_heads)
     p = plan(n, k, d)
     x = x.contiguous()
+    rb = row_blocks(m)
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
-    part = torch.empty((p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
-    _splitk_rope_kernel[(heads + 2 * kv_heads, p.split)](
+    part = torch.empty((rb, p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
+    _splitk_rope_kernel[(heads + 2 * kv_heads, p.split, rb)](
         x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index if table_rows is None else table_rows,
         write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
@@ -317,20 +349,20 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (M <= MAX_ROWS) and the fused gate/up
-    weight w [2F, K], in one launch with the plan of ``plan(2F, K, block_n)`` (``block_n`` weight
+    """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (in row blocks, as ``splitk_linear``) and
+    the fused gate/up weight w [2F, K], in one launch with the plan of ``plan(2F, K, block_n)`` (``block_n`` weight
     rows a program, half of them gate rows): -> [M, F]. The same bits as ``splitk_linear`` with
     that plan followed by torch_kernels' ``silu_mul``. ``counters``: int32 zeros, at least
-    ``counters_needed(2F, plan(2F, K, block_n))`` of them, left zero again."""
+    ``counters_needed(2F, plan(2F, K, block_n), M)`` of them, left zero again."""
     m, k = x.shape
     f = w.shape[0] // 2
     p = plan(2 * f, k, block_n)
     x = x.contiguous()
     y = torch.empty((m, f), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(2 * f, p.block_n)
-    part = (torch.empty((p.split, tiles * p.block_n, MAX_ROWS), dtype=torch.float32, device=x.device)
+    tiles, rb = triton.cdiv(2 * f, p.block_n), row_blocks(m)
+    part = (torch.empty((rb, p.split, tiles * p.block_n, MAX_ROWS), dtype=torch.float32, device=x.device)
             if p.split > 1 else y)
-    _splitk_swiglu_kernel[(tiles, p.split)](
+    _splitk_swiglu_kernel[(tiles, p.split, rb)](
         x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32")

@@ -268,6 +268,11 @@ def _gdc(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _hopper(t.device.index or 0)
 
 
+def _rows(x: torch.Tensor) -> int:
+    """Rows of x [..., K]."""
+    return x.numel() // max(1, x.shape[-1])
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -342,6 +347,14 @@ class Kernels:
     # ~1B verify at batch 1 ~4 us faster (0.798 against 0.802 ms), at batch 8 and 32 ~70 us
     # (0.917 against 0.987, 1.100 against 1.176).
     fuse_head: bool = True
+    # Row blocks of ``torch_gemm.MAX_ROWS`` the split-K GEMMs take (``_fits_gemm``): at 1, a step
+    # of more than 16 rows (a k=3 verify of 8 requests: 32) runs its projections on cuBLAS and
+    # RoPE and SiLU·mul in kernels of their own, other rounding than the same rows get in a
+    # target-only step of 8, which in bf16 can flip a greedy near-tie (docs/performance.md
+    # § Session 18: the bundled model in bf16 at batch 8). At 4, up to 64 rows keep each row's
+    # bits whatever the batch. NOTE: not measured (built after session 18's device time ran
+    # out): ``bench graphs``' ``row-blocks`` column and tests/gpu/test_kernels_gpu.py are ready.
+    gemm_row_blocks: int = 1
     _COUNTERS = 4096
 
     def __init__(self) -> None:
@@ -359,11 +372,11 @@ class Kernels:
             self._counters[device] = torch.zeros(self._COUNTERS, dtype=torch.int32, device=device)
 
     def _fits_gemm(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """What every split-K GEMM launch needs: at most ``torch_gemm.MAX_ROWS`` rows of x
-        [..., K], a contiguous 2-D weight of a ``linear_dtypes`` dtype, x of the same dtype."""
-        rows = x.numel() // max(1, x.shape[-1])
-        return (rows <= torch_gemm.MAX_ROWS and w.dtype in self.linear_dtypes and x.dtype == w.dtype
-                and w.dim() == 2 and w.is_contiguous())
+        """What every split-K GEMM launch needs: at most ``gemm_row_blocks`` blocks of
+        ``torch_gemm.MAX_ROWS`` rows of x [..., K], a contiguous 2-D weight of a ``linear_dtypes``
+        dtype, x of the same dtype."""
+        return (_rows(x) <= torch_gemm.MAX_ROWS * self.gemm_row_blocks and w.dtype in self.linear_dtypes
+                and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous())
 
     def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``linear`` takes x [..., K] @ w [N, K]^T: ``_fits_gemm``, and a weight shape
@@ -374,8 +387,8 @@ class Kernels:
         """Whether ``qkv_rope`` takes x [..., K] @ w^T for the fused q/k/v weight w [(H + 2 KVH) D, K]:
         ``_fits_gemm`` (whatever the weight's width: a head a program fills the SMs), D a power
         of two from 16, a column tile's counter for every head."""
-        return (self.fuse_rope and self._fits_gemm(x, w) and self.fits(head_dim)
-                and w.shape[0] % head_dim == 0 and w.shape[0] // head_dim <= self._COUNTERS)
+        return (self.fuse_rope and self._fits_gemm(x, w) and self.fits(head_dim) and w.shape[0] % head_dim == 0
+                and w.shape[0] // head_dim * torch_gemm.row_blocks(_rows(x)) <= self._COUNTERS)
 
     def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                  kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
@@ -398,7 +411,7 @@ class Kernels:
         if not (self.fuse_swiglu and self._fits_gemm(x, w) and w.shape[0] == 2 * ffn > 0):
             return False
         p = torch_gemm.plan(2 * ffn, w.shape[1], self.swiglu_block_n)
-        return torch_gemm.counters_needed(2 * ffn, p) <= self._COUNTERS
+        return torch_gemm.counters_needed(2 * ffn, p, _rows(x)) <= self._COUNTERS
 
     def swiglu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x [..., K] @ w^T (``fits_swiglu`` holds) in one launch -> [..., ffn]."""
@@ -432,7 +445,7 @@ class Kernels:
         weight that ``torch_gemm.preload_plan`` takes runs as a dependent launch with ``preload``."""
         n, k = w.shape
         p = torch_gemm.plan(n, k)
-        if torch_gemm.counters_needed(n, p) > self._COUNTERS:
+        if torch_gemm.counters_needed(n, p, _rows(x)) > self._COUNTERS:
             raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
         self._ready(x)
         pdl = self._preloads(x, w)
@@ -442,8 +455,9 @@ class Kernels:
 
     def _preloads(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether x @ w^T runs as a dependent launch reading its weight early (``preload``):
-        on the split-K GEMM, with a weight ``torch_gemm.preload_plan`` takes."""
-        return (self.preload and _gdc(x) and self.fits_linear(x, w)
+        on the split-K GEMM in one row block (the plan fills one wave), with a weight
+        ``torch_gemm.preload_plan`` takes."""
+        return (self.preload and _gdc(x) and _rows(x) <= torch_gemm.MAX_ROWS and self.fits_linear(x, w)
                 and torch_gemm.preload_plan(*w.shape) is not None)
 
     def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:

@@ -114,6 +114,21 @@ def kernel_errors() -> dict[str, float]:
         y = kern.linear(x, w)
         worst = max(worst, (y - x @ w.T).abs().max().item())
         assert torch.equal(kern.linear(x[:1, :2], w), y[:1, :2]), (n, k)
+    # Row blocks (Kernels.gemm_row_blocks): 40 rows in one launch of three blocks, each block's
+    # bits those of its rows launched alone (with splits: partials and counters a block each)
+    counters = kern._counters[torch.device("cpu")]
+    kern.gemm_row_blocks = 3
+    for n, k in ((256, 2048), (200, 96)):
+        w, x = rnd(n, k) * 0.05, rnd(40, k)
+        p = torch_gemm.plan(n, k)
+        y = torch_gemm.splitk_linear(x, w, p, counters)
+        for r0 in (0, 16, 32):
+            assert torch.equal(y[r0:r0 + 16], torch_gemm.splitk_linear(x[r0:r0 + 16], w, p, counters)), (n, k, r0)
+        assert torch.equal(y[37:38], torch_gemm.splitk_linear(x[37:38], w, p, counters)) and not counters.any()
+        worst = max(worst, (y - x @ w.T).abs().max().item())
+    w = rnd(256, 2048)
+    assert kern.fits_linear(rnd(48, 2048), w) and not kern.fits_linear(rnd(49, 2048), w)
+    kern.gemm_row_blocks = 1
     assert torch_gemm.plan(256, 2048).split == 4 and torch_gemm.plan(96, 1600).split == 2
     assert torch_gemm.plan(200, 96).split == 1 and not torch_gemm.pays(200, 96)
     assert torch_gemm.pays(2048, 2048) and torch_gemm.pays(2048, 5632) and not torch_gemm.pays(3072, 2048)
@@ -154,6 +169,19 @@ def kernel_errors() -> dict[str, float]:
         q4 = kern.qkv_rope(x, w, cos_t, sin_t, h, kvh, kc4, vc4, rows, table_rows=pos)
         q5 = kern.qkv_rope(x, w, cos_t[pos].view(b, 3, 1, hd), sin_t[pos].view(b, 3, 1, hd), h, kvh, kc1, vc1, rows)
         assert torch.equal(q4, q5) and torch.equal(kc4, kc1) and torch.equal(vc4, vc1), least
+        # 20 rows in two row blocks: each block's bits (q and cache rows) those of its rows alone
+        kern.gemm_row_blocks = 2
+        x20, pos20, rows20 = rnd(5, 4, 256), torch.arange(20) * 2, torch.arange(20) + 300
+        kc6, vc6 = kc1.clone(), vc1.clone()
+        assert kern.fits_qkv_rope(x20, w, hd)
+        q6 = kern.qkv_rope(x20, w, cos_t, sin_t, h, kvh, kc6, vc6, rows20, table_rows=pos20 % 40)
+        flat = x20.reshape(1, 20, 256)
+        for lo, hi in ((0, 16), (16, 20)):
+            q7 = kern.qkv_rope(flat[:, lo:hi], w, cos_t, sin_t, h, kvh, kc1, vc1, rows20[lo:hi],
+                               table_rows=pos20[lo:hi] % 40)
+            assert torch.equal(q6.reshape(20, h, hd)[lo:hi], q7.reshape(hi - lo, h, hd)), (least, lo)
+        assert torch.equal(kc6, kc1) and torch.equal(vc6, vc1), least
+        kern.gemm_row_blocks = 1
     # SwiGLU's gate/up with silu * up as the GEMM's epilogue: the bits of the split-K GEMM (the
     # plan of the [2F, K] weight) followed by silu_mul, with splits and without, F not a
     # multiple of the tile, a row's bits independent of the other rows
@@ -169,6 +197,12 @@ def kernel_errors() -> dict[str, float]:
         ref = Kernels.silu_mul(torch_gemm.splitk_linear(x.reshape(-1, kk), w, p, kern._counters[torch.device("cpu")]), f)
         assert torch.equal(y.reshape(-1, f), ref), (least, f, block, (y.reshape(-1, f) - ref).abs().max())
         assert torch.equal(kern.swiglu(x[:1, :2], w), y[:1, :2])
+        kern.gemm_row_blocks = 2                     # 20 rows in two row blocks, as above
+        x20 = rnd(20, kk)
+        assert kern.fits_swiglu(x20, w, f)
+        y20 = kern.swiglu(x20, w)
+        assert torch.equal(y20[:16], kern.swiglu(x20[:16], w)) and torch.equal(y20[16:], kern.swiglu(x20[16:], w))
+        kern.gemm_row_blocks = 1
         worst = max(worst, (y - F.silu(x @ w[:f].T) * (x @ w[f:].T)).abs().max().item())
     del kern.swiglu_block_n
     torch_gemm._MIN_SPLIT_K = 512
