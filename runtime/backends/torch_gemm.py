@@ -1,8 +1,9 @@
 """A split-K Triton GEMM for decode-shaped projections (CUDA, bf16/fp16, blocks of 16 rows).
 
 Owns: ``splitk_linear(x, w, plan, counters)`` = ``x @ w.T`` for x [M, K], M in row blocks of
-``MAX_ROWS`` (a program axis: each block is the launch of its rows alone), and a weight stored as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the
-launch shape it uses for a weight of that shape; ``splitk_qkv_rope``, the q/k/v projection
+``MAX_ROWS`` (a program axis: each block is the launch of its rows alone) and a weight stored
+as the model stores it (w [N, K], row-major), and ``plan(n, k)``, the launch shape it uses for
+a weight of that shape; ``splitk_qkv_rope``, the q/k/v projection
 with RoPE and the KV-cache write as its epilogue (a head a column tile; the bits of the GEMM
 followed by torch_kernels' ``rope_write_kv``); ``splitk_swiglu``, SwiGLU's gate/up projection
 with silu(gate) * up as its epilogue (a tile holds gate and up rows of the same outputs; the
@@ -103,7 +104,8 @@ def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT
 def _row_block(M, MP: tl.constexpr):
     # Program axis 2: the row block r, rows [r * MP, r * MP + MP) of the launch. Each block is
     # the launch of its rows alone (its own partials and counters), so a row's bits never depend
-    # on the other rows, however many. -> (r, its first row, the rows from there on).
+    # on the other rows, however many. -> (r, its first row, the rows from there on). Only
+    # launches of more than MP rows take it (ROW_BLOCKS): one block compiles as before.
     r = tl.program_id(2)
     return r, r * MP, M - r * MP
 
@@ -112,7 +114,7 @@ def _row_block(M, MP: tl.constexpr):
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                   PRELOAD: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
     # PDL: launched as a programmatic dependent launch, which may start while the kernel before
     # it (whose output x is) still runs; gdc_wait waits for that kernel's end.
@@ -120,9 +122,10 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
     # partials and the counters may share memory the kernel before it still uses.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    r, r0, M = _row_block(M, MP)
-    x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * N
-    part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
+    if ROW_BLOCKS:                                      # more than MP rows: this program's block
+        r, r0, M = _row_block(M, MP)
+        x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * N
+        part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < N
     m = tl.arange(0, MP)
@@ -160,7 +163,8 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
 def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, trow_ptr, widx_ptr, q_ptr, kc_ptr,
                         vc_ptr, M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                         D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP_IN_REGS: tl.constexpr, INDEXED: tl.constexpr):
+                        PRECISION: tl.constexpr, SWAP_IN_REGS: tl.constexpr, INDEXED: tl.constexpr,
+                        ROW_BLOCKS: tl.constexpr):
     # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
     # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
     # The last program of a tile rounds the head's sum to the model's dtype, as the
@@ -172,13 +176,14 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
     # registers, the same values).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    r, r0, M = _row_block(M, MP)
-    x_ptr, q_ptr, widx_ptr = x_ptr + r0 * K, q_ptr + r0 * H * D, widx_ptr + r0
-    part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
-    if INDEXED:
-        trow_ptr += r0
-    else:
-        cos_ptr, sin_ptr = cos_ptr + r0 * D, sin_ptr + r0 * D
+    if ROW_BLOCKS:                                      # as in _splitk_kernel
+        r, r0, M = _row_block(M, MP)
+        x_ptr, q_ptr, widx_ptr = x_ptr + r0 * K, q_ptr + r0 * H * D, widx_ptr + r0
+        part_ptr, count_ptr = part_ptr + r * SPLIT * N * MP, count_ptr + r * tl.num_programs(0)
+        if INDEXED:
+            trow_ptr += r0
+        else:
+            cos_ptr, sin_ptr = cos_ptr + r0 * D, sin_ptr + r0 * D
     d = tl.arange(0, D)
     n = pid_n * D + d
     nm = n < N
@@ -217,7 +222,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
 @triton.jit
 def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_PER_SPLIT: tl.constexpr,
                           SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, ROW_BLOCKS: tl.constexpr):
     # SwiGLU's gate/up projection with silu(gate) * up as its epilogue: w [2F, K] holds the
     # gate rows [0, F) and the up rows [F, 2F) (the model's fused gate_up weight). A column
     # tile of BLOCK_N weight rows interleaves them: tile row 2i is gate row f, row 2i + 1 up
@@ -227,10 +232,11 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_P
     # followed by torch_kernels' silu_mul, without the [M, 2F] output's write and read.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    r, r0, M = _row_block(M, MP)
-    x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * F
-    part_ptr = part_ptr + r * SPLIT * tl.num_programs(0) * BLOCK_N * MP
-    count_ptr = count_ptr + r * tl.num_programs(0)
+    if ROW_BLOCKS:                                      # as in _splitk_kernel
+        r, r0, M = _row_block(M, MP)
+        x_ptr, y_ptr = x_ptr + r0 * K, y_ptr + r0 * F
+        part_ptr = part_ptr + r * SPLIT * tl.num_programs(0) * BLOCK_N * MP
+        count_ptr = count_ptr + r * tl.num_programs(0)
     i = tl.arange(0, BLOCK_N)
     f = pid_n * (BLOCK_N // 2) + i // 2
     n = tl.where(f < F, f + (i % 2) * F, 2 * F)               # 2F: a padded row, masked in _partial
@@ -315,7 +321,8 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, launch_pdl=pdl)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, ROW_BLOCKS=rb > 1,
+        launch_pdl=pdl)
     return y
 
 
@@ -344,7 +351,7 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
         write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None)
+        SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None, ROW_BLOCKS=rb > 1)
     return q
 
 
@@ -365,5 +372,5 @@ def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, bloc
     _splitk_swiglu_kernel[(tiles, p.split, rb)](
         x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROW_BLOCKS=rb > 1)
     return y
