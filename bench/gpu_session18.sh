@@ -13,6 +13,10 @@
 #
 #   bash bench/gpu_session18.sh OUT_DIR short   # RoPE's tables read at each position inside the kernels (no gathers):
 #                                               # the kernel GPU tests and bench graphs only
+#   bash bench/gpu_session18.sh OUT_DIR next    # for the next session (not run yet): the split-K GEMMs in row blocks
+#                                               # (Kernels.gemm_row_blocks): the kernel GPU tests (row blocks' bits,
+#                                               # the bf16 batch-8 identity count), bench graphs (`row-blocks`),
+#                                               # bench services at batch 8 in bfloat16
 #   bash bench/gpu_session18.sh OUT_DIR last    # the final code, what the final call left out: bench profile (one ~1B
 #                                               # round), bench adaptive, bench peer at batch 8 (both models)
 #
@@ -21,7 +25,7 @@ source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
 case "$mode" in
-first|head|short) tests=(tests/gpu/test_kernels_gpu.py) ;;
+first|head|short|next) tests=(tests/gpu/test_kernels_gpu.py) ;;
 last) tests=() ;;
 final) tests=(tests/gpu/test_kernels_gpu.py tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py) ;;
 *) echo "unknown mode $mode"; exit 2 ;;
@@ -40,6 +44,9 @@ elif [ "$mode" = last ]; then
     --repeats 3 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
   timeout "$(left 570)" python3 -m specsplit bench peer --device cuda:0 --batch 8 --prompts 8 --max-tokens 128 \
     2>&1 | quiet | tee "$out/bench_peer_b8.txt" | tail -3
+elif [ "$mode" = next ]; then
+  timeout "$(left 570)" python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
+    --max-tokens 128 --dtype bfloat16 2>&1 | quiet | tee "$out/services_bf16.txt" | tail -4
 elif [ "$mode" = head ]; then
   timeout 120 python3 -m specsplit bench services --backend torch --device cuda:0 --batch 8 --prompts 16 \
     --max-tokens 128 --dtype bfloat16 2>&1 | quiet | tee "$out/services_bf16.txt" | tail -4
