@@ -127,12 +127,15 @@ class Rope:
 
     def tables(self, ops: Ops, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions int64 [B, T] -> cos, signed sin [B, T, 1, D] (float32), for ``apply_rope``."""
-        b, t = ops.shape(positions)
-        flat = ops.reshape(positions, (b * t,))
-        d = ops.shape(self.cos)[1]
-        cos = ops.reshape(ops.index_select(self.cos, flat, 0), (b, t, 1, d))
-        sin = ops.reshape(ops.index_select(self.sin, flat, 0), (b, t, 1, d))
-        return cos, sin
+        return table_rows(ops, self.cos, self.sin, positions)
+
+
+def table_rows(ops: Ops, cos: Tensor, sin: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE tables cos/sin [P, D] at positions int64 [B, T] -> [B, T, 1, D] each."""
+    b, t = ops.shape(positions)
+    flat, d = ops.reshape(positions, (b * t,)), ops.shape(cos)[1]
+    return (ops.reshape(ops.index_select(cos, flat, 0), (b, t, 1, d)),
+            ops.reshape(ops.index_select(sin, flat, 0), (b, t, 1, d)))
 
 
 def apply_rope(ops: Ops, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -179,10 +182,7 @@ class AttnMeta:
 
     @functools.cached_property
     def _cos_sin(self) -> tuple[Tensor, Tensor]:
-        ops, (b, t) = self.ops, self.ops.shape(self.positions)
-        flat, d = ops.reshape(self.positions, (b * t,)), ops.shape(self.cos_table)[1]
-        return (ops.reshape(ops.index_select(self.cos_table, flat, 0), (b, t, 1, d)),
-                ops.reshape(ops.index_select(self.sin_table, flat, 0), (b, t, 1, d)))
+        return table_rows(self.ops, self.cos_table, self.sin_table, self.positions)
 
     @property
     def cos(self) -> Tensor:

@@ -462,8 +462,12 @@ class Kernels:
 
     def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:
         """Whether ``argmax`` takes x: float32 over its last axis, a counter for every row."""
-        return (self.split_argmax and x.dtype == torch.float32 and x.dim() >= 1 and axis in (-1, x.dim() - 1)
-                and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= self._COUNTERS)
+        return x.dtype == torch.float32 and x.dim() >= 1 and axis in (-1, x.dim() - 1) and self._fits_split_argmax(x)
+
+    def _fits_split_argmax(self, x: torch.Tensor) -> bool:
+        """What every split argmax launch needs: the switch on, a non-empty last axis, a
+        counter for every row."""
+        return self.split_argmax and x.dim() >= 1 and x.shape[-1] > 0 and _rows(x) <= self._COUNTERS
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, -1) (``fits_argmax`` holds), split over the last axis: torch's
@@ -474,8 +478,7 @@ class Kernels:
 
     def fits_float_argmax(self, x: torch.Tensor) -> bool:
         """Whether ``float_argmax`` takes x: as ``fits_argmax``, of a half-precision dtype too."""
-        return (self.split_argmax and self.fuse_head and x.dtype in (torch.float32, *self.linear_dtypes)
-                and x.dim() >= 1 and x.shape[-1] > 0 and x.numel() // x.shape[-1] <= self._COUNTERS)
+        return self.fuse_head and x.dtype in (torch.float32, *self.linear_dtypes) and self._fits_split_argmax(x)
 
     def float_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x as float32, its argmax over the last axis) in one launch (``fits_float_argmax``
