@@ -207,11 +207,11 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
             tr = tl.load(trow_ptr + m, mask=mm, other=0) if INDEXED else m               # table rows
             c = tl.load(cos_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
-            r = x * c + xs * s
+            rot = x * c + xs * s
             if pid_n < H:
-                tl.store(q_ptr + (m[None, :] * H + pid_n) * D + d[:, None], r.to(dt), mask=out_m)
+                tl.store(q_ptr + (m[None, :] * H + pid_n) * D + d[:, None], rot.to(dt), mask=out_m)
             else:
-                tl.store(kc_ptr + (row[None, :] * KVH + pid_n - H) * D + d[:, None], r.to(kc_ptr.dtype.element_ty),
+                tl.store(kc_ptr + (row[None, :] * KVH + pid_n - H) * D + d[:, None], rot.to(kc_ptr.dtype.element_ty),
                          mask=out_m)
         else:
             tl.store(vc_ptr + (row[None, :] * KVH + pid_n - H - KVH) * D + d[:, None],
