@@ -44,6 +44,9 @@ HELP: dict[str, str] = {
     "runtime.cpu_threads": "intra-op CPU threads of this process (Torch; Paddle follows OMP_NUM_THREADS)",
     "runtime.compile": "torch.compile the step functions before CUDA-graph capture (Torch on CUDA only)",
     "runtime.fused_kernels": "the decoder layer's fused Triton kernels (Torch on CUDA with Triton; plain ops elsewhere)",
+    "runtime.batch_invariant": "target: decode and verify steps whose per-request bits do not depend on the batch "
+                               "(greedy speculation == target-only in bf16 too; prefills one request at a time); "
+                               "Torch on CUDA with runtime.fused_kernels, tp 1",
     "spec.max_k": "largest number of drafts per round a request may ask for",
     "spec.default_k": "drafts per round when a request does not say",
     "spec.adaptive_k": "target: each round's k follows the requests' acceptance and the measured round costs "

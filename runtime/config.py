@@ -273,6 +273,16 @@ class RuntimeConfig:
     # Torch on CUDA with Triton installed; ignored elsewhere. Same math as the plain ops up
     # to rounding; off runs the plain ops (the reference).
     fused_kernels: bool = True
+    # The target's decode and verify steps batch-invariant (runtime/backends/torch_kernels.py
+    # ``Kernels.invariant``): a row's bits do not depend on the other rows of its step or on
+    # their number, so greedy speculation gives target-only's tokens in half precision too,
+    # and a request gets the tokens it gets alone; prefills run one request at a time.
+    # Torch on CUDA with the fused kernels (not with runtime.compile), one device (tp 1), a
+    # model the fused decoder layer takes (no per-head q/k norms). Off: each kernel picks its
+    # launch from the row count, exact in float32 in every test and bench row here, but a bf16
+    # greedy near-tie can go another way in a verify of 32 rows than in a decode of 8
+    # (docs/performance.md § Session 19).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.cpu_threads, int) and 1 <= self.cpu_threads <= 1024, "runtime.cpu_threads",
@@ -281,6 +291,11 @@ class RuntimeConfig:
         _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
                "runtime.device", "'cpu' or 'cuda:N'", self.device)
         _check(self.dtype in DTYPES, "runtime.dtype", f"one of {DTYPES}", self.dtype)
+        _check(not self.batch_invariant or (self.backend == "torch" and self.device.startswith("cuda:")
+                                            and self.fused_kernels and not self.compile),
+               "runtime.batch_invariant", "false unless runtime.backend is 'torch' on a 'cuda:N' device with "
+               "runtime.fused_kernels on and runtime.compile off (its kernels are the fused Triton ones)",
+               self.batch_invariant)
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,7 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
             and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
         return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce, defer)
+    _not_invariant(kern, "per-head q/k norms (qk_norm)" if cfg.qk_norm else f"head_dim {hd}, or q/k/v and gate/up unfused")
     dt = ops.dtype_name(x)
     cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     if prefix + "self_attn.qkv_proj.weight" in p:
@@ -349,6 +350,7 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
         attn = kern.attention(q, k_cache, v_cache, meta.read_slots, meta.positions, meta.attend_len, meta.max_len,
                               w_o)
     else:                                                                      # many query rows: plain attention
+        _not_invariant(kern, f"{h // kvh} query heads a K/V head, more than one attention program holds")
         attn = _context_attention(ops, q, cache, meta)
     o = _proj(ops, p, prefix + "self_attn.o_proj", ops.reshape(attn, (b, t, h * hd)), kern)
     x, hn = kern.add_rms_norm(x, o if reduce is None else reduce(o), p[prefix + "post_attention_layernorm.weight"],
@@ -361,6 +363,14 @@ def _fused_layer(ops: Ops, kern: Any, p: Params, prefix: str, cfg: ModelConfig, 
     down = _proj(ops, p, prefix + "mlp.down_proj", mlp, kern)
     down = down if reduce is None else reduce(down)
     return (x, down) if defer else x + down
+
+
+def _not_invariant(kern: Any, what: str) -> None:
+    """A batch-invariant step (``Kernels.invariant``) that would leave the fused kernels for
+    the plain ops, whose bits follow the batch: an error naming why, never a silent change."""
+    if kern is not None and kern.invariant:
+        raise ValueError(f"runtime.batch_invariant: this model's decoder layer cannot run on the batch-invariant "
+                         f"kernels ({what}); turn runtime.batch_invariant off")
 
 
 def _context_attention(ops: Ops, q: Tensor, cache: tuple[Tensor, Tensor], meta: AttnMeta) -> Tensor:
@@ -380,10 +390,14 @@ def _qk_norm(ops: Ops, p: Params, prefix: str, eps: float, q: Tensor, k: Tensor)
 def _proj(ops: Ops, p: Params, name: str, x: Tensor, kern: Any = None) -> Tensor:
     """x @ W^T (+ bias when the checkpoint has ``<name>.bias``: Qwen2 q/k/v, attention_bias, mlp_bias);
     on the fused kernels' GEMM when ``kern`` is given and takes the shapes."""
-    w = p[name + ".weight"]
-    y = kern.linear(x, w) if kern is not None and kern.fits_linear(x, w) else ops.linear(x, w)
+    y = _linear(ops, x, p[name + ".weight"], kern)
     bias = p.get(name + ".bias")
     return y if bias is None else y + bias
+
+
+def _linear(ops: Ops, x: Tensor, w: Tensor, kern: Any) -> Tensor:
+    """x @ w^T, on the fused kernels' GEMM when ``kern`` is given and takes the shapes."""
+    return kern.linear(x, w) if kern is not None and kern.fits_linear(x, w) else ops.linear(x, w)
 
 
 def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
@@ -395,7 +409,7 @@ def lm_head(ops: Ops, p: Params, cfg: ModelConfig, hidden: Tensor) -> Tensor:
 def head_argmax(ops: Ops, p: Params, cfg: ModelConfig, normed: Tensor) -> tuple[Tensor, Tensor]:
     """normed [..., d] (after the final RMSNorm) -> (logits float32 [..., V], their argmax
     int64 [...]): ``lm_head``'s values, the cast and the argmax one launch where the backend can."""
-    return ops.float_argmax(ops.linear(normed, p[head_weight_name(cfg)]))
+    return ops.float_argmax(_linear(ops, normed, p[head_weight_name(cfg)], ops.kernels))
 
 
 def target_forward(ops: Ops, p: Params, cfg: ModelConfig, tokens: Tensor, meta: AttnMeta | None,

@@ -121,11 +121,14 @@ class TargetEngine:
     def _step(self, tokens, write_slots, positions, read_slots, attend_len=None):
         """tokens/write_slots/positions [B, T], read_slots [B]
         -> hidden [B, T, d], argmax int64 [B, T], logits float32 [B, T, V] (stay on the device)."""
-        meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
-                               self.cache.max_len, attend_len or self.cache.max_len, self._groups)
-        hidden, normed = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers,
-                                        final_norm=True)
-        logits, best = head_argmax(self.ops, self._weights, self.cfg, normed)
+        # NOTE: with runtime.batch_invariant, every decode and verify (captured, replayed or
+        # eager) runs inside ``invariant_steps``: a row's bits then do not depend on the batch.
+        with self.ops.invariant_steps():
+            meta = build_attn_meta(self.ops, self.rope, write_slots, positions, read_slots,
+                                   self.cache.max_len, attend_len or self.cache.max_len, self._groups)
+            hidden, normed = target_forward(self.ops, self._weights, self.cfg, tokens, meta, self.cache.layers,
+                                            final_norm=True)
+            logits, best = head_argmax(self.ops, self._weights, self.cfg, normed)
         return hidden, best, logits
 
     def _prefill_step(self, tokens, write_slots, positions, read_slots, last_index, attend_len):
@@ -195,6 +198,19 @@ class TargetEngine:
 
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         """Run each prompt t_0..t_{n-1}; sample t_n (or take ``resume_token``)."""
+        if self.ops.batch_invariant and len(reqs) > 1:
+            # NOTE: batch-invariant, each prompt is its own forward (padded to a width of its
+            # own): its KV rows and first token then do not depend on who was admitted with it.
+            # All or nothing, as one batch: a request that fails releases those before it.
+            done: list[PrefillResult] = []
+            try:
+                for r in reqs:
+                    done += self.prefill([r])
+            except BaseException:
+                for res in done:
+                    self.release(res.request_id)
+                raise
+            return done
         self.drop_pending()
         for r in reqs:
             if self.cache.has(r.request_id):

@@ -81,6 +81,8 @@ class WorkerConfig:
                self.data_plane_poll_us)
         _check(self.tp == 1 or self.role == "target", "tp",
                "1 for the draft (the draft runs on one device; only the target is tensor-parallel)", self.tp)
+        _check(self.tp == 1 or not self.runtime.batch_invariant, "tp",
+               "1 with runtime.batch_invariant (the tensor-parallel sums follow the batch's size)", self.tp)
         _check(self.tp == 1 or self.runtime.backend == "torch", "tp",
                "1 with runtime.backend='paddle' (tensor parallelism runs on torch.distributed: use "
                "runtime.backend='torch')", self.tp)

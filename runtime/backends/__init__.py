@@ -24,7 +24,7 @@ def make_ops(cfg: RuntimeConfig) -> Ops:
         from runtime.backends.torch_ops import TorchOps
 
         return TorchOps(cfg.device, cfg.dtype, cfg.cpu_threads, compile_steps=cfg.compile,
-                        fused_kernels=cfg.fused_kernels)
+                        fused_kernels=cfg.fused_kernels, batch_invariant=cfg.batch_invariant)
     raise ValueError(f"runtime.backend={cfg.backend!r} is invalid: must be 'paddle' or 'torch'")
 
 

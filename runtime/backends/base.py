@@ -77,6 +77,10 @@ class Ops(Protocol):
     def data_ptr(self, x: Tensor) -> int: ...
     def plain_ops(self) -> Any:
         """A context in which the calling thread's steps run the plain ops (``kernels`` None)."""
+    batch_invariant: bool       # runtime.batch_invariant (see ``invariant_steps``)
+    def invariant_steps(self) -> Any:
+        """A context in which the calling thread's steps are batch-invariant when
+        ``batch_invariant`` (a row's bits depend on that row alone), else a no-op."""
     def compile_step(self, fn: Any) -> Any:
         """A step function, compiled when the runtime asked for it (Torch on CUDA), else as is."""
     def fuse_rows(self, xs: list[Tensor]) -> tuple[Tensor, list[Tensor]] | None:

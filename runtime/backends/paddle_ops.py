@@ -225,6 +225,11 @@ class PaddleOps:
     def plain_ops(self):
         return contextlib.nullcontext()      # the plain ops are all there is here
 
+    batch_invariant = False                  # runtime.batch_invariant is refused for Paddle (RuntimeConfig)
+
+    def invariant_steps(self):
+        return contextlib.nullcontext()
+
     # --- device graphs (runtime.graphs keeps the buckets and buffers) -------
     @property
     def graphs_mode(self):

@@ -41,9 +41,11 @@ so a step using them is captured into a CUDA graph like any other. With
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import threading
 
 import torch
 import triton
@@ -63,6 +65,10 @@ _TARGET_PROGRAMS = 256
 # graph, fp32, head dim 64) took 206 us per layer on an H200 against ~9 us at 32 rows;
 # the prefill 2.09 -> 0.58 ms with it at 32 (`bench prefill`, docs/performance.md § Session 9).
 MAX_QUERY_ROWS = 32
+# Splits over max_len of a batch-invariant attention launch (``invariant_attention_plan``):
+# the keys per split stay the same at every batch and span, so this bounds both the combine's
+# tile and the partials a large batch writes (16 splits of 256 keys at max_len 4,096).
+INVARIANT_SPLITS = 16
 
 
 @triton.jit
@@ -138,14 +144,15 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, trow_ptr, widx_ptr, q_ptr, 
     tl.store(vc_ptr + row * KVH * D + hk * D + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=mk)
 
 
-@triton.jit(do_not_specialize=["span", "max_len", "T", "nsplit"])
+@triton.jit(do_not_specialize=["span", "max_len", "T", "TB", "nsplit"])
 def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr,
-                            span, max_len, scale, T, nsplit,
+                            span, max_len, scale, T, TB, nsplit,
                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                             D: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                             DIRECT: tl.constexpr, KEYS_PER_SPLIT: tl.constexpr, EARLY: tl.constexpr):
-    # Program (b*KVH + kh, split): the G*T query rows of K/V head kh of batch row b
-    # (row r = g*T + t is query head kh*G + g of token t) against keys
+    # Program (b*KVH + kh, split, token block tb): the G*TB query rows of K/V head kh of batch
+    # row b for tokens [tb*TB, tb*TB + TB) (row r = g*TB + i is query head kh*G + g of token
+    # tb*TB + i; TB = T, one block, unless the plan is batch-invariant) against keys
     # [split*keys_per_split, ...) of the slot's prefix, key j visible iff j <= pos[b, t]
     # and j < span. Online softmax (running max m, sum l, unnormalised acc); one split
     # writes the output, several write (acc, m, l) for _attention_combine_kernel.
@@ -155,12 +162,13 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
         gdc_launch_dependents()
     bk = tl.program_id(0)
     sp = tl.program_id(1)
+    tb = tl.program_id(2)
     b = (bk // KVH).to(tl.int64)
     kh = bk % KVH
     r = tl.arange(0, M)
-    g = r // T
-    t = r % T
-    live = r < G * T
+    g = r // TB
+    t = tb * TB + r % TB
+    live = (r < G * TB) & (t < T)
     d = tl.arange(0, D)
     qoff = ((b * T + t) * H + kh * G + g) * D
     q = tl.load(q_ptr + qoff[:, None] + d[None, :], mask=live[:, None], other=0.0)
@@ -190,21 +198,24 @@ def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, out_ptr, 
         out = acc / tl.maximum(l_i, 1.0e-30)[:, None]
         tl.store(out_ptr + qoff[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None])
     else:
-        at = (bk * nsplit + sp) * M + r
+        at = ((bk * tl.num_programs(2) + tb) * nsplit + sp) * M + r
         tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
         tl.store(ml_ptr + at * 2, m_i)
         tl.store(ml_ptr + at * 2 + 1, l_i)
 
 
-@triton.jit(do_not_specialize=["T", "nsplit"])
-def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constexpr, KVH: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "TB", "nsplit"])
+def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, TB, nsplit, H: tl.constexpr, KVH: tl.constexpr,
                               G: tl.constexpr, D: tl.constexpr, M: tl.constexpr, NSPLIT_P: tl.constexpr,
                               EARLY: tl.constexpr):
-    # One program per (batch row x K/V head, live query row r):
+    # One program per (batch row x K/V head, query row r of token block tb):
     # out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) l_s, m = max_s m_s (splits that
     # saw no visible key carry m_s = -1e30 and weigh nothing). All splits of the row are
     # read as one [NSPLIT_P, D] tile: a serial loop over the splits in a handful of
     # programs cost ~22 us per layer at span 3,072 on an H200 (docs/performance.md).
+    # NSPLIT_P is nsplit rounded up to a power of two, or (batch-invariant) a constant of the
+    # model and max_len: the tile's shape fixes the order of the sums, the splits past
+    # nsplit add exact zeros.
     # EARLY: itself a dependent launch of the split kernel: lets the o projection start, then
     # waits for the split kernel's end before reading its partials.
     if EARLY:
@@ -212,20 +223,23 @@ def _attention_combine_kernel(acc_ptr, ml_ptr, out_ptr, T, nsplit, H: tl.constex
         gdc_wait()
     bk = tl.program_id(0)
     r = tl.program_id(1)
-    b = (bk // KVH).to(tl.int64)
-    kh = bk % KVH
-    sp = tl.arange(0, NSPLIT_P)                # NSPLIT_P: nsplit rounded up to a power of two
-    ok = sp < nsplit
-    at = (bk * nsplit + sp) * M + r            # [NSPLIT_P]
-    m_s = tl.load(ml_ptr + at * 2, mask=ok, other=-1.0e30)
-    l_s = tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0)
-    w = tl.where(ok, tl.exp(m_s - tl.max(m_s, 0)), 0.0)
-    den = tl.sum(w * l_s, 0)
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [NSPLIT_P, D]
-    out = tl.sum(w[:, None] * acc, 0) / tl.maximum(den, 1.0e-30)                         # [D]
-    qoff = ((b * T + r % T) * H + kh * G + r // T) * D
-    tl.store(out_ptr + qoff + d, out.to(out_ptr.dtype.element_ty))
+    tb = tl.program_id(2)
+    t = tb * TB + r % TB
+    if t < T:
+        b = (bk // KVH).to(tl.int64)
+        kh = bk % KVH
+        sp = tl.arange(0, NSPLIT_P)
+        ok = sp < nsplit
+        at = ((bk * tl.num_programs(2) + tb) * nsplit + sp) * M + r            # [NSPLIT_P]
+        m_s = tl.load(ml_ptr + at * 2, mask=ok, other=-1.0e30)
+        l_s = tl.load(ml_ptr + at * 2 + 1, mask=ok, other=0.0)
+        w = tl.where(ok, tl.exp(m_s - tl.max(m_s, 0)), 0.0)
+        den = tl.sum(w * l_s, 0)
+        d = tl.arange(0, D)
+        acc = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)   # [NSPLIT_P, D]
+        out = tl.sum(w[:, None] * acc, 0) / tl.maximum(den, 1.0e-30)                         # [D]
+        qoff = ((b * T + t) * H + kh * G + r // TB) * D
+        tl.store(out_ptr + qoff + d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -298,6 +312,17 @@ def attention_plan(batch: int, kv_heads: int, groups: int, tokens: int, span: in
     return max(16, _pow2(groups * tokens)), per_split, triton.cdiv(span, per_split)
 
 
+def invariant_attention_plan(groups: int, max_len: int) -> tuple[int, int, int, int]:
+    """(query rows per program M, tokens per program TB, keys per split, the combine's split
+    tile NSPLIT_P) of a batch-invariant attention launch: functions of the model's grouping
+    and max_len only, so a query row meets the same tiles, the same split boundaries and the
+    same order of sums whatever the batch, the step's width and its span (``Kernels.invariant``).
+    At most ``INVARIANT_SPLITS`` splits over max_len, at least one key block a split."""
+    m = max(16, _pow2(groups))
+    per_split = max(_BLOCK_N, _pow2(triton.cdiv(max_len, INVARIANT_SPLITS)))
+    return m, m // groups, per_split, _pow2(triton.cdiv(max_len, per_split))
+
+
 class Kernels:
     """The launch wrappers; ``TorchOps.kernels`` holds one when they are on (CUDA with
     Triton), None otherwise. Tensor layouts are the model's (``runtime/model.py``)."""
@@ -355,7 +380,7 @@ class Kernels:
     # bits whatever the batch. NOTE: not measured (built after session 18's device time ran
     # out): ``bench graphs``' ``row-blocks`` column and tests/gpu/test_kernels_gpu.py are ready.
     gemm_row_blocks: int = 1
-    _COUNTERS = 4096
+    _COUNTERS = 16384
 
     def __init__(self) -> None:
         # device -> the split-K GEMM's int32 counters (``torch_gemm.splitk_linear``).
@@ -363,6 +388,30 @@ class Kernels:
         # stream order (every step and replay is on the current stream of the one device
         # thread), and each launch leaves its counters at zero before the next starts.
         self._counters: dict[torch.device, torch.Tensor] = {}
+        self._scope = threading.local()
+
+    # --- batch invariance ---------------------------------------------------------------
+    # Inside ``invariant_steps`` (the target's decode and verify steps with
+    # ``runtime.batch_invariant``), a row's bits depend on the row alone, never on how many
+    # rows the step has or what they hold: every projection and the output head run on the
+    # split-K GEMM in row blocks with a plan that follows the weight's shape only (float32
+    # too, as IEEE float32), and the attention on a plan that follows the model and max_len
+    # only (``invariant_attention_plan``). Each kernel otherwise picks its launch from the
+    # row count, and other tiles round differently: in bf16 a greedy near-tie then goes the
+    # other way in a verify of 32 rows than in a decode of 8 (docs/performance.md § Session 19).
+    @property
+    def invariant(self) -> bool:
+        """Whether the calling thread is inside ``invariant_steps``."""
+        return getattr(self._scope, "on", False)
+
+    @contextlib.contextmanager
+    def invariant_steps(self):
+        """The calling thread's launches batch-invariant inside the block (see above)."""
+        before, self._scope.on = self.invariant, True
+        try:
+            yield
+        finally:
+            self._scope.on = before
 
     def reserve(self, device: torch.device) -> None:
         """Allocate this device's counters now. NOTE: called before a CUDA graph capture
@@ -373,22 +422,25 @@ class Kernels:
 
     def _fits_gemm(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """What every split-K GEMM launch needs: at most ``gemm_row_blocks`` blocks of
-        ``torch_gemm.MAX_ROWS`` rows of x [..., K], a contiguous 2-D weight of a ``linear_dtypes``
-        dtype, x of the same dtype."""
+        ``torch_gemm.MAX_ROWS`` rows of x [..., K] (any number ``invariant``), a contiguous 2-D
+        weight of a ``linear_dtypes`` dtype (or float32 ``invariant``), x of the same dtype."""
+        if self.invariant:
+            return w.dtype in (*self.linear_dtypes, torch.float32) and x.dtype == w.dtype and w.dim() == 2 \
+                and w.is_contiguous()
         return (_rows(x) <= torch_gemm.MAX_ROWS * self.gemm_row_blocks and w.dtype in self.linear_dtypes
                 and x.dtype == w.dtype and w.dim() == 2 and w.is_contiguous())
 
     def fits_linear(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether ``linear`` takes x [..., K] @ w [N, K]^T: ``_fits_gemm``, and a weight shape
-        ``torch_gemm.pays`` for."""
-        return self._fits_gemm(x, w) and torch_gemm.pays(*w.shape)
+        ``torch_gemm.pays`` for (any ``invariant``)."""
+        return self._fits_gemm(x, w) and (self.invariant or torch_gemm.pays(*w.shape))
 
     def fits_qkv_rope(self, x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
         """Whether ``qkv_rope`` takes x [..., K] @ w^T for the fused q/k/v weight w [(H + 2 KVH) D, K]:
         ``_fits_gemm`` (whatever the weight's width: a head a program fills the SMs), D a power
         of two from 16, a column tile's counter for every head."""
         return (self.fuse_rope and self._fits_gemm(x, w) and self.fits(head_dim) and w.shape[0] % head_dim == 0
-                and w.shape[0] // head_dim * torch_gemm.row_blocks(_rows(x)) <= self._COUNTERS)
+                and (self.invariant or w.shape[0] // head_dim * torch_gemm.row_blocks(_rows(x)) <= self._COUNTERS))
 
     def qkv_rope(self, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                  kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
@@ -398,6 +450,7 @@ class Kernels:
         cos/sin as ``rope_write_kv`` takes them."""
         b, t, k = x.shape
         d = cos.shape[-1]
+        self._check_counters(w.shape[0] // d * torch_gemm.row_blocks(b * t), "the q/k/v projection")
         self._ready(x)
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(-1, d), sin.reshape(-1, d), heads,
                                        kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
@@ -411,10 +464,13 @@ class Kernels:
         if not (self.fuse_swiglu and self._fits_gemm(x, w) and w.shape[0] == 2 * ffn > 0):
             return False
         p = torch_gemm.plan(2 * ffn, w.shape[1], self.swiglu_block_n)
-        return torch_gemm.counters_needed(2 * ffn, p, _rows(x)) <= self._COUNTERS
+        return self.invariant or torch_gemm.counters_needed(2 * ffn, p, _rows(x)) <= self._COUNTERS
 
     def swiglu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x [..., K] @ w^T (``fits_swiglu`` holds) in one launch -> [..., ffn]."""
+        n = w.shape[0]
+        self._check_counters(torch_gemm.counters_needed(n, torch_gemm.plan(n, w.shape[1], self.swiglu_block_n),
+                                                        _rows(x)), "the gate/up projection")
         self._ready(x)
         y = torch_gemm.splitk_swiglu(x.reshape(-1, x.shape[-1]), w, self._counters[x.device], self.swiglu_block_n)
         return y.view(*x.shape[:-1], w.shape[0] // 2)
@@ -444,14 +500,19 @@ class Kernels:
         """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds); a
         weight that ``torch_gemm.preload_plan`` takes runs as a dependent launch with ``preload``."""
         n, k = w.shape
-        p = torch_gemm.plan(n, k)
-        if torch_gemm.counters_needed(n, p, _rows(x)) > self._COUNTERS:
-            raise ValueError(f"a [{n}, {k}] projection needs more split-K counters than {self._COUNTERS}")
-        self._ready(x)
         pdl = self._preloads(x, w)
-        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, torch_gemm.preload_plan(n, k) if pdl else p,
-                                     self._counters[x.device], pdl=pdl)
+        # NOTE: ``invariant``, the plan may not follow the row count: where the one-block
+        # launches take the preload plan, every launch does.
+        pre = pdl or (self.invariant and self.preload and _gdc(x))
+        p = (torch_gemm.preload_plan(n, k) if pre else None) or torch_gemm.plan(n, k)
+        self._check_counters(torch_gemm.counters_needed(n, p, _rows(x)), f"a [{n}, {k}] projection")
+        self._ready(x)
+        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
         return y.view(*x.shape[:-1], n)
+
+    def _check_counters(self, needed: int, what: str) -> None:
+        if needed > self._COUNTERS:
+            raise ValueError(f"{what} needs {needed} split-K counters, more than {self._COUNTERS}")
 
     def _preloads(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether x @ w^T runs as a dependent launch reading its weight early (``preload``):
@@ -507,10 +568,10 @@ class Kernels:
         """RoPE and attention tiles span the head dim: a power of two from 16."""
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
-    @staticmethod
-    def fits_attention(groups: int, tokens: int) -> bool:
-        """Whether one program holds a step's query rows (decode and verify, not long prefills)."""
-        return groups * tokens <= MAX_QUERY_ROWS
+    def fits_attention(self, groups: int, tokens: int) -> bool:
+        """Whether one program holds a step's query rows (decode and verify, not long prefills),
+        or ``invariant`` one token's (the tokens then go in blocks)."""
+        return groups * (1 if self.invariant else tokens) <= MAX_QUERY_ROWS
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor, eps: float):
@@ -553,34 +614,43 @@ class Kernels:
         projection on cuBLAS (a verify of 32 rows) made the ~1B verify at batch 8 ~60 us slower."""
         b, t, h, d = q.shape
         return self.cache_attention(q, k_cache, v_cache, read_slots, positions, span, max_len,
-                                    early=self._preloads(q.view(b, t, h * d), w_o))
+                                    early=self._preloads(q.view(b, t, h * d), w_o), invariant=self.invariant)
 
     @staticmethod
     def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_slots: torch.Tensor,
                         positions: torch.Tensor, span: int, max_len: int,
-                        min_split_keys: int = _BLOCK_N, early: bool = False) -> torch.Tensor:
+                        min_split_keys: int = _BLOCK_N, early: bool = False, invariant: bool = False) -> torch.Tensor:
         """q [B, T, H, D] over the first ``span`` rows of each row's slot -> [B, T, H, D]
         (``min_split_keys``: see ``attention_plan``). ``early`` (``_gdc`` devices): the kernel
-        after it may be a programmatic dependent launch that starts before this one ends."""
+        after it may be a programmatic dependent launch that starts before this one ends.
+        ``invariant``: on ``invariant_attention_plan`` (a row's bits those it has alone)."""
         b, t, h, d = q.shape
         kvh = k_cache.shape[1]
         g = h // kvh
-        m, per_split, nsplit = attention_plan(b, kvh, g, t, span, min_split_keys)
+        if invariant:
+            m, tb, per_split, nsplit_p = invariant_attention_plan(g, max_len)
+            nsplit = triton.cdiv(span, per_split)
+        else:
+            m, per_split, nsplit = attention_plan(b, kvh, g, t, span, min_split_keys)
+            tb, nsplit_p = t, _pow2(nsplit)
+        ntb = triton.cdiv(t, tb)
         # NOTE: the kernels index read_slots, positions and q as dense [B], [B, T] and
         # [B, T, H, D]; a strided view (a substep's column of a fused propose's inputs) would
         # be read at the wrong rows for every batch row past the first (seen on an H200).
         q, read_slots, positions = q.contiguous(), read_slots.contiguous(), positions.contiguous()
         out = torch.empty_like(q)
+        # NOTE: one split writes the output itself (DIRECT); batch-invariant, that is the same
+        # division of the same sums as the combine's for a row whose keys lie in one split.
         if nsplit > 1:
-            acc = torch.empty((b * kvh * nsplit * m, d), dtype=torch.float32, device=q.device)
-            ml = torch.empty((b * kvh * nsplit * m, 2), dtype=torch.float32, device=q.device)
+            acc = torch.empty((b * kvh * ntb * nsplit * m, d), dtype=torch.float32, device=q.device)
+            ml = torch.empty((b * kvh * ntb * nsplit * m, 2), dtype=torch.float32, device=q.device)
         else:
             acc = ml = out                                   # not written when nothing is split
-        _attention_split_kernel[(b * kvh, nsplit)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
-                                                   span, max_len, 1.0 / math.sqrt(d), t, nsplit,
-                                                   H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
-                                                   DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early)
+        _attention_split_kernel[(b * kvh, nsplit, ntb)](q, k_cache, v_cache, read_slots, positions, out, acc, ml,
+                                                        span, max_len, 1.0 / math.sqrt(d), t, tb, nsplit,
+                                                        H=h, KVH=kvh, G=g, D=d, M=m, BLOCK_N=_BLOCK_N,
+                                                        DIRECT=nsplit == 1, KEYS_PER_SPLIT=per_split, EARLY=early)
         if nsplit > 1:
-            _attention_combine_kernel[(b * kvh, g * t)](acc, ml, out, t, nsplit, H=h, KVH=kvh, G=g, D=d, M=m,
-                                                  NSPLIT_P=_pow2(nsplit), EARLY=early, launch_pdl=early)
+            _attention_combine_kernel[(b * kvh, g * tb, ntb)](acc, ml, out, t, tb, nsplit, H=h, KVH=kvh, G=g, D=d,
+                                                              M=m, NSPLIT_P=nsplit_p, EARLY=early, launch_pdl=early)
         return out

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from core.config import ConfigError
 from runtime.backends.base import HostMirror
 from runtime.backends.torch_sampling import TorchSampler
 
@@ -164,7 +165,7 @@ class TorchOps:
     name = "torch"
 
     def __init__(self, device: str, dtype: str, cpu_threads: int | None = None, compile_steps: bool = False,
-                 fused_kernels: bool = False) -> None:
+                 fused_kernels: bool = False, batch_invariant: bool = False) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeError(f"runtime.device={device!r} but torch sees no CUDA device")
         if cpu_threads is not None:
@@ -181,10 +182,24 @@ class TorchOps:
         # fuses the plain ops itself, so the two are not combined.
         self._kernels = _triton_kernels() if fused_kernels and self._dev.type == "cuda" and not self._compile else None
         self._local = threading.local()
+        if batch_invariant and self._kernels is None:
+            raise ConfigError("runtime.batch_invariant needs the fused Triton kernels (Torch on CUDA with Triton "
+                              "installed, runtime.fused_kernels on, runtime.compile off); they are not available here")
+        self.batch_invariant = batch_invariant
 
     @property
     def kernels(self):
-        return None if getattr(self._local, "plain", False) else self._kernels
+        kern = self._kernels
+        # NOTE: a batch-invariant step keeps its kernels inside ``plain_ops`` too (an eager
+        # verify outside the captured graphs): the plain ops' bits follow the batch.
+        if kern is not None and getattr(self._local, "plain", False) and not kern.invariant:
+            return None
+        return kern
+
+    def invariant_steps(self):
+        """The calling thread's steps batch-invariant inside the block when the runtime asked for
+        it (``runtime.batch_invariant``; ``Kernels.invariant_steps``), else as they are."""
+        return self._kernels.invariant_steps() if self.batch_invariant else contextlib.nullcontext()
 
     @kernels.setter
     def kernels(self, value):

@@ -329,10 +329,7 @@ def test_engine_with_graphs_decodes_the_same_tokens_with_the_kernels(dtype, monk
 def test_split_k_gemms_in_row_blocks_keep_each_blocks_bits(dtype):
     """``Kernels.gemm_row_blocks``: a launch of more than 16 rows runs a block of 16 a program
     row, each with its own partials and counters: its rows' bits are those of the block launched
-    alone (the ~1B o, q/k/v + RoPE and gate/up + SiLU·mul shapes, compiled). Then, as a figure
-    for docs/performance.md § Session 18 (printed, not asserted: the head and the attention's
-    split plan also depend on the batch), how many of 16 bf16 requests of the bundled model at
-    batch 8 decode the same tokens with k=3 as with k=0, with one row block and with four."""
+    alone (the ~1B o, q/k/v + RoPE and gate/up + SiLU·mul shapes, compiled)."""
     from runtime.backends import torch_gemm
 
     dt = getattr(torch, dtype)
@@ -362,26 +359,3 @@ def test_split_k_gemms_in_row_blocks_keep_each_blocks_bits(dtype):
     torch.cuda.synchronize()
     assert int(kern._counters[torch.device("cuda:0")].abs().sum()) == 0
 
-    if dtype != "bfloat16":
-        return
-    tok = ByteTokenizer()
-    texts = json.loads((TINY / "heldout_prompts.json").read_text())
-    prompts = [tuple(tok.encode(texts[i % len(texts)]))[: 48 + i] for i in range(16)]
-    engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device="cuda:0",
-                                                                      dtype="bfloat16"),
-                                     spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
-                                     graphs=GraphConfig(enabled=True, batch_buckets=(1, 8))))
-    seen = {}
-    for blocks in (1, 4):
-        engine.ops.kernels.gemm_row_blocks = blocks
-        engine.target_registry.clear()
-        engine.draft_registry.clear()
-        engine.capture_graphs()
-        out = {}
-        for k in (0, 3):
-            reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=96, ignore_eos=True), k)
-                    for i, p in enumerate(prompts)]
-            out[k] = [r.tokens for r in engine.generate(reqs, max_batch=8)]
-        seen[blocks] = sum(a == b for a, b in zip(out[0], out[3]))
-    print(f"\n[gpu kernels] bundled model bfloat16, batch 8, k=3 == target-only: {seen[1]} of {len(prompts)} "
-          f"requests with the GEMMs in one row block, {seen[4]} of {len(prompts)} in four")

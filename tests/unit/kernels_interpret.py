@@ -21,6 +21,7 @@ from runtime.backends import torch_gemm, torch_kernels  # noqa: E402
 from runtime.backends.torch_kernels import Kernels  # noqa: E402
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.model import apply_rope  # noqa: E402
+from core.params import SamplingParams  # noqa: E402
 
 
 def kernel_errors() -> dict[str, float]:
@@ -211,6 +212,85 @@ def kernel_errors() -> dict[str, float]:
     return out
 
 
+def invariance() -> dict[str, object]:
+    """Batch invariance (``Kernels.invariant``): a row's bits, kernel by kernel and through the
+    bundled model's target step, whatever else its launch holds. (The interpreter runs the
+    kernels' math, not the GPU's tiles: tests/gpu/test_kernels_gpu.py checks the compiled bits.)"""
+    import numpy as np
+
+    from runtime.batch_layout import Row, layout_rows
+    from runtime.types import PrefillRequest
+    from tests.unit.test_engine_bundled import _engine, _prompts
+
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    kern = Kernels()
+    ops = TorchOps("cpu", "float32")
+    out: dict[str, object] = {}
+    # every projection on the split-K GEMM, float32 too, any rows, whether or not it pays
+    for n, k in ((258, 256), (256, 256), (256, 2048), (48, 1100)):
+        w, x = rnd(n, k) * 0.05, rnd(40, k)
+        assert not kern.fits_linear(x, w) and not kern.fits_linear(x[:3], w)
+        with kern.invariant_steps():
+            assert kern.fits_linear(x, w) and kern.invariant
+            y = kern.linear(x, w)
+            for lo, hi in ((0, 40), (5, 8), (17, 18), (30, 40)):
+                assert torch.equal(kern.linear(x[lo:hi], w), y[lo:hi]), (n, k, lo, hi)
+        assert not kern.invariant
+        out.setdefault("linear", 0.0)
+        out["linear"] = max(out["linear"], (y - x @ w.T).abs().max().item())
+    # the attention on the invariant plan: a query row's output bits alone (one token, short
+    # span) and inside a batch of three rows of four tokens over a longer span; its keys in
+    # several splits (max_len 1,024: 64 keys a split), the combine's tile the same 16 splits
+    h, kvh, hd, slots, max_len = 4, 2, 64, 4, 1024
+    m, tb, per_split, nsplit_p = torch_kernels.invariant_attention_plan(h // kvh, max_len)
+    assert (m, tb, per_split, nsplit_p) == (16, 8, 64, 16), (m, tb, per_split, nsplit_p)
+    kc, vc = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
+    q_all = rnd(3, 4, h, hd)
+    read_slots, positions = torch.tensor([1, 3, 0]), torch.tensor([[200, 201, 202, 203], [5, 6, 7, 8],
+                                                                     [700, 701, 702, 703]])
+    with kern.invariant_steps():
+        assert kern.fits_attention(h // kvh, 20)
+        big = Kernels.cache_attention(q_all, kc, vc, read_slots, positions, 768, max_len, invariant=True)
+        alone = Kernels.cache_attention(q_all[:1, 1:2], kc, vc, read_slots[:1], positions[:1, 1:2], 256, max_len,
+                                        invariant=True)
+        short = Kernels.cache_attention(q_all[1:2], kc, vc, read_slots[1:2], positions[1:2], 64, max_len,
+                                        invariant=True)                                  # one split: direct
+    assert torch.equal(alone[0, 0], big[0, 1]) and torch.equal(short[0], big[1])
+    mask = ops.attention_mask(torch.arange(768).reshape(1, 1, 768) <= positions.reshape(3, 4, 1), h // kvh)
+    ref = ops.attention(q_all, ops.gather_context(kc, read_slots, 768, max_len),
+                        ops.gather_context(vc, read_slots, 768, max_len), mask)
+    out["cache_attention"] = (big - ref).abs().max().item()
+
+    # the bundled model's target step: one row's hidden state and logits bits in a decode of
+    # one token and in a verify of three rows of four tokens (spans 256 and 512), prefills one
+    # request at a time
+    engine = _engine("torch")
+    te = engine.target
+    te.ops.kernels, te.ops.batch_invariant = Kernels(), True
+    prompts = [np.asarray(p[:150 - 40 * i], dtype=np.int64) for i, p in enumerate(_prompts(3))]
+    first = te.prefill([PrefillRequest(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
+    slot = [te.cache.get(f"r{i}").slot for i in range(3)]
+
+    def step(rows: list[Row], span: int):
+        lay = layout_rows(rows, te.max_k + 1, te.cache.scratch_slot, te.cache.max_len)
+        t = lambda a: torch.from_numpy(a)  # noqa: E731
+        with torch.no_grad():
+            hidden, best, logits = te._step(t(lay.tokens), t(lay.write_slots), t(lay.positions), t(lay.read_slots),
+                                            attend_len=span)
+        return hidden, logits
+
+    n0 = len(prompts[0])
+    drafts = [first[0].first_token, 7, 8, 9]
+    wide = step([Row(slot[0], n0, np.asarray(drafts)),
+                 Row(slot[1], len(prompts[1]), np.asarray([first[1].first_token, 1, 2])),
+                 Row(slot[2], len(prompts[2]), np.asarray([first[2].first_token]))], 512)
+    one = step([Row(slot[0], n0, np.asarray(drafts[:1]))], 256)
+    same = torch.equal(one[0][0, 0], wide[0][0, 0]) and torch.equal(one[1][0, 0], wide[1][0, 0])
+    out["model_row_bits_equal"] = same
+    return out
+
+
 def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     """Greedy tokens of the bundled model, target-only and k=3, kernels on vs off."""
     from tests.unit.test_engine_bundled import _engine, _prompts, _run
@@ -240,4 +320,5 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"errors": kernel_errors(), "engine": engine_tokens(int(sys.argv[1]), int(sys.argv[2]))}))
+    print(json.dumps({"errors": kernel_errors(), "invariance": invariance(),
+                      "engine": engine_tokens(int(sys.argv[1]), int(sys.argv[2]))}))

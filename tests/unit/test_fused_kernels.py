@@ -45,6 +45,24 @@ def test_kernels_are_off_on_cpu_and_when_switched_off():
     assert RuntimeConfig(fused_kernels=False).fused_kernels is False
 
 
+def test_batch_invariance_is_refused_where_its_kernels_are_not():
+    from core.config import ConfigError
+
+    assert RuntimeConfig().batch_invariant is False
+    RuntimeConfig(backend="torch", device="cuda:0", batch_invariant=True)
+    for bad in ({"backend": "paddle", "device": "cuda:0"}, {"backend": "torch", "device": "cpu"},
+                {"backend": "torch", "device": "cuda:0", "fused_kernels": False},
+                {"backend": "torch", "device": "cuda:0", "compile": True}):
+        with pytest.raises(ConfigError, match="runtime.batch_invariant"):
+            RuntimeConfig(batch_invariant=True, **bad)
+    with pytest.raises(ConfigError, match="runtime.batch_invariant"):
+        TorchOps("cpu", "float32", fused_kernels=True, batch_invariant=True)
+    ops = TorchOps("cpu", "float32")
+    assert ops.batch_invariant is False
+    with ops.invariant_steps():                     # off: nothing changes
+        assert ops.kernels is None
+
+
 def test_attention_compiles_few_variants_for_every_eager_span_and_width():
     """Eager steps see a new span (64-row aligned) and width almost every time; the
     kernel's compile-time values must stay few, or each step would wait on Triton's compiler
@@ -77,15 +95,23 @@ def test_attention_splits_hold_at_least_the_minimum_keys():
 def test_plain_ops_switch_is_per_thread_and_restored():
     import threading
 
+    from runtime.backends.torch_kernels import Kernels
+
     ops = TorchOps("cpu", "float32")
-    ops.kernels = marker = object()
+    ops.kernels = marker = Kernels()
     seen = []
     with ops.plain_ops():
         assert ops.kernels is None
         t = threading.Thread(target=lambda: seen.append(ops.kernels))
         t.start()
         t.join(timeout=10)
-    assert seen == [marker] and ops.kernels is marker
+        with marker.invariant_steps():              # a batch-invariant step keeps its kernels
+            assert ops.kernels is marker
+            t = threading.Thread(target=lambda: seen.append(ops.kernels))
+            t.start()
+            t.join(timeout=10)
+        assert ops.kernels is None
+    assert seen == [marker, marker] and ops.kernels is marker and not marker.invariant
 
 
 def test_steps_outside_graphs_run_the_plain_ops():
@@ -97,6 +123,8 @@ def test_steps_outside_graphs_run_the_plain_ops():
     used = []
 
     class Spy:
+        invariant = False                     # runtime.batch_invariant off
+
         def fits_argmax(self, x, axis):
             # the greedy argmax between replays may take the kernel (its compile-time values
             # depend on the vocabulary only); here torch's answers instead

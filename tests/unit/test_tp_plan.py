@@ -168,3 +168,6 @@ def test_models_and_configs_that_cannot_be_split_are_refused_naming_the_field():
         WorkerConfig(role="draft", target_path=None, tp=2, runtime=RuntimeConfig(backend="torch"))
     with pytest.raises(ConfigError, match=r"^tp=0 is invalid"):
         WorkerConfig(role="target", target_path=None, tp=0)
+    with pytest.raises(ConfigError, match=r"^tp=2 is invalid.*runtime.batch_invariant"):
+        WorkerConfig(role="target", target_path=None, tp=2,
+                     runtime=RuntimeConfig(backend="torch", device="cuda:0", batch_invariant=True))
