@@ -53,6 +53,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "the seconds of grid timed per projection")
     p.add_argument("--draft-device", default=None, help="services bench: the draft's device (default: --device)")
     p.add_argument("--dtype", default=None, help="services bench: the workers' compute dtype (default: theirs)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="services bench: the workers with runtime.batch_invariant (Torch on CUDA)")
     p.add_argument("--draft-dtype", nargs="+", default=None,
                    help="services bench: the draft's compute dtype alone, side by side (after --dtype; the "
                         "target's output does not depend on it, only the acceptance does)")

@@ -11,21 +11,17 @@ timed at batch buckets 1, 8, 32 and contexts 256 and 2,048 (max_len 4,096) for
   - host us: the host's own time per registry step (queue idle before it),
   - the weight-bytes floor of a target step (weight bytes / measured copy rate),
   - the bare step again under other settings of the fused kernels (``VARIANTS``): on the
-    plain ops, with every projection on cuBLAS (no split-K GEMM), without RoPE + the KV write
-    in the q/k/v projection's epilogue (``Kernels.fuse_rope``), without the o projection as a
-    dependent launch that reads its weight during the attention (``Kernels.preload``),
-    with torch's argmax (``Kernels.split_argmax``), with gate/up on cuBLAS and
-    SiLU·mul in a kernel of its own (``Kernels.fuse_swiglu``), with torch's RMSNorm for
-    the norms outside the fused layers (``Kernels.triton_norm``), with RoPE's swapped halves
-    read back from the split partials (``Kernels.rope_swap_in_regs`` off), and with the last
-    residual add, the final norm, the logits' cast and the argmax as four launches
-    (``Kernels.fuse_head`` off), and with up to 64 rows on the split-K GEMMs in row blocks
-    (``Kernels.gemm_row_blocks`` = 4; the default 1 sends more than 16 rows to cuBLAS).
+    plain ops, with every projection on cuBLAS (no split-K GEMM), without the o projection as a
+    dependent launch that reads its weight during the attention (``Kernels.preload``), with up
+    to 64 rows on the split-K GEMMs in row blocks (``Kernels.gemm_row_blocks`` = 4; the default
+    1 sends more than 16 rows to cuBLAS), and batch-invariant (``Kernels.invariant_steps``,
+    ``runtime.batch_invariant`` runs the target's verify so; the substep's column is for comparison).
 All numbers come from one process, side by side; ratios are printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -47,11 +43,10 @@ SMALL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_
 BUCKETS = (1, 8, 32)
 # Other settings of the fused kernels, each timed as a bare step beside the default one:
 # column -> the Kernels attributes set for it (None: the plain ops).
-VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-rope": {"fuse_rope": False},
-            "no-preload": {"preload": False}, "no-argmax": {"split_argmax": False},
-            "no-swiglu": {"fuse_swiglu": False}, "no-norm": {"triton_norm": False},
-            "no-rope-swap": {"rope_swap_in_regs": False}, "no-head": {"fuse_head": False},
-            "row-blocks": {"gemm_row_blocks": 4}}
+# "invariant": the step inside ``Kernels.invariant_steps`` (``runtime.batch_invariant``).
+# (The columns of earlier sessions' switches, each measured and kept: docs/performance.md.)
+VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-preload": {"preload": False},
+            "row-blocks": {"gemm_row_blocks": 4}, "invariant": {}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -170,7 +165,8 @@ def main(args) -> int:
             for a, v in attrs.items():
                 setattr(ops.kernels, a, v)
             try:
-                r[f"{col}_ms"] = bare() * 1e3
+                with ops.kernels.invariant_steps() if col == "invariant" else contextlib.nullcontext():
+                    r[f"{col}_ms"] = bare() * 1e3
             finally:
                 for a in attrs:
                     delattr(ops.kernels, a)          # the class's setting again
@@ -202,11 +198,8 @@ def main(args) -> int:
           f"contexts {CONTEXTS}; weight-bytes floor {floor_w_ms:.3f} ms per target step (copy {rate:.2f} TB/s); "
           f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
           "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
-          "'no-rope' RoPE + the KV write in a kernel of their own, 'no-preload' the o projection launched "
-          "plainly, 'no-argmax' torch's argmax, 'no-swiglu' gate/up on cuBLAS then SiLU·mul, 'no-norm' "
-          "torch's RMSNorm, 'no-rope-swap' RoPE's swapped halves read back from the partials, 'no-head' the "
-          "last add, final norm, cast and argmax as four launches, 'row-blocks' up to 64 rows on the split-K "
-          "GEMMs)")
+          "'no-preload' the o projection launched plainly, 'row-blocks' up to 64 rows on the split-K GEMMs, "
+          "'invariant' the step batch-invariant (runtime.batch_invariant runs the target's verify so))")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -94,6 +94,8 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
                    stream_interval: int = 1, poll_us: int | None = None, draft_dtype: str | None = None) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
+    if getattr(args, "batch_invariant", False):
+        extra += ("--runtime-batch-invariant",)
     if poll_us is not None:                      # None: the workers' default (auto)
         extra += ("--data-plane-poll-us", str(poll_us))
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
