@@ -80,10 +80,11 @@ def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.c
 
 
 @triton.jit
-def _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP: tl.constexpr, SPLIT: tl.constexpr):
-    # Store this program's partial (partials [SPLIT, N, MP] float32, its tile at [pid_k, n, :])
-    # and count it in; True for the last program of the column tile, which then reads all.
-    tl.store(part_ptr + pid_k * N * MP + tile, acc, mask=nm[:, None])
+def _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP: tl.constexpr, SPLIT: tl.constexpr):
+    # Store this program's partial (partials [SPLIT, N, MP] float32, its tile at [pid_k, n, :];
+    # only the live [n, m] entries: padded rows cost no traffic) and count it in; True for the
+    # last program of the column tile, which then reads all.
+    tl.store(part_ptr + pid_k * N * MP + tile, acc, mask=live)
     # NOTE: every thread's partial store is issued before the counter moves (the
     # barrier), and the counter's acq_rel atomic publishes them to the program that
     # sees the count reach SPLIT - 1 and reads them after it.
@@ -92,11 +93,11 @@ def _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP: tl.constexp
 
 
 @triton.jit
-def _total(part_ptr, tile, N, nm, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    # The partials of one tile summed in split order: the same bits every run.
+def _total(part_ptr, tile, N, live, MP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # The partials of one tile summed in split order: the same bits every run (0 where not live).
     total = tl.zeros([BLOCK_N, MP], tl.float32)
     for s in range(SPLIT):
-        total += tl.load(part_ptr + s * N * MP + tile, mask=nm[:, None], other=0.0, cache_modifier=".cg")
+        total += tl.load(part_ptr + s * N * MP + tile, mask=live, other=0.0, cache_modifier=".cg")
     return total
 
 
@@ -151,8 +152,9 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
     else:
         tile = n[:, None] * MP + m[None, :]
-        if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
-            total = _total(part_ptr, tile, N, nm, MP, BLOCK_N, SPLIT)
+        live = nm[:, None] & mm[None, :]
+        if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP, SPLIT):
+            total = _total(part_ptr, tile, N, live, MP, BLOCK_N, SPLIT)
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
             # NOTE: the counter goes back to 0 for the next launch, which (stream order)
             # starts only after this one has finished.
@@ -191,9 +193,10 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
     mm = m < M
     acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
     tile = n[:, None] * MP + m[None, :]
-    if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, nm, MP, SPLIT):
+    live = nm[:, None] & mm[None, :]
+    if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP, SPLIT):
         dt = q_ptr.dtype.element_ty
-        x = _total(part_ptr, tile, N, nm, MP, D, SPLIT).to(dt).to(tl.float32)       # [D, MP]
+        x = _total(part_ptr, tile, N, live, MP, D, SPLIT).to(dt).to(tl.float32)     # [D, MP]
         out_m = mm[None, :] & (d >= 0)[:, None]
         row = tl.load(widx_ptr + m, mask=mm, other=0)                                 # k/v cache rows
         if pid_n < H + KVH:
@@ -203,7 +206,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
                 xs = tl.reshape(tl.permute(tl.join(hi, lo), [2, 0, 1]), [D, MP])
             else:
                 sw = pid_n * D + (d + D // 2) % D
-                xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, nm, MP, D, SPLIT).to(dt).to(tl.float32)
+                xs = _total(part_ptr, sw[:, None] * MP + m[None, :], N, live, MP, D, SPLIT).to(dt).to(tl.float32)
             tr = tl.load(trow_ptr + m, mask=mm, other=0) if INDEXED else m               # table rows
             c = tl.load(cos_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + tr[None, :] * D + d[:, None], mask=out_m, other=0.0).to(tl.float32)
@@ -249,9 +252,10 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_P
         j = pid_n * BLOCK_N + i
         tile = j[:, None] * MP + m[None, :]
         nv = tl.num_programs(0) * BLOCK_N
-        last = _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, nv, j < nv, MP, SPLIT)
+        live = (j < nv)[:, None] & mm[None, :]
+        last = _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, nv, live, MP, SPLIT)
         if last:
-            acc = _total(part_ptr, tile, nv, j < nv, MP, BLOCK_N, SPLIT)
+            acc = _total(part_ptr, tile, nv, live, MP, BLOCK_N, SPLIT)
     if last:
         dt = y_ptr.dtype.element_ty
         gu = tl.permute(tl.reshape(acc.to(dt).to(tl.float32), [BLOCK_N // 2, 2, MP]), [0, 2, 1])
@@ -295,30 +299,31 @@ def pays(n: int, k: int) -> bool:
     return triton.cdiv(n, p.block_n) <= MAX_TILES and p.split > 1
 
 
-def counters_needed(n: int, p: Plan, rows: int = 1) -> int:
+def counters_needed(n: int, p: Plan, rows: int = 1, block_rows: int = MAX_ROWS) -> int:
     """Counter slots a launch of ``p`` over n columns and ``rows`` rows uses (0 without a split)."""
-    return triton.cdiv(n, p.block_n) * row_blocks(rows) if p.split > 1 else 0
+    return triton.cdiv(n, p.block_n) * row_blocks(rows, block_rows) if p.split > 1 else 0
 
 
-def row_blocks(rows: int) -> int:
-    """Row blocks of ``MAX_ROWS`` a launch over ``rows`` rows runs (program axis 2)."""
-    return max(1, triton.cdiv(rows, MAX_ROWS))
+def row_blocks(rows: int, block_rows: int = MAX_ROWS) -> int:
+    """Row blocks of ``block_rows`` a launch over ``rows`` rows runs (program axis 2)."""
+    return max(1, triton.cdiv(rows, block_rows))
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Tensor,
-                  pdl: bool = False) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, M in row blocks of ``MAX_ROWS`` (one launch;
-    a row's bits those of its block alone). ``counters``: int32 zeros, at least
-    ``counters_needed(N, p, M)`` of them, left zero again by every launch. ``pdl`` (CUDA,
-    compute capability 9.0+): a programmatic dependent launch."""
+                  pdl: bool = False, block_rows: int = MAX_ROWS) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in x's dtype, M in row blocks of ``block_rows`` (a power of
+    two from ``MAX_ROWS``; one launch, a row's bits those of its block alone, for one
+    ``block_rows``). ``counters``: int32 zeros, at least ``counters_needed(N, p, M, block_rows)``
+    of them, left zero again by every launch. ``pdl`` (CUDA, compute capability 9.0+): a
+    programmatic dependent launch."""
     m, k = x.shape
     n = w.shape[0]
-    rb = row_blocks(m)
+    rb = row_blocks(m, block_rows)
     x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = (torch.empty((rb, p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device) if p.split > 1 else y)
+    part = (torch.empty((rb, p.split, n, block_rows), dtype=torch.float32, device=x.device) if p.split > 1 else y)
     _splitk_kernel[(triton.cdiv(n, p.block_n), p.split, rb)](
-        x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
+        x, w, y, part, counters, m, n, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, ROW_BLOCKS=rb > 1,
@@ -329,7 +334,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
 def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                     kv_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor,
                     counters: torch.Tensor, swap_in_regs: bool = False,
-                    table_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    table_rows: torch.Tensor | None = None, block_rows: int = MAX_ROWS) -> torch.Tensor:
     """x [M, K] (in row blocks, as ``splitk_linear``) @ w[(H + 2 KVH) D, K]^T with RoPE and the
     cache write as its epilogue: returns the rotated q [M, H, D]; the rotated k and the v heads go to cache rows
     ``write_index`` [M]. cos/sin [M, D], or with ``table_rows`` [M] tables [P, D] read at those
@@ -343,19 +348,20 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     d = n // (heads + 2 * kv_heads)
     p = plan(n, k, d)
     x = x.contiguous()
-    rb = row_blocks(m)
+    rb = row_blocks(m, block_rows)
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
-    part = torch.empty((rb, p.split, n, MAX_ROWS), dtype=torch.float32, device=x.device)
+    part = torch.empty((rb, p.split, n, block_rows), dtype=torch.float32, device=x.device)
     _splitk_rope_kernel[(heads + 2 * kv_heads, p.split, rb)](
         x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index if table_rows is None else table_rows,
         write_index, q, k_cache, v_cache, m, n, k,
-        K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
+        K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None, ROW_BLOCKS=rb > 1)
     return q
 
 
-def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, block_n: int = 64,
+                  block_rows: int = MAX_ROWS) -> torch.Tensor:
     """silu(x @ w[:F]^T) * (x @ w[F:]^T) for x [M, K] (in row blocks, as ``splitk_linear``) and
     the fused gate/up weight w [2F, K], in one launch with the plan of ``plan(2F, K, block_n)`` (``block_n`` weight
     rows a program, half of them gate rows): -> [M, F]. The same bits as ``splitk_linear`` with
@@ -366,11 +372,11 @@ def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, bloc
     p = plan(2 * f, k, block_n)
     x = x.contiguous()
     y = torch.empty((m, f), dtype=x.dtype, device=x.device)
-    tiles, rb = triton.cdiv(2 * f, p.block_n), row_blocks(m)
-    part = (torch.empty((rb, p.split, tiles * p.block_n, MAX_ROWS), dtype=torch.float32, device=x.device)
+    tiles, rb = triton.cdiv(2 * f, p.block_n), row_blocks(m, block_rows)
+    part = (torch.empty((rb, p.split, tiles * p.block_n, block_rows), dtype=torch.float32, device=x.device)
             if p.split > 1 else y)
     _splitk_swiglu_kernel[(tiles, p.split, rb)](
-        x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=MAX_ROWS,
+        x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROW_BLOCKS=rb > 1)
     return y

@@ -380,6 +380,10 @@ class Kernels:
     # bits whatever the batch. NOTE: not measured (built after session 18's device time ran
     # out): ``bench graphs``' ``row-blocks`` column and tests/gpu/test_kernels_gpu.py are ready.
     gemm_row_blocks: int = 1
+    # Rows one split-K GEMM program holds in a batch-invariant step (``invariant``): the same
+    # tile for every launch, whatever its rows, so 32 (a k=3 verify of 8 requests) read each
+    # weight once; more rows run in blocks of it, each reading the weight again.
+    invariant_rows: int = 32
     _COUNTERS = 16384
 
     def __init__(self) -> None:
@@ -394,8 +398,8 @@ class Kernels:
     # Inside ``invariant_steps`` (the target's decode and verify steps with
     # ``runtime.batch_invariant``), a row's bits depend on the row alone, never on how many
     # rows the step has or what they hold: every projection and the output head run on the
-    # split-K GEMM in row blocks with a plan that follows the weight's shape only (float32
-    # too, as IEEE float32), and the attention on a plan that follows the model and max_len
+    # split-K GEMM in row blocks of ``invariant_rows`` with a plan that follows the weight's
+    # shape only (float32 too, as IEEE float32), and the attention on a plan that follows the model and max_len
     # only (``invariant_attention_plan``). Each kernel otherwise picks its launch from the
     # row count, and other tiles round differently: in bf16 a greedy near-tie then goes the
     # other way in a verify of 32 rows than in a decode of 8 (docs/performance.md § Session 19).
@@ -450,11 +454,12 @@ class Kernels:
         cos/sin as ``rope_write_kv`` takes them."""
         b, t, k = x.shape
         d = cos.shape[-1]
-        self._check_counters(w.shape[0] // d * torch_gemm.row_blocks(b * t), "the q/k/v projection")
+        rows = self._block_rows()
+        self._check_counters(w.shape[0] // d * torch_gemm.row_blocks(b * t, rows), "the q/k/v projection")
         self._ready(x)
         q = torch_gemm.splitk_qkv_rope(x.reshape(-1, k), w, cos.reshape(-1, d), sin.reshape(-1, d), heads,
                                        kv_heads, k_cache, v_cache, write_index, self._counters[x.device],
-                                       swap_in_regs=self.rope_swap_in_regs, table_rows=table_rows)
+                                       swap_in_regs=self.rope_swap_in_regs, table_rows=table_rows, block_rows=rows)
         return q.view(b, t, heads, -1)
 
     def fits_swiglu(self, x: torch.Tensor, w: torch.Tensor, ffn: int) -> bool:
@@ -468,11 +473,12 @@ class Kernels:
 
     def swiglu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x [..., K] @ w^T (``fits_swiglu`` holds) in one launch -> [..., ffn]."""
-        n = w.shape[0]
+        n, rows = w.shape[0], self._block_rows()
         self._check_counters(torch_gemm.counters_needed(n, torch_gemm.plan(n, w.shape[1], self.swiglu_block_n),
-                                                        _rows(x)), "the gate/up projection")
+                                                        _rows(x), rows), "the gate/up projection")
         self._ready(x)
-        y = torch_gemm.splitk_swiglu(x.reshape(-1, x.shape[-1]), w, self._counters[x.device], self.swiglu_block_n)
+        y = torch_gemm.splitk_swiglu(x.reshape(-1, x.shape[-1]), w, self._counters[x.device], self.swiglu_block_n,
+                                     block_rows=rows)
         return y.view(*x.shape[:-1], w.shape[0] // 2)
 
     def fits_rms_norm(self, x: torch.Tensor) -> bool:
@@ -500,15 +506,18 @@ class Kernels:
         """x [..., K] @ w[N, K]^T -> [..., N] on the split-K GEMM (``fits_linear`` holds); a
         weight that ``torch_gemm.preload_plan`` takes runs as a dependent launch with ``preload``."""
         n, k = w.shape
-        pdl = self._preloads(x, w)
-        # NOTE: ``invariant``, the plan may not follow the row count: where the one-block
-        # launches take the preload plan, every launch does.
-        pre = pdl or (self.invariant and self.preload and _gdc(x))
-        p = (torch_gemm.preload_plan(n, k) if pre else None) or torch_gemm.plan(n, k)
-        self._check_counters(torch_gemm.counters_needed(n, p, _rows(x)), f"a [{n}, {k}] projection")
+        # NOTE: ``invariant``, the plan may not follow the row count: never the preload plan
+        # (which the one-block launches take), and row blocks of ``invariant_rows``.
+        pdl, rows = self._preloads(x, w), self._block_rows()
+        p = torch_gemm.preload_plan(n, k) if pdl else torch_gemm.plan(n, k)
+        self._check_counters(torch_gemm.counters_needed(n, p, _rows(x), rows), f"a [{n}, {k}] projection")
         self._ready(x)
-        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl)
+        y = torch_gemm.splitk_linear(x.reshape(-1, k), w, p, self._counters[x.device], pdl=pdl, block_rows=rows)
         return y.view(*x.shape[:-1], n)
+
+    def _block_rows(self) -> int:
+        """Rows a split-K GEMM program holds: ``invariant_rows`` ``invariant``, else 16."""
+        return self.invariant_rows if self.invariant else torch_gemm.MAX_ROWS
 
     def _check_counters(self, needed: int, what: str) -> None:
         if needed > self._COUNTERS:
@@ -517,9 +526,9 @@ class Kernels:
     def _preloads(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """Whether x @ w^T runs as a dependent launch reading its weight early (``preload``):
         on the split-K GEMM in one row block (the plan fills one wave), with a weight
-        ``torch_gemm.preload_plan`` takes."""
-        return (self.preload and _gdc(x) and _rows(x) <= torch_gemm.MAX_ROWS and self.fits_linear(x, w)
-                and torch_gemm.preload_plan(*w.shape) is not None)
+        ``torch_gemm.preload_plan`` takes; never in a batch-invariant step."""
+        return (self.preload and not self.invariant and _gdc(x) and _rows(x) <= torch_gemm.MAX_ROWS
+                and self.fits_linear(x, w) and torch_gemm.preload_plan(*w.shape) is not None)
 
     def fits_argmax(self, x: torch.Tensor, axis: int) -> bool:
         """Whether ``argmax`` takes x: float32 over its last axis, a counter for every row."""

@@ -3,8 +3,8 @@ Skipped without CUDA.
 
 What is shown (docs/gpu.md records the run):
 - kernel by kernel, in bfloat16 and float32: a row's bits are the same in a launch of 1, 3 or
-  40 rows (the ~1B o projection on the preload plan, its output head, the bundled model's
-  K = 256 projections that never split), and a query row's attention output is the same alone
+  40 rows (two row blocks: the ~1B o projection, its output head, its q/k/v + RoPE and gate/up +
+  SiLU·mul, the bundled model's K = 256 projections that never split), and a query row's attention output is the same alone
   at a short span and inside a batch of four-token rows at a long one (several splits, one
   split);
 - the bundled model in bfloat16 at batch 8 under CUDA graphs: with the switch on, every
@@ -47,10 +47,24 @@ def test_invariant_launches_keep_each_rows_bits(dtype):
                 assert torch.equal(kern.linear(x[lo:hi], w), y[lo:hi]), (n, k, lo, hi)
         ref = x.float() @ w.float().T
         assert (y.float() - ref).abs().max().item() <= (3e-2 if dtype == torch.bfloat16 else 1e-4) * ref.abs().max()
+    h, kvh, hd, slots, max_len = 16, 4, 128, 4, 4096
+    if dtype == torch.bfloat16:                      # the ~1B q/k/v + RoPE + cache write and gate/up + SiLU
+        wq, wg, x = rnd((h + 2 * kvh) * hd, 2048) * 0.02, rnd(2 * 5632, 2048) * 0.02, rnd(1, 40, 2048)
+        cos_t, sin_t, pos = rnd(4096, hd), rnd(4096, hd), torch.arange(40, device="cuda") * 9
+        caches = [torch.zeros(2 * max_len, kvh, hd, device="cuda", dtype=dtype) for _ in range(4)]
+        wr = torch.arange(40, device="cuda") + 100
+        with kern.invariant_steps():
+            q = kern.qkv_rope(x, wq, cos_t, sin_t, h, kvh, caches[0], caches[1], wr, table_rows=pos)
+            y = kern.swiglu(x, wg)
+            for lo, hi in ((0, 1), (24, 40)):
+                q2 = kern.qkv_rope(x[:, lo:hi], wq, cos_t, sin_t, h, kvh, caches[2], caches[3], wr[lo:hi],
+                                   table_rows=pos[lo:hi])
+                assert torch.equal(q2, q[:, lo:hi]) and torch.equal(kern.swiglu(x[:, lo:hi], wg), y[:, lo:hi]), lo
+        done = torch.cat([wr[0:1], wr[24:40]])
+        assert torch.equal(caches[0][done], caches[2][done]) and torch.equal(caches[1][done], caches[3][done])
     torch.cuda.synchronize()
     assert int(kern._counters[torch.device("cuda:0")].abs().sum()) == 0
 
-    h, kvh, hd, slots, max_len = 16, 4, 128, 4, 4096
     kc, vc = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
     q = rnd(3, 4, h, hd)
     read_slots = torch.tensor([1, 3, 0], device="cuda")

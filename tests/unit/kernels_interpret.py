@@ -239,6 +239,19 @@ def invariance() -> dict[str, object]:
         assert not kern.invariant
         out.setdefault("linear", 0.0)
         out["linear"] = max(out["linear"], (y - x @ w.T).abs().max().item())
+    # q/k/v + RoPE + the cache write, and gate/up + SiLU·mul, in row blocks of invariant_rows
+    torch_gemm._MIN_SPLIT_K = 128                    # K = 256 splits in two: partials and counters too
+    wq, wg, x = rnd(8 * 32, 256) * 0.05, rnd(2 * 96, 256) * 0.05, rnd(1, 40, 256)
+    cos_t, sin_t, pos = rnd(64, 32), rnd(64, 32), torch.arange(40) % 64
+    caches = [rnd(200, 2, 32) for _ in range(4)]
+    with kern.invariant_steps():
+        q = kern.qkv_rope(x, wq, cos_t, sin_t, 4, 2, caches[0], caches[1], torch.arange(40) + 100, table_rows=pos)
+        q2 = kern.qkv_rope(x[:, 30:33], wq, cos_t, sin_t, 4, 2, caches[2], caches[3], torch.arange(30, 33) + 100,
+                           table_rows=pos[30:33])
+        y = kern.swiglu(x, wg)
+        assert torch.equal(kern.swiglu(x[:, 30:33], wg), y[:, 30:33])
+    assert torch.equal(q2, q[:, 30:33]) and torch.equal(caches[0][130:133], caches[2][130:133])
+    torch_gemm._MIN_SPLIT_K = 512
     # the attention on the invariant plan: a query row's output bits alone (one token, short
     # span) and inside a batch of three rows of four tokens over a longer span; its keys in
     # several splits (max_len 1,024: 64 keys a split), the combine's tile the same 16 splits
