@@ -43,10 +43,11 @@ SMALL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_
 BUCKETS = (1, 8, 32)
 # Other settings of the fused kernels, each timed as a bare step beside the default one:
 # column -> the Kernels attributes set for it (None: the plain ops).
-# "invariant": the step inside ``Kernels.invariant_steps`` (``runtime.batch_invariant``).
+# "invariant": the step inside ``Kernels.invariant_steps`` (``runtime.batch_invariant``);
+# "invariant-16": so with ``Kernels.invariant_rows`` = 16.
 # (The columns of earlier sessions' switches, each measured and kept: docs/performance.md.)
 VARIANTS = {"plain": None, "cublas": {"linear_dtypes": ()}, "no-preload": {"preload": False},
-            "row-blocks": {"gemm_row_blocks": 4}, "invariant": {}}
+            "row-blocks": {"gemm_row_blocks": 4}, "invariant": {}, "invariant-16": {"invariant_rows": 16}}
 CONTEXTS = (256, 2048)  # tokens already in each request's cache
 MAX_LEN = 4096
 
@@ -165,7 +166,7 @@ def main(args) -> int:
             for a, v in attrs.items():
                 setattr(ops.kernels, a, v)
             try:
-                with ops.kernels.invariant_steps() if col == "invariant" else contextlib.nullcontext():
+                with ops.kernels.invariant_steps() if col.startswith("invariant") else contextlib.nullcontext():
                     r[f"{col}_ms"] = bare() * 1e3
             finally:
                 for a in attrs:
@@ -199,7 +200,8 @@ def main(args) -> int:
           f"fused kernels {'on' if ops.kernels is not None else 'off'}; the last columns time the bare step under "
           "other settings: 'plain' the plain ops, 'cublas' the fused kernels with every projection on cuBLAS, "
           "'no-preload' the o projection launched plainly, 'row-blocks' up to 64 rows on the split-K GEMMs, "
-          "'invariant' the step batch-invariant (runtime.batch_invariant runs the target's verify so))")
+          "'invariant' the step batch-invariant (runtime.batch_invariant runs the target's verify so), "
+          "'invariant-16' so on GEMM tiles of 16 rows instead of 32)")
     print(f"{'step':8s} {'batch':>5s} {'ctx':>5s} {'span':>5s} {'eager ms':>9s} {'graph ms':>9s} {'floor ms':>9s} "
           f"{'host us':>8s} {'eager/graph':>11s} {'graph/floor':>11s} {'graph/wfloor':>12s} "
           + " ".join(f"{c + ' ms':>10s}" for c in VARIANTS))

@@ -281,7 +281,8 @@ def decoder_layer(ops: Ops, p: Params, prefix: str, cfg: ModelConfig, x: Tensor,
     if (kern is not None and meta is not None and not cfg.qk_norm and kern.fits(hd)
             and prefix + "self_attn.qkv_proj.weight" in p and prefix + "mlp.gate_up_proj.weight" in p):
         return _fused_layer(ops, kern, p, prefix, cfg, x, hn, meta, cache, reduce, defer)
-    _not_invariant(kern, "per-head q/k norms (qk_norm)" if cfg.qk_norm else f"head_dim {hd}, or q/k/v and gate/up unfused")
+    _not_invariant(kern, "per-head q/k norms (qk_norm)" if cfg.qk_norm
+                   else f"head_dim {hd}, or q/k/v and gate/up unfused")
     dt = ops.dtype_name(x)
     cos, sin = (meta.cos, meta.sin) if meta is not None else (ops.cast(cos_sin[0], dt), ops.cast(cos_sin[1], dt))
     if prefix + "self_attn.qkv_proj.weight" in p:

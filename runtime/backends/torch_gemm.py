@@ -80,6 +80,18 @@ def _partial(x_ptr, w_ptr, M, N, K, n, k_lo, K_PER_SPLIT: tl.constexpr, MP: tl.c
 
 
 @triton.jit
+def _live(nm, mm, LIVE_ROWS: tl.constexpr):
+    # The partials' entries a program writes and reads: its live columns, and with LIVE_ROWS
+    # (row tiles wider than MAX_ROWS) its live rows only. NOTE: measured (bench graphs,
+    # docs/performance.md § Session 19): on 16-row tiles the row mask made the ~1B verify at
+    # batch 1 ~45 us slower (its stores no longer vectorise along the rows); not there.
+    if LIVE_ROWS:
+        return nm[:, None] & mm[None, :]
+    else:
+        return nm[:, None]
+
+
+@triton.jit
 def _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP: tl.constexpr, SPLIT: tl.constexpr):
     # Store this program's partial (partials [SPLIT, N, MP] float32, its tile at [pid_k, n, :];
     # only the live [n, m] entries: padded rows cost no traffic) and count it in; True for the
@@ -115,7 +127,7 @@ def _row_block(M, MP: tl.constexpr):
 def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                   PRELOAD: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                   PRELOAD: tl.constexpr, PDL: tl.constexpr, ROW_BLOCKS: tl.constexpr, LIVE_ROWS: tl.constexpr):
     # y[m, n] = sum over k of x[m, k] w[n, k]: program (column tile, split) reduces its K range.
     # PDL: launched as a programmatic dependent launch, which may start while the kernel before
     # it (whose output x is) still runs; gdc_wait waits for that kernel's end.
@@ -152,7 +164,7 @@ def _splitk_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
     else:
         tile = n[:, None] * MP + m[None, :]
-        live = nm[:, None] & mm[None, :]
+        live = _live(nm, mm, LIVE_ROWS)
         if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP, SPLIT):
             total = _total(part_ptr, tile, N, live, MP, BLOCK_N, SPLIT)
             tl.store(out, total.to(y_ptr.dtype.element_ty), mask=nm[:, None] & mm[None, :])
@@ -166,7 +178,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
                         vc_ptr, M, N, K, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, MP: tl.constexpr,
                         D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr, SWAP_IN_REGS: tl.constexpr, INDEXED: tl.constexpr,
-                        ROW_BLOCKS: tl.constexpr):
+                        ROW_BLOCKS: tl.constexpr, LIVE_ROWS: tl.constexpr):
     # The fused q/k/v projection with RoPE and the KV-cache write as its epilogue: a column
     # tile is one head (D columns of x @ w^T, heads in the order q (H), k (KVH), v (KVH)).
     # The last program of a tile rounds the head's sum to the model's dtype, as the
@@ -193,7 +205,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
     mm = m < M
     acc = _partial(x_ptr, w_ptr, M, N, K, n, pid_k * K_PER_SPLIT, K_PER_SPLIT, MP, D, BLOCK_K, PRECISION)
     tile = n[:, None] * MP + m[None, :]
-    live = nm[:, None] & mm[None, :]
+    live = _live(nm, mm, LIVE_ROWS)
     if _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, N, live, MP, SPLIT):
         dt = q_ptr.dtype.element_ty
         x = _total(part_ptr, tile, N, live, MP, D, SPLIT).to(dt).to(tl.float32)     # [D, MP]
@@ -225,7 +237,7 @@ def _splitk_rope_kernel(x_ptr, w_ptr, part_ptr, count_ptr, cos_ptr, sin_ptr, tro
 @triton.jit
 def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_PER_SPLIT: tl.constexpr,
                           SPLIT: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+                          PRECISION: tl.constexpr, ROW_BLOCKS: tl.constexpr, LIVE_ROWS: tl.constexpr):
     # SwiGLU's gate/up projection with silu(gate) * up as its epilogue: w [2F, K] holds the
     # gate rows [0, F) and the up rows [F, 2F) (the model's fused gate_up weight). A column
     # tile of BLOCK_N weight rows interleaves them: tile row 2i is gate row f, row 2i + 1 up
@@ -252,7 +264,7 @@ def _splitk_swiglu_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, F, K, K_P
         j = pid_n * BLOCK_N + i
         tile = j[:, None] * MP + m[None, :]
         nv = tl.num_programs(0) * BLOCK_N
-        live = (j < nv)[:, None] & mm[None, :]
+        live = _live(j < nv, mm, LIVE_ROWS)
         last = _arrive(part_ptr, count_ptr, acc, tile, pid_n, pid_k, nv, live, MP, SPLIT)
         if last:
             acc = _total(part_ptr, tile, nv, live, MP, BLOCK_N, SPLIT)
@@ -327,6 +339,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, p: Plan, counters: torch.Ten
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
         # float32 stays float32 (a tensor-core dot would take it as TF32: other math)
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PRELOAD=p.preload, PDL=pdl, ROW_BLOCKS=rb > 1,
+        LIVE_ROWS=block_rows > MAX_ROWS,
         launch_pdl=pdl)
     return y
 
@@ -356,7 +369,8 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
         write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None, ROW_BLOCKS=rb > 1)
+        SWAP_IN_REGS=swap_in_regs, INDEXED=table_rows is not None, ROW_BLOCKS=rb > 1,
+        LIVE_ROWS=block_rows > MAX_ROWS)
     return q
 
 
@@ -378,5 +392,6 @@ def splitk_swiglu(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, bloc
     _splitk_swiglu_kernel[(tiles, p.split, rb)](
         x, w, y, part, counters, m, f, k, K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=p.warps, num_stages=p.stages,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROW_BLOCKS=rb > 1)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ROW_BLOCKS=rb > 1,
+        LIVE_ROWS=block_rows > MAX_ROWS)
     return y

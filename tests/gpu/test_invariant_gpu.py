@@ -3,10 +3,10 @@ Skipped without CUDA.
 
 What is shown (docs/gpu.md records the run):
 - kernel by kernel, in bfloat16 and float32: a row's bits are the same in a launch of 1, 3 or
-  40 rows (two row blocks: the ~1B o projection, its output head, its q/k/v + RoPE and gate/up +
-  SiLU·mul, the bundled model's K = 256 projections that never split), and a query row's attention output is the same alone
-  at a short span and inside a batch of four-token rows at a long one (several splits, one
-  split);
+  40 rows (two row blocks: the ~1B o projection, its output head, its q/k/v + RoPE and gate/up
+  + SiLU·mul, the bundled model's K = 256 projections that never split), and a query row's
+  attention output is the same alone at a short span and inside a batch of four-token rows at
+  a long one (several splits, one split);
 - the bundled model in bfloat16 at batch 8 under CUDA graphs: with the switch on, every
   request's greedy tokens are the same target-only and speculative (k=3), at batch 8 and alone,
   in an engine verifying 4 tokens a row and in one decoding a token a row. With it off the same
@@ -62,6 +62,13 @@ def test_invariant_launches_keep_each_rows_bits(dtype):
                 assert torch.equal(q2, q[:, lo:hi]) and torch.equal(kern.swiglu(x[:, lo:hi], wg), y[:, lo:hi]), lo
         done = torch.cat([wr[0:1], wr[24:40]])
         assert torch.equal(caches[0][done], caches[2][done]) and torch.equal(caches[1][done], caches[3][done])
+    if dtype == torch.bfloat16:                      # printed: whether the tile's width alone moves a row's bits
+        from runtime.backends import torch_gemm
+
+        w, x, cnt = rnd(2048, 2048) * 0.02, rnd(32, 2048), kern._counters[torch.device("cuda:0")]
+        p = torch_gemm.plan(2048, 2048)
+        y16, y32 = (torch_gemm.splitk_linear(x, w, p, cnt, block_rows=r) for r in (16, 32))
+        print(f"\n[gpu invariant] split-K rows on 16- and 32-row tiles bit-equal: {torch.equal(y16, y32)}")
     torch.cuda.synchronize()
     assert int(kern._counters[torch.device("cuda:0")].abs().sum()) == 0
 
