@@ -31,6 +31,6 @@ timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_in
   | grep -E "passed|failed|error|Error|assert|\[gpu" | tail -16
 timeout 170 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/bench_graphs.txt" | tail -14
 svc services_bf16_inv --dtype bfloat16 --batch-invariant
-[ "$mode" = inv ] && svc services_bf16 --dtype bfloat16
-[ "$mode" != last ] && svc services_fp32_inv --batch-invariant
-[ "$mode" = rows ] && svc services_fp32
+if [ "$mode" = inv ]; then svc services_bf16 --dtype bfloat16; fi
+if [ "$mode" != last ]; then svc services_fp32_inv --batch-invariant; fi
+if [ "$mode" = rows ]; then svc services_fp32; fi

@@ -372,13 +372,11 @@ class Kernels:
     # ~1B verify at batch 1 ~4 us faster (0.798 against 0.802 ms), at batch 8 and 32 ~70 us
     # (0.917 against 0.987, 1.100 against 1.176).
     fuse_head: bool = True
-    # Row blocks of ``torch_gemm.MAX_ROWS`` the split-K GEMMs take (``_fits_gemm``): at 1, a step
-    # of more than 16 rows (a k=3 verify of 8 requests: 32) runs its projections on cuBLAS and
-    # RoPE and SiLU·mul in kernels of their own, other rounding than the same rows get in a
-    # target-only step of 8, which in bf16 can flip a greedy near-tie (docs/performance.md
-    # § Session 18: the bundled model in bf16 at batch 8). At 4, up to 64 rows keep each row's
-    # bits whatever the batch. NOTE: not measured (built after session 18's device time ran
-    # out): ``bench graphs``' ``row-blocks`` column and tests/gpu/test_kernels_gpu.py are ready.
+    # Row blocks of ``torch_gemm.MAX_ROWS`` the split-K GEMMs take (``_fits_gemm``) outside a
+    # batch-invariant step: at 1, a step of more than 16 rows (a k=3 verify of 8 requests: 32)
+    # runs its projections on cuBLAS and RoPE and SiLU·mul in kernels of their own. NOTE:
+    # measured (``bench graphs``' ``row-blocks`` column, docs/performance.md § Session 19): at 4
+    # the ~1B verify at batch 8 took 1.157 ms against 0.918 (each block reads the weights again).
     gemm_row_blocks: int = 1
     # Rows one split-K GEMM program holds in a batch-invariant step (``invariant``): the same
     # tile for every launch, whatever its rows, so 32 (a k=3 verify of 8 requests) read each
