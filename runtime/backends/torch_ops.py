@@ -196,14 +196,14 @@ class TorchOps:
             return None
         return kern
 
+    @kernels.setter
+    def kernels(self, value):
+        self._kernels = value
+
     def invariant_steps(self):
         """The calling thread's steps batch-invariant inside the block when the runtime asked for
         it (``runtime.batch_invariant``; ``Kernels.invariant_steps``), else as they are."""
         return self._kernels.invariant_steps() if self.batch_invariant else contextlib.nullcontext()
-
-    @kernels.setter
-    def kernels(self, value):
-        self._kernels = value
 
     @contextlib.contextmanager
     def plain_ops(self):

@@ -137,3 +137,31 @@ def test_speculative_generation_with_prefill_graphs_equals_target_only(model_dir
     assert [r.tokens for r in out] == [r.tokens for r in baseline]
     prefill_kinds = {k for _, k in graphed.draft_registry.keys() if k.startswith("prefill")}
     assert prefill_kinds == {"prefill4", "prefill8", "prefill16"}
+
+
+def test_batch_invariant_prefills_one_request_at_a_time_all_or_nothing(model_dir):
+    """``runtime.batch_invariant`` (``Ops.batch_invariant``): a batch of prompts is prefilled one
+    request at a time, so each one's first token, hidden rows and KV rows are those it gets
+    alone (bit for bit, here on the CPU's plain ops); a request that fails releases the ones
+    before it, as a batch's failure does."""
+    eng = SpecEngine(_cfg(model_dir, prefill_graphs=False))
+    target = eng.target
+    rng = np.random.default_rng(5)
+    prompts = [tuple(int(x) for x in rng.integers(0, 48, m)) for m in (5, 13, 2)]
+    alone = {}
+    for i, p in enumerate(prompts):
+        alone[i] = target.prefill([PrefillRequest(f"a{i}", p, SamplingParams())])[0]
+        target.release(f"a{i}")
+    target.ops.batch_invariant = True
+    runs = []
+    target._run_prefill = (lambda run: lambda arrays, span: runs.append(len(arrays["tokens"]))
+                           or run(arrays, span))(target._run_prefill)
+    got = target.prefill([PrefillRequest(f"b{i}", p, SamplingParams()) for i, p in enumerate(prompts)])
+    assert runs == [1, 1, 1]                            # three forwards of one row each
+    for i, g in enumerate(got):
+        assert g.first_token == alone[i].first_token and np.array_equal(g.hidden, alone[i].hidden)
+    free = target.cache.free_slots
+    with pytest.raises(ValueError, match="already active"):
+        target.prefill([PrefillRequest("c0", prompts[0], SamplingParams()),
+                        PrefillRequest("b1", prompts[1], SamplingParams())])   # b1 is active: c0 goes too
+    assert target.cache.free_slots == free and not target.cache.has("c0") and "c0" not in target.requests
