@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ import pytest
 
 from tests.deploy_files import (DEPLOY, REPO, compose_argv, compose_healthcheck, compose_service_env, host_port,
                                 load_compose)
+from tests.ports import free_port
 
 START_TIMEOUT_S = 120.0               # each service's "listening" line
 HEALTHY_TIMEOUT_S = 60.0              # health checks passing after listening
 RPC_TIMEOUT_S = 60.0                  # deadline of every call in the tests
 MAKE_CERTS = DEPLOY / "make-certs.sh"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def installed_backend() -> str:

@@ -85,12 +85,6 @@ def plain_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.strip() and not ln.lstrip().startswith("{")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- the generated admin token, in process --------------------------------------------------------
 
 

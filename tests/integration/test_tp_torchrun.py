@@ -12,23 +12,17 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 
 from core.admin_token import process_token
+from tests.ports import free_port
 from orchestrator.round_client import RemoteRounds
 from rounds.worker_clients import TargetClient
 from specsplit import cli
 from tests.integration.test_tp_target import TIMEOUT, TINY, _generate, _reference
 
 REPO = TINY.parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, logs) -> subprocess.Popen:
@@ -43,7 +37,7 @@ def _rank(rank: int, port: int, logs) -> subprocess.Popen:
 
 
 def test_torchrun_style_ranks_equal_tp1_and_stop_in_order(tmp_path):
-    port = _free_port()
+    port = free_port()
     ranks = [_rank(0, port, tmp_path), _rank(1, port, tmp_path)]       # stderr of each: tmp_path/rank<r>.err
     try:
         # The listening line, within a deadline (rank 0 prints it once it serves).
