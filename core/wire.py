@@ -44,8 +44,9 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
     "bfloat16": (pb.DTYPE_BFLOAT16, np.dtype("<u2")),
     "int64": (pb.DTYPE_INT64, np.dtype("<i8")),
 }
-_BY_ENUM = {enum: name for name, (enum, _) in _DTYPES.items()}
+_BY_ENUM_SPEC = {enum: (name, wire, wire.newbyteorder("=")) for name, (enum, wire) in _DTYPES.items()}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+_FLOAT32 = np.dtype(np.float32)
 
 
 # --- tensors -------------------------------------------------------------------
@@ -62,7 +63,9 @@ def fill_tensor(t: pb.Tensor, arr: Any, dtype: str | None = None) -> pb.Tensor:
     """``encode_tensor`` into ``t``, an empty Tensor field of a message being built (no
     separate Tensor to copy in: a round's Propose fills one per item)."""
     a = np.asarray(arr)
-    if dtype is None:
+    if dtype is None and a.dtype is _FLOAT32:
+        dtype = "float32"                       # NOTE: first: what a round's hidden rows are
+    elif dtype is None:
         if a.dtype == np.float16:
             dtype = "float16"
         elif a.dtype.kind == "f":
@@ -71,16 +74,19 @@ def fill_tensor(t: pb.Tensor, arr: Any, dtype: str | None = None) -> pb.Tensor:
             dtype = "int64"
         else:
             raise ValueError(f"cannot encode a numpy array of dtype {a.dtype}")
-    if dtype not in _DTYPES:
+    spec = _DTYPES.get(dtype)
+    if spec is None:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    enum, wire = _DTYPES[dtype]
+    enum, wire = spec
     if dtype == "bfloat16":
         data = a.astype("<u2") if a.dtype == np.uint16 else float32_to_bf16_bits(a).astype("<u2")
     else:
         data = a.astype(wire, copy=False)
     t.dtype = enum
     t.shape.extend(a.shape)
-    t.data = np.ascontiguousarray(data).tobytes()
+    # NOTE: tobytes copies in C order whatever the layout (np.ascontiguousarray first only
+    # added a call per tensor, and a round encodes one per request).
+    t.data = data.tobytes()
     return t
 
 
@@ -103,30 +109,34 @@ def decode_tensor(t: pb.Tensor, field: str, allowed: tuple[str, ...] | None = No
     ``max_bytes`` (security.max_tensor_bytes), or the byte length is not
     prod(shape) * itemsize. bfloat16 comes back widened to float32 (exact), or as its
     uint16 bit patterns with ``bf16_bits``."""
-    if max_bytes is not None and len(t.data) > max_bytes:
-        raise ValueError(f"{field}: {len(t.data)} bytes exceed max_tensor_bytes={max_bytes}")
-    name = _BY_ENUM.get(t.dtype)
-    if name is None:
+    # NOTE: ``t.data`` read once: each read of a bytes field builds a new bytes object (a
+    # copy of the data), and a round decodes a tensor per request.
+    data = t.data
+    nbytes = len(data)
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ValueError(f"{field}: {nbytes} bytes exceed max_tensor_bytes={max_bytes}")
+    spec = _BY_ENUM_SPEC.get(t.dtype)
+    if spec is None:
         label = "DTYPE_UNSPECIFIED" if t.dtype == pb.DTYPE_UNSPECIFIED else f"unknown dtype {t.dtype}"
         raise ValueError(f"{field}: {label}; expected one of {list(allowed or _DTYPES)}")
+    name, wire, native = spec
     if allowed is not None and name not in allowed:
         raise ValueError(f"{field}: dtype {name} is not allowed here; expected one of {list(allowed)}")
     shape = t.shape[:]                          # a list of Python ints (repeated int64)
     if len(shape) > MAX_TENSOR_DIMS:
         raise ValueError(f"{field}: {len(shape)} dimensions, at most {MAX_TENSOR_DIMS} allowed")
-    if shape and min(shape) < 0:
-        raise ValueError(f"{field}: shape {shape} has a negative dimension")
-    wire = _DTYPES[name][1]
     count = 1
     for s in shape:
+        if s < 0:
+            raise ValueError(f"{field}: shape {shape} has a negative dimension")
         count *= s                              # Python int: no overflow on absurd shapes
     expected = count * wire.itemsize
-    if len(t.data) != expected:
-        raise ValueError(f"{field}: {len(t.data)} bytes, expected {expected} for shape {shape} {name}")
-    arr = np.frombuffer(t.data, dtype=wire).reshape(shape)
+    if nbytes != expected:
+        raise ValueError(f"{field}: {nbytes} bytes, expected {expected} for shape {shape} {name}")
+    arr = np.frombuffer(data, dtype=wire).reshape(shape)
     if name == "bfloat16":
         return arr.astype(np.uint16) if bf16_bits else bf16_bits_to_float32(arr)
-    return arr.astype(wire.newbyteorder("="), copy=True)
+    return arr.astype(native, copy=True)
 
 
 def decode_optional_tensor(msg: Any, name: str, field: str, allowed: tuple[str, ...] | None = None,

@@ -2,7 +2,9 @@
 data plane, and ``start``.
 
 Owns: the draft's messages only: decoding Prefill / Propose items into
-``runtime.types`` records (hidden rows stay bf16 bits when sent as bf16),
+``runtime.types`` records (hidden rows stay bf16 bits when sent as bf16; a
+round's rows sliced out of one ``hidden_rows`` tensor when the target sends
+them so, which this draft's status invites: ``propose_hidden_rows``),
 encoding a proposal (drafts, and q when the draft samples), and answering one
 Propose message the same way whether the gRPC stream or the data plane
 (``propose_frame``: serialized ProposeRequest in, ProposeResponse out) carried
@@ -44,15 +46,50 @@ def _decode_prefill(i: int, item: dpb.DraftPrefillItem, max_bytes: int | None = 
                                _float_or_bits(hidden), wire.params_from_proto(item.params, f"items[{i}].params"))
 
 
-def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None) -> ProposeRequest:
+def _decode_propose(i: int, item: dpb.ProposeItem, max_bytes: int | None = None,
+                    rows: np.ndarray | ValueError | None = None) -> ProposeRequest:
+    """``rows``: the item's hidden rows out of the message's ``hidden_rows`` (``_split_rows``),
+    or why they could not be had; None: the item carries its own ``hidden``."""
     if item.ahead:
         return ProposeRequest(item.request_id, int(item.start_position), np.zeros(0, dtype=np.int64),
                               np.zeros((0, 0), dtype=np.float32), int(item.k), ahead=True,
                               keep_tail=bool(item.keep_tail))
-    hidden = wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES, bf16_bits=True,
-                                max_bytes=max_bytes)
+    if rows is None:
+        rows = _float_or_bits(wire.decode_tensor(item.hidden, f"items[{i}].hidden", wire.FLOAT_DTYPES,
+                                                 bf16_bits=True, max_bytes=max_bytes))
+    elif isinstance(rows, ValueError):
+        raise rows
     return ProposeRequest(item.request_id, int(item.start_position), wire.int64_array(item.tokens),
-                          _float_or_bits(hidden), int(item.k), keep_tail=bool(item.keep_tail))
+                          rows, int(item.k), keep_tail=bool(item.keep_tail))
+
+
+def _split_rows(msg: dpb.ProposeRequest, max_bytes: int | None = None) -> list[np.ndarray | ValueError | None]:
+    """Each item's hidden rows out of ``msg.hidden_rows`` (one tensor for the round), in item
+    order: a slice of it (as many rows as the item has tokens; None for an ahead item), or the
+    ValueError that item gets: the whole tensor's (every drafting item), or its own share above
+    ``max_bytes`` (the limit of one item's hidden, as when each item carried its own)."""
+    counts = [-1 if it.ahead else len(it.tokens) for it in msg.items]
+    total = sum(n for n in counts if n > 0)
+    try:
+        raw = wire.decode_tensor(msg.hidden_rows, "hidden_rows", wire.FLOAT_DTYPES, bf16_bits=True)
+        if raw.ndim != 2 or raw.shape[0] != total:
+            raise ValueError(f"hidden_rows: shape {list(raw.shape)}, expected [{total}, hidden_size] (a row "
+                             "per token of the items)")
+    except ValueError as exc:
+        return [None if n < 0 else exc for n in counts]
+    rows, row_bytes = _float_or_bits(raw), raw.shape[1] * raw.itemsize     # bytes of one row on the wire
+    out: list[np.ndarray | ValueError | None] = []
+    start = 0
+    for i, n in enumerate(counts):
+        if n < 0:
+            out.append(None)
+            continue
+        if max_bytes is not None and n * row_bytes > max_bytes:
+            out.append(ValueError(f"items[{i}].hidden: {n * row_bytes} bytes exceed max_tensor_bytes={max_bytes}"))
+        else:
+            out.append(rows[start:start + n])
+        start += n
+    return out
 
 
 def _float_or_bits(hidden: np.ndarray) -> np.ndarray:
@@ -72,7 +109,22 @@ def _proposal(res: Proposal) -> dict[str, Any]:
     return {"proposal": out}
 
 
+def _fill_proposal(add: Any, request_id: str, res: Proposal | wire.ItemError) -> None:
+    """One ProposeResult written in place (``add``: the response's ``results.add``): the same
+    message ``result_proto(dpb.ProposeResult, request_id, res, _proposal)`` builds."""
+    if isinstance(res, wire.ItemError):
+        add(request_id=request_id, error=wire.item_error_to_proto(res))
+        return
+    out = add(request_id=request_id).proposal
+    out.SetInParent()                                   # present even with no drafts, as before
+    out.drafts.extend(res.drafts.tolist())
+    if res.draft_probs is not None:
+        wire.fill_tensor(out.draft_probs, res.draft_probs, "float32")                # [k, V]
+
+
 class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
+    propose_hidden_rows = True          # reads ProposeRequest.hidden_rows (``_split_rows``); in its status
+
     def __init__(self, worker: DraftWorker, log: Any) -> None:
         self.worker = worker
         self.log = log
@@ -98,10 +150,11 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
             ids = list(msg.release_request_ids)
             self._round_results("release", lambda: self.worker.release(ids, inline=True), 0, msg.round)
         prefilled = self._prefill_in_message(msg) if msg.prefill_items else []
-        resp = self._round_answer(msg, "propose", lambda i, it: _decode_propose(i, it, self.max_tensor_bytes),
-                                  lambda items, round_: self.worker.propose(items, round_) if items else [],
-                                  lambda rid, res: result_proto(dpb.ProposeResult, rid, res, _proposal),
-                                  dpb.ProposeResponse)
+        rows = _split_rows(msg, self.max_tensor_bytes) if msg.HasField("hidden_rows") else None
+        resp = self._round_answer_into(msg, "propose", lambda i, it: _decode_propose(
+                                           i, it, self.max_tensor_bytes, None if rows is None else rows[i]),
+                                       lambda items, round_: self.worker.propose(items, round_) if items else [],
+                                       _fill_proposal, dpb.ProposeResponse)
         if isinstance(prefilled, wire.ItemError):
             resp.prefill_error.CopyFrom(wire.item_error_to_proto(prefilled))
         else:

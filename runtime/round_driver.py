@@ -60,12 +60,14 @@ class SeqStats:
         self.drafted += k
         self.accepted += a
         self.emitted_in_rounds += a + 1
-        while len(self.pos_drafted) < k:
-            self.pos_drafted.append(0)
-            self.pos_accepted.append(0)
+        drafted, accepted = self.pos_drafted, self.pos_accepted
+        if len(drafted) < k:
+            drafted.extend([0] * (k - len(drafted)))
+            accepted.extend([0] * (k - len(accepted)))
         for j in range(k):
-            self.pos_drafted[j] += 1
-            self.pos_accepted[j] += int(j < a)
+            drafted[j] += 1
+        for j in range(min(a, k)):
+            accepted[j] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -111,6 +113,7 @@ class Sequence:
     next_proposal: Proposal | None = None   # this sequence's next-round proposal, made while the target
                                             # verified the other micro-batch (runtime.micro_batch)
     eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model (config / generation_config list)
+    _stop_cache: tuple | None = field(default=None, repr=False, compare=False)  # (params, EOS ids, stop_ids)
 
     @property
     def remaining(self) -> int:
@@ -160,13 +163,22 @@ class Sequence:
                 ids.add(self.eos_token_id)
         return ids
 
+    def _stops(self) -> set[int]:
+        """``stop_ids``, built again only when what it is made of changed (a round emits for
+        every request: building the set each time was a set and two updates per request)."""
+        c = self._stop_cache
+        if c is None or c[0] is not self.params or c[1] != self.eos_token_id or c[2] is not self.eos_token_ids:
+            c = self._stop_cache = (self.params, self.eos_token_id, self.eos_token_ids, self.stop_ids)
+        return c[3]
+
     def emit(self, tokens: tuple[int, ...] | list[int]) -> list[int]:
         """Append tokens up to max_tokens / the first stop token; returns those kept."""
-        kept, stopped = truncate_at_stop(list(tokens), self.stop_ids, self.remaining)
-        self.output.extend(kept)
+        output = self.output
+        kept, stopped = truncate_at_stop(tokens, self._stops(), self.params.max_tokens - len(output))
+        output.extend(kept)
         if stopped:
             self.finish_reason = FINISH_STOP
-        elif self.remaining <= 0:
+        elif self.params.max_tokens - len(output) <= 0:
             self.finish_reason = FINISH_LENGTH
         return list(kept)
 
@@ -239,8 +251,10 @@ def propose_requests(seqs: list[Sequence], ks: dict[str, int], keep_tail: dict[s
 
 def took_proposal(s: Sequence) -> None:
     """The draft now holds ``s``'s pending pairs (its Propose answered)."""
-    s.draft_pairs += len(s.pending_tokens)
-    s.pending_tokens, s.pending_hidden = np.zeros(0, dtype=np.int64), None
+    # NOTE: the chunks counted, not joined, and emptied in place: what the properties' setters
+    # do with an empty array, without building one per request per round.
+    s.draft_pairs += sum(len(t) for t in s._pending_t)
+    s._pending_t, s._pending_h = [], []
 
 
 def commit_result(s: Sequence, k: int, res: VerifyResult) -> list[int]:

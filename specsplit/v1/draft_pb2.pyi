@@ -166,7 +166,9 @@ class ProposeItem(_message.Message):
 
     @_builtins.property
     def hidden(self) -> _common_pb2.Tensor:
-        """Target hidden states of the new pairs: [len(tokens), hidden_size]."""
+        """Target hidden states of the new pairs: [len(tokens), hidden_size]. Empty when
+        the request carries hidden_rows.
+        """
 
     def __init__(
         self,
@@ -195,6 +197,7 @@ class ProposeRequest(_message.Message):
     ITEMS_FIELD_NUMBER: _builtins.int
     RELEASE_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     PREFILL_ITEMS_FIELD_NUMBER: _builtins.int
+    HIDDEN_ROWS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """Scheduler's round number, echoed in the response."""
     @_builtins.property
@@ -212,6 +215,15 @@ class ProposeRequest(_message.Message):
         carry only these, only releases, or nothing but its round number.
         """
 
+    @_builtins.property
+    def hidden_rows(self) -> _common_pb2.Tensor:
+        """The hidden states of every item's new pairs in one tensor, in item order:
+        [the items' tokens together (ahead items: none), hidden_size]; each item's
+        own hidden is then empty. Sent only to a draft whose status sets
+        propose_hidden_rows (one tensor to encode and decode a round, not one per
+        request).
+        """
+
     def __init__(
         self,
         *,
@@ -219,10 +231,11 @@ class ProposeRequest(_message.Message):
         items: _abc.Iterable[Global___ProposeItem] | None = ...,
         release_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         prefill_items: _abc.Iterable[Global___DraftPrefillItem] | None = ...,
+        hidden_rows: _common_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["hidden_rows", b"hidden_rows"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "prefill_items", b"prefill_items", "release_request_ids", b"release_request_ids", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hidden_rows", b"hidden_rows", "items", b"items", "prefill_items", b"prefill_items", "release_request_ids", b"release_request_ids", "round", b"round"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

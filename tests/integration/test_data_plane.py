@@ -81,6 +81,7 @@ def test_propose_over_the_data_plane_equals_the_grpc_stream(draft):
     try:
         st = dp.get_status(timeout=TIMEOUT)
         assert st.data_plane_port > 0 and dp.uses_data_plane and not grpc_only.uses_data_plane
+        assert st.propose_hidden_rows and dp._hidden_rows          # the Propose carries one tensor of rows
         over_dp = _propose(dp, "a", st.hidden_size)
         mid = dp.get_status(timeout=TIMEOUT).data_plane_frames
         over_grpc = _propose(grpc_only, "b", st.hidden_size)

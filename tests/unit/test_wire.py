@@ -187,9 +187,10 @@ def test_status_to_proto_fills_every_field():
                      lifecycle_events=("load_weights", "capture_graphs"), max_position_embeddings=2048,
                      eos_token_ids=(0, 7))
     data_plane = type("DataPlane", (), {"port": 4321, "frames": 17})()     # what a draft's DataPlaneServer shows
-    p = status_to_proto(s, data_plane)
+    p = status_to_proto(s, data_plane, propose_hidden_rows=True)
     assert (p.data_plane_port, p.data_plane_frames) == (4321, 17)
     assert status_to_proto(s).data_plane_port == 0                          # none: the Propose stream only
+    assert not status_to_proto(s).propose_hidden_rows                      # a target's, or an older draft's
     for field in pb.WorkerStatus.DESCRIPTOR.fields:
         assert p.HasField(field.name) if field.has_presence else bool(getattr(p, field.name)), field.name
     assert p.state == pb.LIFECYCLE_STATE_READY and p.eos_token_id == 0 and list(p.graph_keys) == list(s.graph_keys)
