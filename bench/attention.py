@@ -120,7 +120,8 @@ def split_table(device: str) -> list[dict]:
     import torch
 
     from bench.gemm import _graph_us
-    from runtime.backends.torch_kernels import Kernels, attention_plan
+    from runtime.backends.torch_attention import attention_plan
+    from runtime.backends.torch_kernels import Kernels
 
     h, kvh, d, t, max_len = 16, 4, 128, 4, 4096
     rows = []

@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runtime.backends import torch_gemm, torch_kernels  # noqa: E402
+from runtime.backends import torch_attention, torch_gemm  # noqa: E402
 from runtime.backends.torch_kernels import Kernels  # noqa: E402
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.model import apply_rope  # noqa: E402
@@ -84,14 +84,14 @@ def kernel_errors() -> dict[str, float]:
     for span in (64, 100, 128, 192):   # 192 with many programs: 3 splits (not a power of two)
         # many splits (combine kernel), one split (direct), and splits of two blocks each
         for programs, least in ((256, 64), (2, 64), (256, 128)):
-            torch_kernels._TARGET_PROGRAMS = programs
+            torch_attention._TARGET_PROGRAMS = programs
             q = rnd(b, t, h, hd)
             got = Kernels.cache_attention(q, kc, vc, read_slots, positions, span, max_len, least)
             mask = ops.attention_mask(torch.arange(span).reshape(1, 1, span) <= positions.reshape(b, t, 1), h // kvh)
             ref = ops.attention(q, ops.gather_context(kc, read_slots, span, max_len),
                                 ops.gather_context(vc, read_slots, span, max_len), mask)
             worst = max(worst, (got - ref).abs().max().item())
-    torch_kernels._TARGET_PROGRAMS = 256
+    torch_attention._TARGET_PROGRAMS = 256
     # Regression (seen on an H200): strided views of read_slots / positions (a fused propose's
     # substep column) were read as dense arrays, so batch rows past the first read wrong rows.
     q = rnd(b, t, h, hd)
@@ -256,7 +256,7 @@ def invariance() -> dict[str, object]:
     # span) and inside a batch of three rows of four tokens over a longer span; its keys in
     # several splits (max_len 1,024: 64 keys a split), the combine's tile the same 16 splits
     h, kvh, hd, slots, max_len = 4, 2, 64, 4, 1024
-    m, tb, per_split, nsplit_p = torch_kernels.invariant_attention_plan(h // kvh, max_len)
+    m, tb, per_split, nsplit_p = torch_attention.invariant_attention_plan(h // kvh, max_len)
     assert (m, tb, per_split, nsplit_p) == (16, 8, 64, 16), (m, tb, per_split, nsplit_p)
     kc, vc = rnd((slots + 1) * max_len, kvh, hd), rnd((slots + 1) * max_len, kvh, hd)
     q_all = rnd(3, 4, h, hd)

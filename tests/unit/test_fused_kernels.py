@@ -67,7 +67,7 @@ def test_attention_compiles_few_variants_for_every_eager_span_and_width():
     """Eager steps see a new span (64-row aligned) and width almost every time; the
     kernel's compile-time values must stay few, or each step would wait on Triton's compiler
     (seen on the GPU: adaptive k's eager catch-ups at 50 tok/s instead of ~1,500)."""
-    from runtime.backends.torch_kernels import MAX_QUERY_ROWS, attention_plan
+    from runtime.backends.torch_attention import MAX_QUERY_ROWS, attention_plan
 
     variants = set()
     for batch in (1, 2, 4, 8, 16, 32):
@@ -80,7 +80,7 @@ def test_attention_compiles_few_variants_for_every_eager_span_and_width():
 
 
 def test_attention_splits_hold_at_least_the_minimum_keys():
-    from runtime.backends.torch_kernels import attention_plan
+    from runtime.backends.torch_attention import attention_plan
 
     for least in (64, 128, 256, 512, 1024):
         for span in range(64, 4096 + 1, 64):
