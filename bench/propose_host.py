@@ -106,7 +106,7 @@ def _wire_rows(d: int, k: int, rng) -> list[dict]:
     float32 per item): the target's encode (``DraftClient.propose_async`` up to the bytes), the
     draft's parse and item decode, its response encode, the target's parse and collect."""
     from draft_service.server import _decode_propose, _proposal
-    from rounds.worker_clients import DraftClient
+    from rounds.draft_client import DraftClient
     from runtime.types import Proposal
     from specsplit.v1 import draft_pb2
     from worker.service import decode_items, result_proto

@@ -37,7 +37,7 @@ def _median_ms(fn, n: int = N) -> float:
 
 def main(args) -> int:
     from draft_service import server as draft_server
-    from rounds.worker_clients import DraftClient
+    from rounds.draft_client import DraftClient
     from core.config import SecurityConfig, ServerConfig
     from core.params import SamplingParams
     from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig

@@ -36,7 +36,8 @@ from orchestrator.round_client import RemoteRounds
 from rounds.scheduler_types import (ErrorEvent, FinalEvent, GenerationRequest, QueueFull, RequestError,
                                           TokensEvent)
 from orchestrator.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, ModelFacts, _bad, validate  # noqa: F401
-from rounds.worker_clients import DraftClient, TargetClient
+from rounds.draft_client import DraftClient
+from rounds.worker_clients import TargetClient
 from orchestrator.config import OrchestratorConfig
 from core.observability import start_metrics_server
 from runtime.round_driver import SeqStats

@@ -1,4 +1,5 @@
-"""gRPC clients of the draft and target workers, shaped as the round driver's ports.
+"""gRPC clients of the draft and target workers, shaped as the round driver's ports: what both
+share, and the target's (``TargetClient``); the draft's is ``rounds.draft_client.DraftClient``.
 
 Owns: channels (message-size limits, optional TLS, admin-token metadata on
 lifecycle calls), unary Prefill/Release/GetStatus/lifecycle calls with
@@ -7,17 +8,14 @@ bidirectional stream per worker: a round puts one batched request on the
 stream and reads exactly one response within a bounded wait. The draft's
 Propose goes over its data plane instead (``rounds.data_plane``, same
 contract, no threads) when its status advertises one, and so do its prefill
-and the releases flushed between rounds (the Prefill / Release calls when it
-does not, or predates prefill on the data plane). A timeout or a
+and the releases flushed between rounds (``rounds.draft_client``). A timeout or a
 stream error cancels the stream and raises ``WorkerUnavailable``; the next
 round opens a fresh stream (lazy reconnect). Per-item ``ItemError``s become
 ``ItemFailures`` so only those requests end.
 
 Hidden states are never interpreted here: they are kept as the wire's raw
 values (bf16 stays as its uint16 bit patterns) between the target's response
-and the draft's request; only tokens and counts are read. A draft whose status
-sets ``propose_hidden_rows`` gets a round's rows in one tensor
-(``ProposeRequest.hidden_rows``), others each item's own.
+and the draft's request; only tokens and counts are read.
 
 Must not know: scheduling, sampling, models, frameworks.
 """
@@ -34,14 +32,11 @@ import grpc
 import numpy as np
 import structlog
 
-from rounds import data_plane
-from rounds.data_plane import ConnectFailed, DataPlaneLink, address_host, tls_context
 from rounds.scheduler import ItemFailures, RequestError, WorkerUnavailable
-from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
-                           VerifyRequest, VerifyResult)
+from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core import wire
 from core.serving import admin_metadata
-from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specsplit.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger("rounds.clients")
 
@@ -87,11 +82,16 @@ def _call_error(role: str, what: str, code: grpc.StatusCode, details: str) -> Re
     return WorkerUnavailable(msg) if code in _UNAVAILABLE_CODES else RequestError(code.name, msg)
 
 
+def status_error(role: str, what: str, code: int, message: str) -> RequestError:
+    """``_call_error`` for a status carried in a message (a ``Code`` number, unknown ones INTERNAL)."""
+    return _call_error(role, what, grpc.StatusCode[_CODE_NAMES.get(code, "INTERNAL")], message)
+
+
 def _item_error(role: str, err: common_pb2.ItemError) -> RequestError:
     return RequestError(_CODE_NAMES.get(err.code, "INTERNAL"), f"{role}: {err.message}")
 
 
-def _hidden_to_wire(arr: np.ndarray, into: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
+def hidden_to_wire(arr: np.ndarray, into: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
     # uint16 rows are bf16 bit patterns kept from the target's response (see module doc).
     dtype = "bfloat16" if arr.dtype == np.uint16 else None
     return wire.encode_tensor(arr, dtype) if into is None else wire.fill_tensor(into, arr, dtype)
@@ -101,30 +101,7 @@ def _hidden_from_wire(t: common_pb2.Tensor, field: str) -> np.ndarray:
     return wire.decode_tensor(t, field, allowed=wire.FLOAT_DTYPES, bf16_bits=True)
 
 
-def _joined_rows(reqs: list[ProposeRequest]) -> np.ndarray | None:
-    """The items' hidden rows as one [n, d] array (ProposeRequest.hidden_rows), in item order;
-    None when there are none or they do not make one tensor (then each item sends its own, as
-    before, and the draft answers each as it did)."""
-    parts = [r.hidden for r in reqs if not r.ahead]
-    if not parts:
-        return None
-    first = parts[0]
-    for r, h in zip((r for r in reqs if not r.ahead), parts):
-        if h.ndim != 2 or h.dtype != first.dtype or h.shape[1] != first.shape[1] or len(h) != len(r.tokens):
-            return None
-    return np.concatenate(parts) if len(parts) > 1 else first
-
-
-def _proposal_from_wire(q: ProposeRequest, res: draft_pb2.ProposeResult) -> Proposal:
-    """One ProposeResult's proposal. NOTE: q's field name is built only for a result that has
-    draft_probs (a greedy draft sends none), not for every request of every round."""
-    p = res.proposal
-    probs = (wire.decode_optional_tensor(p, "draft_probs", f"results[{q.request_id}].proposal.draft_probs",
-                                         allowed=("float32",)) if p.HasField("draft_probs") else None)
-    return Proposal(q.request_id, wire.int64_array(p.drafts), probs)
-
-
-def _collect(role: str, reqs: list[Any], results: Any, convert: Callable[[Any, Any], Any]) -> list[Any]:
+def collect_results(role: str, reqs: list[Any], results: Any, convert: Callable[[Any, Any], Any]) -> list[Any]:
     """Match results to requests by id; raise ItemFailures if any item failed."""
     by_id = {r.request_id: r for r in results}
     out: list[Any] = []
@@ -148,7 +125,7 @@ def _collect(role: str, reqs: list[Any], results: Any, convert: Callable[[Any, A
     return out
 
 
-class _RoundStream:
+class RoundStream:
     """One persistent bidi stream: ``exchange`` = send one message, read exactly one back.
 
     A watchdog thread cancels the call when a response is late, so a stalled
@@ -234,7 +211,7 @@ class _RoundStream:
         self.reset()
 
 
-class _WorkerClient:
+class WorkerClient:
     """Shared by both roles: channel, deadlines, Release, GetStatus and lifecycle RPCs."""
 
     role = ""
@@ -393,14 +370,14 @@ class CommitFailed(Exception):
         self.phase, self.error, self.reported = phase, error, reported
 
 
-class TargetClient(_WorkerClient):
+class TargetClient(WorkerClient):
     """``TargetPort`` over gRPC: Prefill (unary), Verify (persistent stream), Release."""
 
     role = "target"
 
     def __init__(self, address: str, **kw: Any) -> None:
         super().__init__(address, target_pb2_grpc.TargetServiceStub, **kw)
-        self._verify = _RoundStream("target", lambda it: self.stub.Verify(it), self.timeout_s)
+        self._verify = RoundStream("target", lambda it: self.stub.Verify(it), self.timeout_s)
 
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         items = []
@@ -411,7 +388,7 @@ class TargetClient(_WorkerClient):
                 item.resume_token = int(r.resume_token)
             items.append(item)
         resp = self._unary("Prefill", target_pb2.TargetPrefillRequest(items=items))
-        return _collect("target", reqs, resp.results, lambda q, res: PrefillResult(
+        return collect_results("target", reqs, resp.results, lambda q, res: PrefillResult(
             q.request_id, int(res.output.first_token),
             _hidden_from_wire(res.output.hidden, f"results[{q.request_id}].output.hidden")))
 
@@ -425,7 +402,7 @@ class TargetClient(_WorkerClient):
         self.last_compute_seconds = None
         resp = self._verify.exchange(target_pb2.VerifyRequest(round=self._next_round(), items=items), "Verify")
         self.last_compute_seconds = resp.compute_seconds
-        return _collect("target", reqs, resp.results, lambda q, res: VerifyResult(
+        return collect_results("target", reqs, resp.results, lambda q, res: VerifyResult(
             q.request_id, int(res.output.num_accepted), tuple(int(t) for t in res.output.tokens),
             _hidden_from_wire(res.output.hidden, f"results[{q.request_id}].output.hidden")))
 
@@ -435,154 +412,4 @@ class TargetClient(_WorkerClient):
 
     def close(self) -> None:
         self._verify.close()
-        super().close()
-
-
-class DraftClient(_WorkerClient):
-    """``DraftPort`` over gRPC: Prefill (unary), Release, and Propose over the draft's data plane
-    when its status advertises one (``rounds.data_plane``), else over the persistent gRPC stream.
-
-    The data plane's port is learnt from every GetStatus answer (the draft link probes it before
-    each attach, ``rounds.draft_health``); ``data_plane=False`` keeps Propose on the gRPC stream.
-    """
-
-    role = "draft"
-    _hidden_rows = False                        # the draft reads ProposeRequest.hidden_rows (its status says)
-
-    def __init__(self, address: str, *, data_plane: bool = True, data_plane_poll_s: float = 0.0, **kw: Any) -> None:
-        super().__init__(address, draft_pb2_grpc.DraftServiceStub, **kw)
-        self._propose = _RoundStream("draft", lambda it: self.stub.Propose(it), self.timeout_s)
-        self._data = DataPlaneLink("draft", address_host(address) if data_plane else None,
-                                   draft_pb2.ProposeResponse.FromString, timeout_s=self.timeout_s,
-                                   max_frame_bytes=kw["max_message_bytes"],
-                                   ssl_context=tls_context(kw.get("tls_ca"), kw.get("client_cert"),
-                                                           kw.get("client_key")), poll_s=data_plane_poll_s)
-        self._pending_release: list[str] = []   # released ids not yet sent (ride on the next message)
-        self._data_prefill = True               # False: this draft ignores prefill_items (it predates them)
-
-    @property
-    def uses_data_plane(self) -> bool:
-        """Whether the next Propose goes over the data plane (else the gRPC stream)."""
-        return self._data.usable
-
-    def get_status(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
-        st = super().get_status(timeout)
-        self._data.advertised(st.data_plane_port)
-        self._hidden_rows = st.propose_hidden_rows
-        return st
-
-    # --- port: release (deferred) ------------------------------------------------
-    def release(self, request_id: str) -> bool:
-        """Free a request's draft cache with the next Prefill/Propose message (no call of its own);
-        ``flush_releases`` sends what is left when no message follows."""
-        self._pending_release.append(request_id)
-        return True
-
-    def _take_releases(self) -> list[str]:
-        ids, self._pending_release = self._pending_release, []
-        return ids
-
-    def flush_releases(self) -> None:
-        """Send the deferred releases now: a message of their own on the data plane, else one
-        Release call."""
-        ids = self._take_releases()
-        if not ids:
-            return
-        if self._data_message(draft_pb2.ProposeRequest(release_request_ids=ids), "Release") is None:
-            self.release_many(ids)
-
-    def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
-        """The joiners' prefill (and the deferred releases, first): one message on the data plane
-        when it is usable, else the Prefill RPC. Per-item failures raise ItemFailures; a failure of
-        the whole prefill raises what the RPC's status would (RequestError / WorkerUnavailable)."""
-        items = [draft_pb2.DraftPrefillItem(request_id=r.request_id, tokens=[int(t) for t in r.tokens],
-                                            hidden=_hidden_to_wire(r.hidden), params=wire.params_to_proto(r.params))
-                 for r in reqs]
-        releases = self._take_releases()
-        self.last_compute_seconds = None                     # a prefill reports no round compute
-        if self._data_prefill:
-            resp = self._data_message(draft_pb2.ProposeRequest(prefill_items=items, release_request_ids=releases),
-                                      "Prefill")
-            if resp is not None:
-                releases = []                                # sent: they ran first, whatever follows
-                if resp.HasField("prefill_error"):
-                    err = resp.prefill_error
-                    raise _call_error("draft", "Prefill", grpc.StatusCode[_CODE_NAMES.get(err.code, "INTERNAL")],
-                                      err.message)
-                if len(resp.prefill_results) == len(items):
-                    _collect("draft", reqs, resp.prefill_results, lambda q, res: None)
-                    return
-                # NOTE: a draft that predates prefill_items released and ignored them: this
-                # prefill and every later one go through the Prefill RPC.
-                self._data_prefill = False
-                log.info("draft_data_plane_prefill_unsupported", address=self.address)
-        resp = self._unary("Prefill", draft_pb2.DraftPrefillRequest(items=items, release_request_ids=releases))
-        _collect("draft", reqs, resp.results, lambda q, res: None)
-
-    def _data_message(self, msg: draft_pb2.ProposeRequest, what: str) -> draft_pb2.ProposeResponse | None:
-        """A message between rounds (a prefill, releases) on the data plane, numbered like a round:
-        its answer, or None when the data plane is not usable or could not be opened (the caller
-        uses gRPC). A connection that breaks mid-exchange raises WorkerUnavailable, as a round does."""
-        if not self._data.usable:
-            return None
-        msg.round = self._next_round()
-        try:
-            return self._data.exchange(msg, what)
-        except ConnectFailed as exc:
-            log.warning("data_plane_unreachable", address=self.address, error=exc.message,
-                        retry_after_s=data_plane.RETRY_AFTER_S)
-            return None
-
-    def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
-        return self.propose_async(reqs)()
-
-    def propose_async(self, reqs: list[ProposeRequest]) -> Callable[[], list[Proposal]]:
-        """Send the round's Propose now; the returned function waits for the proposals."""
-        self.last_compute_seconds = None
-        msg = draft_pb2.ProposeRequest(round=self._next_round(), release_request_ids=self._take_releases())
-        # NOTE: items built in place (items.add, the hidden rows written into their field): a
-        # list of separate messages is copied once more into the request, ~40 % of the encode
-        # at batch 8 (docs/performance.md § Session 10). A draft that reads hidden_rows gets
-        # every item's rows in that one tensor: one encode and one decode a round instead of
-        # one per request (about half of both at batch 8).
-        rows = _joined_rows(reqs) if self._hidden_rows else None
-        add = msg.items.add
-        for r in reqs:
-            if r.ahead:
-                add(request_id=r.request_id, k=int(r.k), ahead=True, keep_tail=r.keep_tail)
-                continue
-            item = add(request_id=r.request_id, start_position=int(r.start_position), k=int(r.k),
-                       keep_tail=r.keep_tail)
-            item.tokens.extend(np.asarray(r.tokens, dtype=np.int64).tolist())
-            if rows is None:
-                _hidden_to_wire(r.hidden, item.hidden)
-        if rows is not None:
-            _hidden_to_wire(rows, msg.hidden_rows)
-        receive = None
-        if self._data.usable:
-            try:
-                receive = self._data.send(msg)
-            except ConnectFailed as exc:
-                # NOTE: the same message goes on the gRPC stream: its releases and round number
-                # are sent once, whichever way carries them.
-                log.warning("data_plane_unreachable", address=self.address, error=exc.message,
-                            retry_after_s=data_plane.RETRY_AFTER_S)
-        if receive is None:
-            receive = self._propose.send(msg)
-
-        def collect() -> list[Proposal]:
-            resp = receive("Propose")
-            self.last_compute_seconds = resp.compute_seconds
-            return _collect("draft", reqs, resp.results, _proposal_from_wire)
-        return collect
-
-    def reset_streams(self) -> None:
-        """Drop the Propose stream and the data-plane connection (scheduler thread); the next
-        round opens a fresh one."""
-        self._propose.reset()
-        self._data.reset()
-
-    def close(self) -> None:
-        self._propose.close()
-        self._data.close()
         super().close()

@@ -35,7 +35,7 @@ COMPUTE = {                                          # name -> the compute it ti
 OTHER = [
     "orchestrator.round_client:RemoteRounds.submit", "orchestrator.round_client:RemoteHandle.next_event",
     "rounds.scheduler:Scheduler._admit", "rounds.scheduler:Scheduler._run_round", "rounds.scheduler:Scheduler._end",
-    "rounds.worker_clients:DraftClient.prefill", "rounds.worker_clients:DraftClient.flush_releases",
+    "rounds.draft_client:DraftClient.prefill", "rounds.draft_client:DraftClient.flush_releases",
     "target_service.decode_messages:_event_proto", "rounds.scheduler_types:RequestHandle.next_event",
 ]
 

@@ -32,7 +32,7 @@ import structlog
 from rounds.draft_health import DraftLink
 from rounds.scheduler import (EventOutbox, GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
                                     Scheduler)
-from rounds.worker_clients import DraftClient
+from rounds.draft_client import DraftClient
 from worker.config import WorkerConfig, poll_seconds
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core.errors import FailedPrecondition

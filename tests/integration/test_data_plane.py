@@ -24,7 +24,7 @@ from core.params import SamplingParams
 from draft_service import server as draft_server
 from rounds.data_plane import DataPlaneLink, address_host, tls_context
 from rounds.scheduler_types import WorkerUnavailable
-from rounds.worker_clients import DraftClient
+from rounds.draft_client import DraftClient
 from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.types import DraftPrefillRequest, ProposeRequest
 from specsplit.v1 import draft_pb2

@@ -26,7 +26,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.server import create_server
-from rounds.worker_clients import DraftClient, TargetClient
+from rounds.draft_client import DraftClient
+from rounds.worker_clients import TargetClient
 from rounds.scheduler import WorkerUnavailable
 from core.config import ServerConfig
 from core.params import SamplingParams

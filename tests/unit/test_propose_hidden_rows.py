@@ -13,7 +13,7 @@ import numpy as np
 
 from core import wire
 from draft_service.server import DraftServicer, _decode_propose, _split_rows
-from rounds.worker_clients import DraftClient
+from rounds.draft_client import DraftClient
 from runtime.types import Proposal, ProposeRequest
 from specsplit.v1 import draft_pb2
 from worker.service import decode_items
