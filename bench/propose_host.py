@@ -11,8 +11,9 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
   - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 and 8 (decode
     ahead does not queue: the call has drafts),
   - the draft registry's capture time with and without the propose kinds,
-  - a round's Propose message on the host at batch 1 and 8: the target's encode, the
-    draft's decode and answer, the target's decode (``_wire_rows``; no replay to stub),
+  - a round's Propose message on the host at batch 1 and 8, its hidden rows a tensor per item
+    and one for the round: the target's encode, the draft servicer's decode and answer, the
+    target's decode (``_wire_rows``; no replay to stub),
 each with every graph replay replaced by a no-op ("stubbed"), so what is left
 is the host's Python, numpy and copies (on CPU the eager stand-in graph would
 otherwise hide it inside a CPU forward pass). On CUDA it also prints the same
@@ -101,45 +102,57 @@ class _Captured:
         return lambda what: self.response
 
 
+class _CannedDraft:
+    """A draft worker that answers every Propose with the proposals it was given (no model): what
+    the servicer does around it is the message work timed."""
+
+    class cfg:
+        class security:
+            max_tensor_bytes = 1 << 26
+
+    def __init__(self, proposals) -> None:
+        self.proposals = proposals
+
+    def propose(self, items, round_):
+        return self.proposals
+
+
 def _wire_rows(d: int, k: int, rng) -> list[dict]:
     """A round's Propose message on the host, both sides, at batch 1 and 8 (hidden rows [k+1, d]
-    float32 per item): the target's encode (``DraftClient.propose_async`` up to the bytes), the
-    draft's parse and item decode, its response encode, the target's parse and collect."""
-    from draft_service.server import _decode_propose, _proposal
+    float32 per item), each item's rows in its own tensor ("each") and the round's rows in one
+    (``ProposeRequest.hidden_rows``, "one"): the target's encode (``DraftClient.propose_async`` up
+    to the bytes), the draft's side (``DraftServicer.propose_frame``: parse, item decode, answer
+    encode, with a worker that proposes at once), the target's parse and collect."""
+    from draft_service.server import DraftServicer
     from rounds.draft_client import DraftClient
     from runtime.types import Proposal
-    from specsplit.v1 import draft_pb2
-    from worker.service import decode_items, result_proto
 
     rows = []
     for b in WHOLE_BATCHES:
         reqs = [ProposeRequest(f"w{i}", CONTEXT, rng.integers(0, 256, k + 1),
                                rng.standard_normal((k + 1, d)).astype(np.float32), k) for i in range(b)]
-        client = DraftClient.__new__(DraftClient)       # the message path only: no channel, no socket
-        client._data, client._pending_release, client._next_round = _Captured(), [], lambda: 1
-        collect = client.propose_async(reqs)
-        body = client._data.body
         props = [Proposal(r.request_id, rng.integers(0, 256, k), None) for r in reqs]
+        servicer = DraftServicer(_CannedDraft(props), None)
+        for joined in (False, True):
+            client = DraftClient.__new__(DraftClient)   # the message path only: no channel, no socket
+            client._data, client._pending_release, client._next_round = _Captured(), [], lambda: 1
+            client._hidden_rows = joined
+            collect = client.propose_async(reqs)
+            body = client._data.body
+            answer = servicer.propose_frame(body)
 
-        def draft_side(body=body, props=props):
-            msg = draft_pb2.ProposeRequest()
-            msg.ParseFromString(body)
-            decode_items(msg.items, lambda i, it: _decode_propose(i, it, None))
-            return draft_pb2.ProposeResponse(round=msg.round, results=[
-                result_proto(draft_pb2.ProposeResult, p.request_id, p, _proposal) for p in props]).SerializeToString()
-        answer = draft_side()
-
-        def target_decode(answer=answer, collect=collect, client=client):
-            resp = draft_pb2.ProposeResponse()
-            resp.ParseFromString(answer)
-            client._data.response = resp
-            return collect()
-        rows += [{"what": "propose message: target encode", "batch": b,
-                  "host_us_stubbed": round(_us(lambda reqs=reqs: client.propose_async(reqs), lambda: None), 1)},
-                 {"what": "propose message: draft side", "batch": b,
-                  "host_us_stubbed": round(_us(draft_side, lambda: None), 1)},
-                 {"what": "propose message: target decode", "batch": b,
-                  "host_us_stubbed": round(_us(target_decode, lambda: None), 1)}]
+            def target_decode(answer=answer, collect=collect, client=client):
+                from specsplit.v1 import draft_pb2
+                client._data.response = draft_pb2.ProposeResponse.FromString(answer)
+                return collect()
+            assert [p.drafts.tolist() for p in target_decode()] == [p.drafts.tolist() for p in props]
+            how = "one tensor" if joined else "each item"
+            rows += [{"what": f"propose message ({how}): target encode", "batch": b,
+                      "host_us_stubbed": round(_us(lambda reqs=reqs, c=client: c.propose_async(reqs), lambda: None), 1)},
+                     {"what": f"propose message ({how}): draft side", "batch": b,
+                      "host_us_stubbed": round(_us(lambda body=body: servicer.propose_frame(body), lambda: None), 1)},
+                     {"what": f"propose message ({how}): target decode", "batch": b,
+                      "host_us_stubbed": round(_us(target_decode, lambda: None), 1)}]
     return rows
 
 
@@ -285,9 +298,9 @@ def main(args) -> int:
         return 0
     print(f"bench propose-host: torch {device}, bundled tiny model, k={k}, buckets {BUCKETS}, context {CONTEXT}; "
           f"best of {REPEATS} x {ITERS} calls; 'stubbed' = every graph replay a no-op")
-    print(f"{'what':32s} {'batch':>5s} {'host us (stubbed)':>18s} {'with replay':>12s}")
+    print(f"{'what':46s} {'batch':>5s} {'host us (stubbed)':>18s} {'with replay':>12s}")
     for r in rows:
         other = r.get("host_us_with_replay", r.get("wall_us"))
-        print(f"{r['what']:32s} {r['batch']:5d} {r['host_us_stubbed']:18.1f} {'-' if other is None else other:>12}")
+        print(f"{r['what']:46s} {r['batch']:5d} {r['host_us_stubbed']:18.1f} {'-' if other is None else other:>12}")
     print(f"draft capture: {out['draft_capture_s']} s, graphs {out['draft_graphs']}")
     return 0

@@ -1,8 +1,8 @@
 """A round's hidden rows in one tensor (``ProposeRequest.hidden_rows``), both ends.
 
 The target's ``DraftClient`` sends every item's rows in one tensor only to a draft whose status
-sets ``propose_hidden_rows`` (each item's own ``hidden`` otherwise, and whenever the rows do not
-make one tensor); the draft slices them back per item (``_split_rows``) and answers exactly
+sets ``propose_hidden_rows`` (each item's own ``hidden`` otherwise, and whenever fewer than two
+items draft or the rows do not make one tensor); the draft slices them back per item (``_split_rows``) and answers exactly
 what the per-item encoding gets, errors included (a bad tensor fails every drafting item, a
 share above max_tensor_bytes only its own item).
 """
@@ -104,6 +104,9 @@ def test_rows_that_make_no_one_tensor_go_with_their_items():
     assert not _sent(True, short).HasField("hidden_rows")                      # a row per token
     only_ahead = [reqs[1]]
     assert not _sent(True, only_ahead).HasField("hidden_rows")
+    one_drafting = [reqs[0], reqs[1]]                                         # nothing to join
+    assert not _sent(True, one_drafting).HasField("hidden_rows")
+    _same(_decoded(_sent(True, one_drafting)), _decoded(_sent(False, one_drafting)))
     _same(_decoded(_sent(True, odd)), _decoded(_sent(False, odd)))
 
 
