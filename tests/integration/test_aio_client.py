@@ -13,6 +13,7 @@ from orchestrator.aio_client import AsyncSpecsplitClient
 from orchestrator.client import ReloadFailed, SpecsplitClient, SpecsplitError
 from runtime.checkpoint import index_checkpoint, load_tensors
 from tests.integration.inproc_stack import ADMIN, GEN, TIMEOUT, make_models, start_stack, wait_until
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -54,11 +55,7 @@ def test_generate_and_generate_text_equal_the_blocking_client(stack):
 
 
 def test_wait_ready_connects_or_says_unavailable(stack):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]                  # nothing listens there once this closes
+    closed = free_port()                             # nothing listens there
 
     async def main():
         async with AsyncSpecsplitClient(stack.address, timeout=TIMEOUT) as c:

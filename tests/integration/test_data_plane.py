@@ -30,6 +30,7 @@ from runtime.types import DraftPrefillRequest, ProposeRequest
 from specsplit.v1 import draft_pb2
 from tests.integration.hardening_utils import make_certs
 from tests.waiting import wait_until
+from tests.ports import free_port
 from worker.config import WorkerConfig
 from worker.data_plane import DataPlaneServer
 
@@ -301,10 +302,7 @@ def test_an_unreachable_data_plane_falls_back_to_the_grpc_stream(draft, monkeypa
     from rounds import data_plane as link_mod
 
     client, reference = _client(draft), _client(draft)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    dead_port = closed.getsockname()[1]
-    closed.close()                                          # nothing listens there now
+    dead_port = free_port()                                 # nothing listens there
     try:
         hidden = client.get_status(timeout=TIMEOUT).hidden_size
         want = _propose(reference, "u", hidden).tolist()

@@ -9,7 +9,6 @@ Every wait is bounded; every stub call has a deadline.
 from __future__ import annotations
 
 import signal
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -25,6 +24,7 @@ from orchestrator.config import OrchestratorConfig
 from specsplit.v1 import common_pb2 as pb
 from specsplit.v1 import draft_pb2_grpc
 from tests.integration.hardening_utils import Reference, Stream, WorkerProcs, make_model, prompt_of, wait_until
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -194,9 +194,7 @@ def test_stalled_draft_falls_back_after_the_timeout_and_is_reattached(procs, orc
 
 def test_orchestrator_starts_without_its_draft_and_attaches_it_later(procs, orchestrator, reference):
     """A draft that is not up yet when the orchestrator starts: serving begins target-only."""
-    with socket.socket() as s:                          # a port nobody listens on (yet)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()                                  # a port nobody listens on (yet)
     target = procs.start("target")
     missing = type("Missing", (), {"address": f"127.0.0.1:{port}"})()
     server, client = orchestrator(target, missing)

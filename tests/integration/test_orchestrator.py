@@ -41,6 +41,7 @@ from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from target_service.server import start as start_target
 from tests.byte_model import write_byte_model
 from tests.waiting import wait_until
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -254,11 +255,8 @@ def test_stream_interval_sends_fewer_bigger_chunks_with_the_same_output(workers,
 def test_wait_ready_connects_or_says_unavailable(orch):
     with SpecsplitClient(orch[1], timeout=TIMEOUT) as c:
         assert c.wait_ready() is c and c.status()["orchestrator"]["active_requests"] >= 0
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]                  # nothing listens there once this closes
+    closed = free_port()                             # nothing listens there
     with SpecsplitClient(f"127.0.0.1:{closed}", timeout=TIMEOUT) as c:
         t0 = time.monotonic()
         with pytest.raises(SpecsplitError) as info:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from runtime.config import ModelConfig
 from tests.integration.reload_harness import (PROMPTS, REPO, SHARED, TIMEOUT, acceptance_pattern,  # noqa: F401
                                               assert_serving, in_thread, make_model, models, ref, run_gen, stacks)
 from tests.waiting import wait_until
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -249,9 +249,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_target_killed_mid_load_rolls_back_when_it_returns(stacks, models, ref):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [_spawn_target(models["A"], "A", port, hang_on=str(models["B"]))]
     try:
         s = stacks(models["A"], "A", target_port=port)
