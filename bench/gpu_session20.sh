@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Session 20's work on the GPU host, and issue 10's two-GPU list, one device call per mode
-# (session 20 itself was lent no device: none of this has run yet):
+# (session 20 was lent ~8 minutes late in the session: `short` only):
 #
 #   bash bench/gpu_session20.sh OUT_DIR one        # nvidia-h200: the kernel and invariance GPU tests (the attention
 #                                                  # kernels now in torch_attention.py, compiled), the propose and
 #                                                  # round-loop GPU tests (a round's hidden rows in one tensor), bench
 #                                                  # services at batch 8 (float32; bfloat16 batch-invariant) and 1
+#   bash bench/gpu_session20.sh OUT_DIR short      # what ~6 minutes allow of `one`: the kernel and invariance GPU
+#                                                  # tests, bench services at batch 8 in float32 (identity included)
+#                                                  # and, if time is left, bfloat16 batch-invariant
 #   bash bench/gpu_session20.sh OUT_DIR x2-tests   # nvidia-h200-x2: every `-m gpu` test (the two-GPU ones: the loop
 #                                                  # variants, micro-batches, ahead drafting, the stack and TP=2)
 #   bash bench/gpu_session20.sh OUT_DIR x2-peer    # nvidia-h200-x2: bench peer at batch 1 and 8, draft cuda:1,
@@ -19,7 +22,7 @@ mode="${2:-one}"
 gpu_prologue
 gpus=$(nvidia-smi -L | wc -l)
 case "$mode" in
-one) ;;
+one|short) ;;
 x2-tests|x2-peer|x2-loop) [ "$gpus" -ge 2 ] || { echo "mode $mode needs two GPUs, this host has $gpus"; exit 2; } ;;
 *) echo "unknown mode $mode"; exit 2 ;;
 esac
@@ -38,6 +41,11 @@ if [ "$mode" = one ]; then
   svc services_b8 120 --device cuda:0 --batch 8
   svc services_b8_bf16_inv 120 --device cuda:0 --batch 8 --dtype bfloat16 --batch-invariant
   svc services_b1 "$(left 575)" --device cuda:0 --batch 1
+elif [ "$mode" = short ]; then
+  tests 170 tests/gpu/test_kernels_gpu.py tests/gpu/test_invariant_gpu.py
+  svc services_b8 "$(left 300)" --device cuda:0 --batch 8
+  [ "$(left 370)" -gt 60 ] && svc services_b8_bf16_inv "$(left 370)" --device cuda:0 --batch 8 --dtype bfloat16 \
+    --batch-invariant
 elif [ "$mode" = x2-tests ]; then
   tests 560 tests/gpu
 elif [ "$mode" = x2-peer ]; then
