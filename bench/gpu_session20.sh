@@ -9,7 +9,7 @@
 #   bash bench/gpu_session20.sh OUT_DIR short      # what ~6 minutes allow of `one`: the kernel and invariance GPU
 #                                                  # tests, bench services at batch 8 in float32 (identity included)
 #                                                  # and, if time is left, bfloat16 batch-invariant
-#   bash bench/gpu_session20.sh OUT_DIR b8         # bench services at batch 8 in float32 alone (a few minutes left)
+#   bash bench/gpu_session20.sh OUT_DIR b8         # bench services at batch 8 in float32, then the kernel GPU tests as time allows
 #   bash bench/gpu_session20.sh OUT_DIR x2-tests   # nvidia-h200-x2: every `-m gpu` test (the two-GPU ones: the loop
 #                                                  # variants, micro-batches, ahead drafting, the stack and TP=2)
 #   bash bench/gpu_session20.sh OUT_DIR x2-peer    # nvidia-h200-x2: bench peer at batch 1 and 8, draft cuda:1,
@@ -48,7 +48,8 @@ elif [ "$mode" = short ]; then
   [ "$(left 370)" -gt 60 ] && svc services_b8_bf16_inv "$(left 370)" --device cuda:0 --batch 8 --dtype bfloat16 \
     --batch-invariant
 elif [ "$mode" = b8 ]; then
-  svc services_b8 "$(left 300)" --device cuda:0 --batch 8
+  svc services_b8 "$(left 200)" --device cuda:0 --batch 8
+  [ "$(left 290)" -gt 60 ] && tests "$(left 290)" tests/gpu/test_invariant_gpu.py tests/gpu/test_kernels_gpu.py
 elif [ "$mode" = x2-tests ]; then
   tests 560 tests/gpu
 elif [ "$mode" = x2-peer ]; then
