@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 20's work on the GPU host, and issue 10's two-GPU list, one device call per mode
-# (session 20 was lent ~8 minutes late in the session: `short` only):
+# (none has run yet: session 20's three start attempts were refused):
 #
 #   bash bench/gpu_session20.sh OUT_DIR one        # nvidia-h200: the kernel and invariance GPU tests (the attention
 #                                                  # kernels now in torch_attention.py, compiled), the propose and
