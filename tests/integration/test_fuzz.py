@@ -424,7 +424,13 @@ def test_fuzz_propose_stream(stack, healthy, data):
                 start_position=draw(st.one_of(st.integers(0, 4), INT64)), tokens=tokens,
                 hidden=draw(tensors(rows=len(tokens) if draw(st.booleans()) else None)),
                 k=draw(st.one_of(st.integers(-1, 5), INT32))))
-        msgs.append(dpb.ProposeRequest(round=draw(UINT64), items=items))
+        msg = dpb.ProposeRequest(round=draw(UINT64), items=items)
+        if items and draw(st.booleans()):             # the round's rows in one tensor (ProposeRequest.hidden_rows)
+            rows = sum(len(it.tokens) for it in items if not it.ahead)
+            msg.hidden_rows.CopyFrom(draw(tensors(rows=rows if draw(st.booleans()) else None)))
+            for it in msg.items:
+                it.ClearField("hidden")
+        msgs.append(msg)
     try:
         resps, code = call(lambda it, timeout: list(stack.draft_stub.Propose(it, timeout=timeout)), iter(msgs))
         if code is None:
