@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 20's work on the GPU host, and issue 10's two-GPU list, one device call per mode
-# (none has run yet: session 20's three start attempts were refused):
+# (session 20 ran only `b8`, on an H100, cut at 157 s: docs/gpu.md):
 #
 #   bash bench/gpu_session20.sh OUT_DIR one        # nvidia-h200: the kernel and invariance GPU tests (the attention
 #                                                  # kernels now in torch_attention.py, compiled), the propose and
