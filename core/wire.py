@@ -46,7 +46,6 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 _BY_ENUM_SPEC = {enum: (name, wire, wire.newbyteorder("=")) for name, (enum, wire) in _DTYPES.items()}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-_FLOAT32 = np.dtype(np.float32)
 
 
 # --- tensors -------------------------------------------------------------------
@@ -63,9 +62,7 @@ def fill_tensor(t: pb.Tensor, arr: Any, dtype: str | None = None) -> pb.Tensor:
     """``encode_tensor`` into ``t``, an empty Tensor field of a message being built (no
     separate Tensor to copy in: a round's Propose fills one per item)."""
     a = np.asarray(arr)
-    if dtype is None and a.dtype is _FLOAT32:
-        dtype = "float32"                       # NOTE: first: what a round's hidden rows are
-    elif dtype is None:
+    if dtype is None:
         if a.dtype == np.float16:
             dtype = "float16"
         elif a.dtype.kind == "f":

@@ -102,16 +102,9 @@ def _prefill_results(items: Any, results: list[Any]) -> list[dpb.DraftPrefillRes
     return [result_proto(dpb.DraftPrefillResult, it.request_id, res, lambda _: {}) for it, res in zip(items, results)]
 
 
-def _proposal(res: Proposal) -> dict[str, Any]:
-    out = dpb.Proposal(drafts=res.drafts.tolist())
-    if res.draft_probs is not None:
-        out.draft_probs.CopyFrom(wire.encode_tensor(res.draft_probs, "float32"))   # [k, V]
-    return {"proposal": out}
-
-
 def _fill_proposal(add: Any, request_id: str, res: Proposal | wire.ItemError) -> None:
-    """One ProposeResult written in place (``add``: the response's ``results.add``): the same
-    message ``result_proto(dpb.ProposeResult, request_id, res, _proposal)`` builds."""
+    """One ProposeResult written in place (``add``: the response's ``results.add``): its error, or
+    its proposal (drafts, and q [k, V] when the draft samples)."""
     if isinstance(res, wire.ItemError):
         add(request_id=request_id, error=wire.item_error_to_proto(res))
         return
@@ -151,7 +144,7 @@ class DraftServicer(WorkerServicerMixin, draft_pb2_grpc.DraftServiceServicer):
             self._round_results("release", lambda: self.worker.release(ids, inline=True), 0, msg.round)
         prefilled = self._prefill_in_message(msg) if msg.prefill_items else []
         rows = _split_rows(msg, self.max_tensor_bytes) if msg.HasField("hidden_rows") else None
-        resp = self._round_answer_into(msg, "propose", lambda i, it: _decode_propose(
+        resp = self._round_answer(msg, "propose", lambda i, it: _decode_propose(
                                            i, it, self.max_tensor_bytes, None if rows is None else rows[i]),
                                        lambda items, round_: self.worker.propose(items, round_) if items else [],
                                        _fill_proposal, dpb.ProposeResponse)

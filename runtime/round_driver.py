@@ -173,12 +173,11 @@ class Sequence:
 
     def emit(self, tokens: tuple[int, ...] | list[int]) -> list[int]:
         """Append tokens up to max_tokens / the first stop token; returns those kept."""
-        output = self.output
-        kept, stopped = truncate_at_stop(tokens, self._stops(), self.params.max_tokens - len(output))
-        output.extend(kept)
+        kept, stopped = truncate_at_stop(tokens, self._stops(), self.remaining)
+        self.output.extend(kept)
         if stopped:
             self.finish_reason = FINISH_STOP
-        elif self.params.max_tokens - len(output) <= 0:
+        elif self.remaining <= 0:
             self.finish_reason = FINISH_LENGTH
         return list(kept)
 

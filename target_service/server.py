@@ -145,7 +145,8 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
         return self._round_stream(request_iterator, lambda msg: self._round_answer(
             msg, "verify", lambda i, it: _decode_verify(i, it, self.max_tensor_bytes),
             lambda items, round_: self.worker.verify(items, round_),
-            lambda rid, res: result_proto(tpb.VerifyResult, rid, res, _verify_output), tpb.VerifyResponse))
+            lambda add, rid, res: add().CopyFrom(result_proto(tpb.VerifyResult, rid, res, _verify_output)),
+            tpb.VerifyResponse))
 
 
 def start(cfg: WorkerConfig, rendezvous: Any = None) -> WorkerService:

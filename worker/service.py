@@ -127,24 +127,16 @@ class WorkerServicerMixin:
         return results, time.perf_counter() - t0
 
     def _round_answer(self, msg: Any, step: str, decode: Callable[[int, Any], Any],
-                      run: Callable[[list[Any], int], list[Any]], encode: Callable[[str, Any], Any],
+                      run: Callable[[list[Any], int], list[Any]], fill: Callable[[Any, str, Any], None],
                       response: Callable[..., Any]) -> Any:
         """One round message (Propose, Verify) -> its answer, whichever transport carried it (the
         gRPC stream or the data plane): decode its items (``decode_items``), run the batch, and
-        return ``response(round, compute_seconds, results)``."""
-        items = decode_items(msg.items, decode)
-        results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
-        return response(round=msg.round, compute_seconds=seconds, results=[
-            encode(it.request_id, res) for it, res in zip(msg.items, results)])
-
-    def _round_answer_into(self, msg: Any, step: str, decode: Callable[[int, Any], Any],
-                           run: Callable[[list[Any], int], list[Any]], fill: Callable[[Any, str, Any], None],
-                           response: Callable[..., Any]) -> Any:
-        """``_round_answer`` with each item's result written into the response being built:
+        return ``response(round, compute_seconds)`` with each item's result written into it by
         ``fill(resp.results.add, request_id, result)``.
 
-        NOTE: per-item messages handed to the response's constructor are each copied once more
-        into it (~1.8 us an item on the 2-core CPU, a round's Propose answers one per request)."""
+        NOTE: written in place: per-item messages handed to the response's constructor are each
+        copied once more into it (~1.8 us an item on the 2-core CPU; a round answers one per
+        request)."""
         items = decode_items(msg.items, decode)
         results, seconds = self._round_results(step, lambda: run(items, msg.round), len(items), msg.round)
         resp = response(round=msg.round, compute_seconds=seconds)
