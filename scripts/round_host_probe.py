@@ -8,16 +8,20 @@ their events reach them:
   --outbox     the requests share one ``EventOutbox`` and one reader thread, woken once per
                round boundary (as a DecodeStream is);
   --late       nobody is woken before a request ends (a floor: no reader work during rounds).
-Prints tokens/s and the scheduler's round wall / target time per round; with --profile N, the
-scheduler thread's cProfile (top N by own time).
+With ``--draft DEVICE``: a draft service process on that device (as the launcher starts it) and
+k=3 requests, the target's round loop exchanging with it as in serving.
+Prints tokens/s and the scheduler's round wall / draft / target / overhead per round; with
+--profile N, the scheduler thread's cProfile (top N by own time).
 
-Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--profile N]
+Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
+                                          [--profile N]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import sys
 import threading
@@ -31,6 +35,7 @@ from core.params import SamplingParams  # noqa: E402
 from rounds import scheduler as scheduler_mod  # noqa: E402
 from rounds import scheduler_types  # noqa: E402
 from rounds.scheduler_types import ErrorEvent, EventOutbox, FinalEvent, GenerationRequest  # noqa: E402
+from specsplit.launcher import Child, StackOptions, worker_argv  # noqa: E402
 from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig  # noqa: E402
 from target_service.rounds import RoundHost  # noqa: E402
 from target_service.worker import TargetWorker  # noqa: E402
@@ -117,7 +122,13 @@ def main() -> int:
     mode.add_argument("--outbox", action="store_true")
     mode.add_argument("--late", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument("--draft", default="", metavar="DEVICE")
     a = ap.parse_args()
+    draft = None
+    if a.draft:
+        opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
+        draft = Child("draft", worker_argv("draft", opts, a.draft), dict(os.environ))
+        draft.wait_listening()
     if a.late:
         _late_handles()
     if a.profile:
@@ -131,14 +142,14 @@ def main() -> int:
     worker.load_weights(a.model, "", "v1")
     worker.capture_graphs()
     host = RoundHost(worker, cfg)
-    host.configure("", a.batch, 64, 30.0)
+    host.configure(draft.address if draft else "", a.batch, 64, 30.0)
     box = EventOutbox() if a.outbox else None
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
 
     def one(rid: str) -> int:
         done = reader.expect(rid) if reader is not None else None
-        h = host.submit(GenerationRequest(rid, PROMPT, params, 0), box)
+        h = host.submit(GenerationRequest(rid, PROMPT, params, 3 if draft else 0), box)
         if reader is not None:
             done.wait(WAIT_S)
             return reader.tokens[rid]
@@ -159,7 +170,7 @@ def main() -> int:
             for n in range(reps):
                 counts[i] += one(f"q{label}{i}-{n}")
         tm = host.scheduler.timing
-        r0, w0, t0s = tm.rounds, tm.wall_s, tm.target_s
+        r0, w0, t0s, d0, o0 = tm.rounds, tm.wall_s, tm.target_s, tm.draft_s, tm.overhead_s
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client, args=(i,)) for i in range(a.batch)]
         for th in threads:
@@ -169,12 +180,15 @@ def main() -> int:
         dt = time.perf_counter() - t0
         r = max(tm.rounds - r0, 1)
         print(f"{label}: batch {a.batch} {sum(counts) / dt:.1f} tok/s; {r} rounds, round wall "
-              f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, target {1e3 * (tm.target_s - t0s) / r:.3f} ms; "
+              f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, draft {1e3 * (tm.draft_s - d0) / r:.3f}, target "
+              f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
               f"queued ahead {worker.engine.ahead_stats}")
     if reader is not None:
         reader.stop()
     host.close()
     worker.close()
+    if draft is not None:
+        draft.stop()
     return 0
 
 
