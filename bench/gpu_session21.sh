@@ -3,7 +3,8 @@
 # services' round loop, against the same round in process, then the GPU tests session 20 left.
 #
 #   bash bench/gpu_session21.sh OUT_DIR probe   # scripts/round_host_probe.py with a draft service (target and
-#                                               # draft on cuda:0, batch 8 then 1, the scheduler thread's cProfile),
+#                                               # draft on cuda:0, batch 8, target-only 8, then 1; the scheduler
+#                                               # thread's cProfile),
 #                                               # bench profile --small --batch 8 (the same round in process),
 #                                               # then bench services at batch 8 as time allows
 #   bash bench/gpu_session21.sh OUT_DIR tests   # the kernel, invariance, propose and round-loop GPU tests, then
@@ -13,9 +14,10 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-probe}"
 gpu_prologue
-probe() {  # $1 batch, $2 the seconds it may take
-  timeout "$2" python3 scripts/round_host_probe.py models/tiny cuda:0 "$1" 128 --outbox --draft cuda:0 --profile 40 \
-    2>&1 | quiet | grep -v -E "^\s*$|lifecycle|graph_registry" | tee "$out/probe_b$1.txt" | head -60
+probe() {  # $1 the output's name, $2 the seconds it may take, then the probe's batch and flags
+  local name="$1" limit="$2"; shift 2
+  timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$1" 128 --outbox "${@:2}" --profile 40 \
+    2>&1 | quiet | grep -v -E "^\s*$|lifecycle|graph_registry|admin_token" | tee "$out/$name.txt" | head -60
 }
 svc() {  # bench services on the bundled model: $1 the output's name, $2 the seconds it may take, then extra flags
   local name="$1" limit="$2"; shift 2
@@ -23,12 +25,14 @@ svc() {  # bench services on the bundled model: $1 the output's name, $2 the sec
     | quiet | tee "$out/$name.txt" | tail -14
 }
 if [ "$mode" = probe ]; then
-  probe 8 150
-  probe 1 120
+  probe probe_b8 150 8 --draft cuda:0
+  probe probe_b8_target_only 90 8
+  probe probe_b1 120 1 --draft cuda:0
   timeout 150 python3 -m specsplit bench profile --small --batch 8 2>&1 | quiet | tee "$out/profile_b8.txt" | tail -50
   [ "$(left)" -gt 90 ] && svc services_b8 "$(left)" --device cuda:0 --batch 8
 elif [ "$mode" = tests ]; then
-  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py \
+  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
+    tests/gpu/test_decode_ahead_gpu.py tests/gpu/test_kernels_gpu.py \
     tests/gpu/test_invariant_gpu.py tests/gpu/test_propose_gpu.py tests/gpu/test_loop_gpu.py 2>&1 \
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert|\[gpu" | tail -24
   svc services_b8 120 --device cuda:0 --batch 8

@@ -17,10 +17,11 @@ tokens (the accepted prefix plus one target token), c_j = P(draft j accepted
 | drafts 1..j-1 were); with one rate a for every position this is the
 geometric 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a). The round's cost is
 
-    T(k) = t_verify + [k > 0] * (t_exchange + k * t_draft)
+    T(k) = t_verify(k) + [k > 0] * (t_exchange + k * t_draft)
 
-(the verify is padded to max_k + 1 positions whatever k is, and a round with
-k = 0 skips the draft exchange altogether). One k serves the whole round —
+(a round in which nobody drafts runs the target's one-position step, t_verify(0),
+and skips the draft exchange altogether; a drafting round's verify is padded to
+max_k + 1 positions whatever its k, t_verify(k > 0) one figure). One k serves the whole round —
 every request shares its verify and its draft exchange — so the loop picks
 
     k* = argmax_k  sum_i E_i(min(k, k_i)) / T(k),   k in [0, max_i k_i]
@@ -219,7 +220,8 @@ class RoundCosts:
     WINDOW = 31
 
     def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
-        self._verify = _Window(self.WINDOW, [t_verify])
+        self._verify = _Window(self.WINDOW, [t_verify])     # drafting rounds' verify (max_k + 1 positions)
+        self._verify0 = _Window(self.WINDOW, [t_verify])    # target-only rounds' one-position step
         self._draft = _Window(self.WINDOW, [t_draft])
         self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
         self._draft_median: dict[int, float] = {}    # k -> their median, once MIN_PERIODS were timed
@@ -243,7 +245,13 @@ class RoundCosts:
 
     @property
     def t_verify(self) -> float:
+        """A drafting round's verify."""
         return self._verify.median
+
+    @property
+    def t_verify0(self) -> float:
+        """A round's verify when nobody drafts (the target's one-position step)."""
+        return self._verify0.median
 
     @property
     def t_draft(self) -> float:
@@ -307,7 +315,7 @@ class RoundCosts:
             if k == 0:
                 return self._period0.median
             return self._fixed_spec.median + self.draft_time(k)
-        return self.t_verify + (self.t_exchange + self.draft_time(k) if k > 0 else 0.0)
+        return self.t_verify + self.t_exchange + self.draft_time(k) if k > 0 else self.t_verify0
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
                 started: float | None = None, batch: frozenset[str] | None = None) -> None:
@@ -315,8 +323,8 @@ class RoundCosts:
         when it started (perf_counter seconds), for the start-to-start period of the round before;
         ``batch``: its requests' ids."""
         # NOTE: what ``cost`` keeps, dropped before anything it reads changes: a target-only
-        # round between target-only rounds changes only T(0) once periods are measured (the
-        # verify window it adds is read by the parts' sum alone). Why keep anything: on the
+        # round between target-only rounds changes only T(0) once periods are measured (its
+        # verify goes to the target-only window, which T(0) alone reads). Why keep anything: on the
         # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
         # rounds' in one run, ~8 % of a target-only round; the policy's host time per
         # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
@@ -341,7 +349,7 @@ class RoundCosts:
                 self._period0.append(period)
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
-        self._verify.append(verify_s)
+        (self._verify if k_max > 0 else self._verify0).append(verify_s)
         steady = self._drafted_last        # module doc: the first drafting round after none is not
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
@@ -358,7 +366,8 @@ class RoundCosts:
             self._exchange.append(overhead_s)
 
     def __repr__(self) -> str:
-        return (f"RoundCosts(t_verify={self.t_verify:.6f}, t_draft={self.t_draft:.6f}, "
+        return (f"RoundCosts(t_verify={self.t_verify:.6f}, t_verify0={self.t_verify0:.6f}, "
+                f"t_draft={self.t_draft:.6f}, "
                 f"t_exchange={self.t_exchange:.6f})")
 
 

@@ -83,20 +83,25 @@ class TargetEngine:
         self.rope = Rope(ops, cfg, cache_cfg.max_len)
         self.requests: dict[str, _TargetRequest] = {}
         self.registry = registry
-        width = max_k + 1
         scratch = self.cache.scratch_slot
-        registry.register(StepKind(
-            name=f"verify{width}",
-            fn=ops.compile_step(self._step),
-            inputs=(InputSpec("tokens", (width,), "int64", 0),
-                    InputSpec("write_slots", (width,), "int64", scratch),
-                    InputSpec("positions", (width,), "int64", 0),
-                    InputSpec("read_slots", (), "int64", scratch)),
-            eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
-            spans=context_spans(self.cache.max_len),
-            span_of=lambda x: attend_need(x["positions"]),
-        ))
-        self._verify_kind = f"verify{width}"
+        step = ops.compile_step(self._step)
+        for width in sorted({max_k + 1, 1}, reverse=True):
+            registry.register(StepKind(
+                name=f"verify{width}",
+                fn=step,
+                inputs=(InputSpec("tokens", (width,), "int64", 0),
+                        InputSpec("write_slots", (width,), "int64", scratch),
+                        InputSpec("positions", (width,), "int64", 0),
+                        InputSpec("read_slots", (), "int64", scratch)),
+                eager_kwargs=lambda x: {"attend_len": attend_span(x["positions"], self.cache.max_len)},
+                spans=context_spans(self.cache.max_len),
+                span_of=lambda x: attend_need(x["positions"]),
+            ))
+        # NOTE: a verify in which no row drafts (target-only requests, adaptive k = 0 rounds, a
+        # detached draft) runs the width-1 step, never the max_k + 1 one padded: at batch 8 of
+        # the bundled float32 model a padded step was 32 rows, on a slower GEMM than 8 rows'.
+        self._verify_kind, self._decode_kind = f"verify{max_k + 1}", "verify1"
+        self._widths = {"verify1": 1, self._verify_kind: max_k + 1}
         # Prefill graphs: one kind per prompt width, captured at the buckets that fit
         # prefill_tokens; a prompt is padded to the smallest width that holds it. A prefill
         # starts at position 0, so a width-W prompt reads W cache rows: one span, W.
@@ -315,8 +320,9 @@ class TargetEngine:
             self._ahead_gate.record(True)
         else:
             self.drop_pending()
-            lay = layout_rows(rows, self.max_k + 1, self.cache.scratch_slot, self.cache.max_len)
-            (hidden, best, logits), replayed = self.registry.run(self._verify_kind, {
+            kind = self._verify_kind if drafted else self._decode_kind
+            lay = layout_rows(rows, self._widths[kind], self.cache.scratch_slot, self.cache.max_len)
+            (hidden, best, logits), replayed = self.registry.run(kind, {
                 "tokens": lay.tokens, "write_slots": lay.write_slots,
                 "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
         states = [self.requests[r.request_id] for r in reqs]
@@ -384,17 +390,16 @@ class TargetEngine:
         token is this step's argmax at its first position (k = 0: no draft, the bonus is it),
         written one position further. None when that step would not replay a graph or would
         not fit a row's cache. best: argmax int64 [B, W] (device) of the step just queued."""
-        b, width = len(rows), self.max_k + 1
+        b = len(rows)
         nxt = [Row(r.slot, r.start + 1, r.tokens[:1]) for r in rows]
         need = max(r.start + 1 for r in nxt)
-        if need > self.cache.max_len or not self.registry.can_replay(self._verify_kind, b, need):
+        if need > self.cache.max_len or not self.registry.can_replay(self._decode_kind, b, need):
             return None
-        lay = layout_rows(nxt, width, self.cache.scratch_slot, self.cache.max_len)
-        # NOTE: the token columns are built on the device before the replay below
+        lay = layout_rows(nxt, 1, self.cache.scratch_slot, self.cache.max_len)
+        # NOTE: the replay copies the token column into its static input before it
         # overwrites ``best`` (stream order), and after the host copies of this step.
-        tokens = self.ops.cat([best[:, :1], self.ops.zeros((b, width - 1), "int64")], 1)     # [B, W]
-        outputs, replayed = self.registry.run(self._verify_kind, {
-            "tokens": tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+        outputs, replayed = self.registry.run(self._decode_kind, {
+            "tokens": best[:, :1], "write_slots": lay.write_slots, "positions": lay.positions,
             "read_slots": lay.read_slots}, need=need)
         if not replayed:
             return None
@@ -412,7 +417,7 @@ class TargetEngine:
         """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.
         Row j of a request decides position starts[i] + j: its counter-based uniforms come along
         (u_acc [S, kmax] and u_tok [S, kmax+1]; padding past a row's k is never read)."""
-        width = self.max_k + 1
+        width = self.ops.shape(logits)[1]
         kmax = max(len(reqs[i].drafts) for i in sampled)
         drafts = np.zeros((len(sampled), kmax), dtype=np.int64)
         for row, i in enumerate(sampled):
@@ -434,7 +439,7 @@ class TargetEngine:
     def _coupled_on_device(self, reqs, states, starts: list[int], coupled: list[int], logits):
         """The coupled rows' Gumbel-max choices at every verified position -> int64 [C, width]
         (row j of request i decides position starts[i] + j; columns past its k are unused)."""
-        width = self.max_k + 1
+        width = self.ops.shape(logits)[1]
         ps = [states[i].params for i in coupled]
         rows = self.ops.from_numpy(np.asarray(coupled, dtype=np.int64), "int64")
         sel = self.ops.index_select(logits, rows, 0)                                     # [C, width, V]

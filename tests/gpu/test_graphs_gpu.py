@@ -3,7 +3,7 @@
 Run on an H200 host: ``python3 -m pytest -m gpu tests/gpu -s`` (docs/gpu.md
 records the command, date and output). What is shown:
 - graph replay == eager for every bucket and step kind (draft catch-up,
-  draft substep, target verify), with padded batches;
+  draft substep, target verify and its one-position step), with padded batches;
 - static buffers are never rebound (addresses fixed over many steps);
 - ClearGraphs gives the pool back: 10 capture/clear cycles, no growth;
 - a whole engine run with graphs gives the same tokens as eager.
@@ -60,7 +60,8 @@ def test_graph_replay_equals_eager_for_every_bucket_and_kind():
     ops, target, draft = _engines()
     rng = np.random.default_rng(0)
     cases = [(draft.registry, draft._catchup_kind, "catchup", K + 1), (draft.registry, SUBSTEP, "substep", 1),
-             (target.registry, target._verify_kind, "verify", K + 1)]
+             (target.registry, target._verify_kind, "verify", K + 1),
+             (target.registry, target._decode_kind, "verify", 1)]
     batches = {1: 1, 4: 3, 8: 7}   # padded: 3 rows in bucket 4, 7 in bucket 8
     eager_out = {}
     for reg, name, kind, width in cases:

@@ -137,7 +137,8 @@ def test_capture_clear_release_reload_cycle_and_teardown_order(worker_server):
     assert health(t) == health(t, "specsplit.v1.TargetService") == health_pb2.HealthCheckResponse.SERVING
     s = t.stub.CaptureGraphs(pb.CaptureGraphsRequest(), timeout=TIMEOUT).status
     assert s.state == pb.LIFECYCLE_STATE_READY
-    assert list(s.graph_keys) == ["verify4@1", "verify4@2", "verify4@4"] and s.graphs_mode == "eager (cpu)"
+    assert list(s.graph_keys) == [f"verify{w}@{b}" for w in (1, 4) for b in (1, 2, 4)]
+    assert s.graphs_mode == "eager (cpu)"
     assert t.stub.CaptureGraphs(pb.CaptureGraphsRequest(), timeout=TIMEOUT).status == s        # idempotent
 
     target_prefill(t, prompt_item("a", [1, 2, 3]), prompt_item("b", [4]), prompt_item("c", [5, 6]))

@@ -61,6 +61,31 @@ def test_drafting_rounds_queue_nothing_and_mixed_batches_stay_exact(engine):
     tgt.release("d")
 
 
+def test_rounds_without_drafts_run_the_one_position_step(engine, monkeypatch):
+    """A verify in which no row drafts runs ``verify1`` (a step queued ahead too), one with drafts
+    ``verify4`` (max_k + 1); target-only tokens equal those of the padded max_k + 1 step."""
+    prompts = [p[:40] for p in _prompts(3)]
+    kinds: list[str] = []
+    run = engine.target.registry.run
+
+    def spy(kind, inputs, need=None):
+        kinds.append(kind)
+        return run(kind, inputs, need=need)
+    monkeypatch.setattr(engine.target.registry, "run", spy)
+    one, _, _ = _generate(engine, prompts, [0] * 3, 3, ahead=False)
+    assert kinds and set(kinds) == {"verify1"}
+    kinds.clear()
+    _, used, _ = _generate(engine, prompts, [0] * 3, 3, ahead=True)
+    assert used > 0 and set(kinds) == {"verify1"}
+    kinds.clear()
+    _generate(engine, prompts, [0, 3, 0], 3, ahead=False)
+    assert set(kinds) == {"verify1", "verify4"}
+    monkeypatch.setattr(engine.target, "_decode_kind", "verify4")    # padded, as before verify1
+    kinds.clear()
+    padded, _, _ = _generate(engine, prompts, [0] * 3, 3, ahead=False)
+    assert set(kinds) == {"verify4"} and padded == one
+
+
 def _prefill(tgt, rid, prompt):
     return tgt.prefill([PrefillRequest(rid, np.asarray(prompt, dtype=np.int64), SamplingParams())])[0]
 
