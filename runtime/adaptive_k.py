@@ -84,6 +84,9 @@ round: measured on an H200 with the bundled model, a target-only round took
 So once both kinds have been seen (``MIN_PERIODS`` each), T(0) is the median
 start-to-start period of target-only rounds, and T(k > 0) the median period of
 drafting rounds less their draft time, plus the draft time of k drafts.
+Before that, T(0) is the parts' sum of target-only rounds (their step and
+the host work around it), or a drafting round's verify while none was timed:
+never less, and what a target-only round cost before it had a step of its own.
 
 The draft time of k drafts (``RoundCosts.draft_time``) is one catch-up pass
 (the pending pairs, giving draft 1) plus k - 1 substeps: a + b k, not k times
@@ -221,7 +224,8 @@ class RoundCosts:
 
     def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
         self._verify = _Window(self.WINDOW, [t_verify])     # drafting rounds' verify (max_k + 1 positions)
-        self._verify0 = _Window(self.WINDOW, [t_verify])    # target-only rounds' one-position step
+        self._verify0 = _Window(self.WINDOW)                # target-only rounds' one-position step ...
+        self._overhead0 = _Window(self.WINDOW)              # ... and what they cost around it
         self._draft = _Window(self.WINDOW, [t_draft])
         self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
         self._draft_median: dict[int, float] = {}    # k -> their median, once MIN_PERIODS were timed
@@ -250,8 +254,14 @@ class RoundCosts:
 
     @property
     def t_verify0(self) -> float:
-        """A round's verify when nobody drafts (the target's one-position step)."""
-        return self._verify0.median
+        """A round's verify when nobody drafts (the target's one-position step); a drafting
+        round's, which is never less, until one was timed."""
+        return self._verify0.median if len(self._verify0) else self.t_verify
+
+    @property
+    def t_round0(self) -> float:
+        """A target-only round by its parts: the one-position step and the host work around it."""
+        return self.t_verify0 + (self._overhead0.median if len(self._overhead0) else 0.0)
 
     @property
     def t_draft(self) -> float:
@@ -315,7 +325,7 @@ class RoundCosts:
             if k == 0:
                 return self._period0.median
             return self._fixed_spec.median + self.draft_time(k)
-        return self.t_verify + self.t_exchange + self.draft_time(k) if k > 0 else self.t_verify0
+        return self.t_verify + self.t_exchange + self.draft_time(k) if k > 0 else self.t_round0
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
                 started: float | None = None, batch: frozenset[str] | None = None) -> None:
@@ -349,7 +359,11 @@ class RoundCosts:
                 self._period0.append(period)
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
-        (self._verify if k_max > 0 else self._verify0).append(verify_s)
+        if k_max > 0:
+            self._verify.append(verify_s)
+        else:
+            self._verify0.append(verify_s)
+            self._overhead0.append(overhead_s)
         steady = self._drafted_last        # module doc: the first drafting round after none is not
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s

@@ -345,3 +345,18 @@ def test_kept_costs_and_expectations_equal_fresh_ones():
                       (3e-4 if k else 2e-5) * rng.uniform(0.9, 1.1), started=t, batch=batch)
         t += (1.5e-3 if k else 7e-4) * rng.uniform(0.9, 1.1)
     assert costs._periods_measured
+
+
+def test_target_only_rounds_have_their_own_verify_time():
+    """A round in which nobody drafts runs the target's one-position step: T(0) is that step and
+    the host work around it, kept apart from a drafting round's max_k + 1 position verify; until
+    one was timed, T(0) is a drafting round's verify (never less)."""
+    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs.observe(3, 3e-4, 2e-3, 2e-4)
+    assert costs.cost(0) == pytest.approx(2e-3)
+    for _ in range(5):
+        costs.observe(0, 0.0, 1.2e-3, 1e-4)
+        costs.observe(3, 3e-4, 2e-3, 2e-4)
+    assert costs.t_verify0 == pytest.approx(1.2e-3) and costs.t_verify == pytest.approx(2e-3)
+    assert costs.cost(0) == pytest.approx(1.3e-3)
+    assert costs.cost(3) == pytest.approx(2e-3 + 2e-4 + 3e-4)
