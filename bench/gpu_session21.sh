@@ -7,8 +7,10 @@
 #                                               # thread's cProfile),
 #                                               # bench profile --small --batch 8 (the same round in process),
 #                                               # then bench services at batch 8 as time allows
-#   bash bench/gpu_session21.sh OUT_DIR tests   # the kernel, invariance, propose and round-loop GPU tests, then
-#                                               # bench services at batch 8 (float32) and 1
+#   bash bench/gpu_session21.sh OUT_DIR tests   # the graph, decode-ahead, kernel, invariance, propose and round-loop
+#                                               # GPU tests, then bench services at batch 8 (float32) and 1
+#   bash bench/gpu_session21.sh OUT_DIR peer    # bench peer on the bundled model at batch 1 and 8 (one GPU for
+#                                               # both workers), then bench adaptive as time allows
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -37,6 +39,11 @@ elif [ "$mode" = tests ]; then
     | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert|\[gpu" | tail -24
   svc services_b8 120 --device cuda:0 --batch 8
   [ "$(left)" -gt 60 ] && svc services_b1 "$(left)" --device cuda:0 --batch 1
+elif [ "$mode" = peer ]; then
+  timeout 330 python3 -m specsplit bench peer --small --device cuda:0 --batch 1 8 --prompts 8 --max-tokens 128 2>&1 \
+    | quiet | tee "$out/bench_peer_small.txt" | tail -10
+  [ "$(left)" -gt 120 ] && timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 \
+    --prompts 8 --max-tokens 128 --repeats 2 2>&1 | quiet | tee "$out/adaptive.txt" | tail -12
 else
   echo "unknown mode $mode"; exit 2
 fi
