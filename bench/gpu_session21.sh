@@ -2,6 +2,8 @@
 # Session 21 on one GPU (issue 10): where a batch-8 speculative round's time goes through the
 # services' round loop, against the same round in process, then the GPU tests session 20 left.
 #
+#   bash bench/gpu_session21.sh OUT_DIR main    # the most in one call: the graph and decode-ahead GPU tests (verify1),
+#                                               # bench services at batch 8 and 1, the batch-8 probe with a draft
 #   bash bench/gpu_session21.sh OUT_DIR probe   # scripts/round_host_probe.py with a draft service (target and
 #                                               # draft on cuda:0, batch 8, target-only 8, then 1; the scheduler
 #                                               # thread's cProfile),
@@ -14,7 +16,7 @@
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
-mode="${2:-probe}"
+mode="${2:-main}"
 gpu_prologue
 probe() {  # $1 the output's name, $2 the seconds it may take, then the probe's batch and flags
   local name="$1" limit="$2"; shift 2
@@ -26,7 +28,13 @@ svc() {  # bench services on the bundled model: $1 the output's name, $2 the sec
   timeout "$limit" python3 -m specsplit bench services --backend torch --prompts 16 --max-tokens 128 "$@" 2>&1 \
     | quiet | tee "$out/$name.txt" | tail -14
 }
-if [ "$mode" = probe ]; then
+if [ "$mode" = main ]; then
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
+    tests/gpu/test_decode_ahead_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -12
+  svc services_b8 150 --device cuda:0 --batch 8
+  svc services_b1 150 --device cuda:0 --batch 1
+  [ "$(left)" -gt 60 ] && probe probe_b8 "$(left)" 8 --draft cuda:0
+elif [ "$mode" = probe ]; then
   probe probe_b8 150 8 --draft cuda:0
   probe probe_b8_target_only 90 8
   probe probe_b1 120 1 --draft cuda:0
