@@ -124,11 +124,18 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--draft", default="", metavar="DEVICE")
     a = ap.parse_args()
-    draft = None
-    if a.draft:
-        opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
-        draft = Child("draft", worker_argv("draft", opts, a.draft), dict(os.environ))
+    if not a.draft:
+        return probe(a, None)
+    opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
+    draft = Child("draft", worker_argv("draft", opts, a.draft), dict(os.environ))
+    try:
         draft.wait_listening()
+        return probe(a, draft)
+    finally:
+        draft.stop()
+
+
+def probe(a: argparse.Namespace, draft: Child | None) -> int:
     if a.late:
         _late_handles()
     if a.profile:
@@ -187,8 +194,6 @@ def main() -> int:
         reader.stop()
     host.close()
     worker.close()
-    if draft is not None:
-        draft.stop()
     return 0
 
 
