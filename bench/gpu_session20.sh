@@ -31,11 +31,6 @@ tests() {  # the GPU tests given, a short summary
   timeout "$1" python3 -m pytest -q -s -p no:cacheprovider -m gpu "${@:2}" 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|error|Error|assert|\[gpu" | tail -24
 }
-svc() {  # bench services on the bundled model: $1 the output's name, $2 the seconds it may take, then extra flags
-  local name="$1" limit="$2"; shift 2
-  timeout "$limit" python3 -m specsplit bench services --backend torch --prompts 16 --max-tokens 128 "$@" 2>&1 \
-    | quiet | tee "$out/$name.txt" | tail -14
-}
 if [ "$mode" = one ]; then
   tests 300 tests/gpu/test_kernels_gpu.py tests/gpu/test_invariant_gpu.py tests/gpu/test_propose_gpu.py \
     tests/gpu/test_loop_gpu.py

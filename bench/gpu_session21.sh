@@ -23,11 +23,6 @@ probe() {  # $1 the output's name, $2 the seconds it may take, then the probe's 
   timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$1" 128 --outbox "${@:2}" --profile 40 \
     2>&1 | quiet | grep -v -E "^\s*$|lifecycle|graph_registry|admin_token" | tee "$out/$name.txt" | head -60
 }
-svc() {  # bench services on the bundled model: $1 the output's name, $2 the seconds it may take, then extra flags
-  local name="$1" limit="$2"; shift 2
-  timeout "$limit" python3 -m specsplit bench services --backend torch --prompts 16 --max-tokens 128 "$@" 2>&1 \
-    | quiet | tee "$out/$name.txt" | tail -14
-}
 if [ "$mode" = main ]; then
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py \
     tests/gpu/test_decode_ahead_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -12
