@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 
 from rounds.guards import GuardedDraft, GuardedTarget
-from runtime.adaptive_k import RoundCosts
+from runtime.adaptive_k import AdaptiveLoop
 from runtime.micro_batch import run_round_micro
 from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, detach_draft,
                                   run_round)
@@ -71,7 +71,7 @@ class Scheduler:
         self.observer: Observer = observer or NullObserver()
         self.timing = TimingTotals()
         # Adaptive speculation length: per-request policies share the loop's round-cost estimates.
-        self.costs: RoundCosts | None = RoundCosts() if adaptive_k else None
+        self.costs: AdaptiveLoop | None = AdaptiveLoop() if adaptive_k else None
         self.ahead = ahead                           # ahead drafting (runtime.round_driver.run_round)
         self.micro_batches = micro_batches           # two micro-batches overlapped (runtime.micro_batch)
         self.round = 0

@@ -180,7 +180,7 @@ class SpecConfig:
     max_k: int = 3
     default_k: int = 3
     adaptive_k: bool = False             # per request, k in [0, the request's k] follows its acceptance and the
-                                         # measured round costs (runtime/adaptive_k.py); target round loop only
+                                         # round costs (runtime/adaptive_k.py, round_costs.py); target round loop only
     ahead_drafting: bool = False         # while the target verifies, the draft drafts past d_k (used when all k are
                                          # accepted and the bonus matches); set on both workers
     micro_batches: bool = False          # target round loop: two micro-batches, the draft drafting one while the

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.adaptive_k import RoundCosts
+from runtime.adaptive_k import AdaptiveLoop
 from runtime.round_driver import (DraftPort, Sequence, TargetPort, commit_result, propose_requests, round_ks,
                                   run_round, took_proposal)
 from runtime.types import Proposal, VerifyRequest
@@ -34,7 +34,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def run_round_micro(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
-                    costs: RoundCosts | None = None) -> dict[str, list[int]]:
+                    costs: AdaptiveLoop | None = None) -> dict[str, list[int]]:
     """One round over ``seqs`` as two micro-batches; returns tokens emitted per request.
 
     Falls back to one plain round when there is nothing to overlap (no draft, or fewer

@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, RoundCosts, request_ks
+from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, request_ks
 from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -280,7 +280,7 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
         s.drafting = True
 
 
-def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | None) -> dict[str, int]:
+def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: AdaptiveLoop | None) -> dict[str, int]:
     """Drafts per request this round: its k, or with adaptive k what ``request_ks`` gives it (the
     round's k*, or its own k in a newcomer probe; runtime.adaptive_k)."""
     drafting = [s for s in seqs if draft is not None and s.drafting]
@@ -295,7 +295,7 @@ def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: RoundCosts | 
 
 
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
-              costs: RoundCosts | None = None, ahead: bool = False) -> dict[str, list[int]]:
+              costs: AdaptiveLoop | None = None, ahead: bool = False) -> dict[str, list[int]]:
     """One speculative round over live sequences; returns tokens emitted per request.
 
     With ``costs`` (the loop's round-cost estimates), sequences that carry an

@@ -3,7 +3,7 @@
 Owns: a seeded model of ``specsplit bench adaptive`` — the same sets (a
 warm-up, then heldout, random and mix, 8 requests x 64 tokens each, served
 by one loop in that order) — with round times of the bundled model on an
-H200: by default session 5's (runtime/adaptive_k.py's doc: a target-only round
+H200: by default session 5's (runtime/round_costs.py's doc: a target-only round
 1.38 ms start to start; a k = 3 round 3.72 ms of which 1.28 ms draft, so T(k) =
 2.44 ms + 0.43 ms * k), or ``--regime T0 FIXED TD VERIFY`` (docs/performance.md
 § Session 12 has that session's), a ``--wide`` penalty for a catch-up wider
@@ -16,7 +16,7 @@ easy (0.75-0.92) and hard (0.4-0.6) stretches, random ones sit at
 It drives ``runtime.adaptive_k`` (``--code DIR``: another checkout's, e.g. a
 ``git worktree`` of the previous commit) exactly as the round driver does:
 ``request_ks`` (or ``choose_round_k`` where a checkout has no
-``request_ks``), ``RoundCosts.observe`` and ``AdaptiveK.observe``. No
+``request_ks``), ``AdaptiveLoop.observe`` (``RoundCosts`` before it) and ``AdaptiveK.observe``. No
 tensors, no services: what it measures is the policy, in a regime this
 machine's CPU cannot show (there drafting almost always pays).
 
@@ -29,7 +29,8 @@ Must not know: how the policy decides.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import os
 import statistics
 import sys
 
@@ -39,11 +40,10 @@ T0, FIXED, TD, VERIFY, CAPTURED = 1.38e-3, 2.44e-3, 1.28e-3 / 3, 1.34e-3, 4
 
 
 def load(code: str):
-    spec = importlib.util.spec_from_file_location("adaptive_k_sim", f"{code}/runtime/adaptive_k.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The checkout's ``runtime.adaptive_k`` (and whatever of its ``runtime`` it imports): the
+    checkout first on the path, before anything of ``runtime`` was imported."""
+    sys.path.insert(0, os.path.abspath(code))
+    return importlib.import_module("runtime.adaptive_k")
 
 
 def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
@@ -51,7 +51,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
     """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's)."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
-    costs = mod.RoundCosts() if policy == "adaptive" else None
+    costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
     loop = getattr(costs, "loop", None)
     t, res = 0.0, {}
     for name, reqs in sets:

@@ -1,4 +1,4 @@
-"""Adaptive speculation length (runtime/adaptive_k.py): the cost model and the per-request policy."""
+"""Adaptive speculation length: the round-cost model (runtime/round_costs.py) and the policy (runtime/adaptive_k.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, RoundCosts, best_k,
-                                best_round_k, choose_round_k, expected_tokens, line_fit, request_ks, round_cost,
-                                round_k_star, _argmax, _rates)
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, AdaptiveLoop, best_k,
+                                best_round_k, choose_round_k, expected_tokens, request_ks, round_k_star, _argmax,
+                                _rates)
+from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, round_ks
 
 
@@ -38,7 +39,7 @@ def test_cheap_drafts_and_high_acceptance_draft_the_most_useless_drafts_none():
 
 
 def test_policy_learns_acceptance_from_trials_and_probes_when_target_only():
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     pol = AdaptiveK(max_k=4)
     assert choose_round_k([pol], costs) > 0           # the prior says drafting pays here
     for _ in range(60):
@@ -81,7 +82,7 @@ def test_rounds_after_no_drafting_do_not_feed_the_draft_costs():
     rounds (an eager catch-up over every skipped pair) are not steady state: only their verify
     time is observed. Regression: probes after 16 target-only rounds charged that catch-up to
     the draft, and adaptive k stayed at k = 0 on an H200 (x0.81 of fixed k)."""
-    costs = RoundCosts(t_verify=1.5e-3, t_draft=3e-4, t_exchange=9e-4)
+    costs = AdaptiveLoop(t_verify=1.5e-3, t_draft=3e-4, t_exchange=9e-4)
     costs.observe(3, 3e-2, 1.5e-3, 5e-2)                 # first round: stream opening
     assert costs.t_draft == pytest.approx(3e-4) and costs.t_exchange == pytest.approx(9e-4)
     costs.observe(3, 9e-4, 1.5e-3, 9e-4)                 # steady
@@ -97,7 +98,7 @@ def test_rounds_after_no_drafting_do_not_feed_the_draft_costs():
 def test_an_early_slow_round_does_not_stop_drafting():
     """Regression: the first draft exchange (stream opening) cost ~50x a normal one; an averaged
     estimate stayed high for hundreds of rounds and adaptive k drafted almost never (x0.85)."""
-    costs, pol = RoundCosts(), AdaptiveK(max_k=3)
+    costs, pol = AdaptiveLoop(), AdaptiveK(max_k=3)
     costs.observe(3, 3e-2, 1.6e-3, 5e-2)
     for _ in range(20):
         k = choose_round_k([pol], costs)
@@ -110,7 +111,7 @@ def test_an_early_slow_round_does_not_stop_drafting():
 
 
 def test_probes_back_off_while_they_keep_failing_and_reset_once_drafting_pays():
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     pol = AdaptiveK(max_k=4)
     for _ in range(60):
         pol.observe(4, 0)
@@ -133,7 +134,7 @@ def test_measured_round_periods_replace_the_part_sums():
     start to start, a k = 3 round 3.69 vs 3.72 ms; from the parts alone k = 0 looked better at
     acceptance 0.81 and adaptive k ran at x0.86 of fixed k = 3, which measured 914 vs 725 tok/s."""
     pol = AdaptiveK(max_k=3, successes=0.81 * 50, trials=50.0)
-    parts = RoundCosts()
+    parts = AdaptiveLoop()
     t = 0.0
     for _ in range(10):                                   # the parts as measured (no periods given)
         for _ in range(3):
@@ -141,7 +142,7 @@ def test_measured_round_periods_replace_the_part_sums():
         parts.observe(3, 1.28e-3, 1.34e-3, 1.06e-3)
         parts.observe(3, 1.28e-3, 1.34e-3, 1.06e-3)
     assert choose_round_k([pol], parts) == 0
-    timed = RoundCosts()
+    timed = AdaptiveLoop()
     for _ in range(10):                                   # the same rounds, with their start times
         for _ in range(3):
             timed.observe(0, 0.0, 1.15e-3, 2e-5, started=t)
@@ -157,7 +158,7 @@ def test_measured_round_periods_replace_the_part_sums():
 def test_a_new_request_starts_from_the_loops_measured_acceptance():
     """Regression: every request started at the 0.8 prior, so on prompts where drafting never pays
     each one drafted its first three or four rounds (x0.91 of target-only on an H200)."""
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     assert costs.loop.new_policy(4).acceptance == PRIOR_ACCEPTANCE      # nothing measured yet
     first = costs.loop.new_policy(4)
     for _ in range(60):
@@ -176,7 +177,7 @@ def test_a_new_request_starts_from_the_loops_measured_acceptance():
 def test_the_newcomer_probe_drafts_only_the_newcomer():
     """A request that never drafted drafts its first round even where its prior says k = 0 (its
     catch-up is one pair); the measured requests beside it stay target-only."""
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     old = costs.loop.new_policy(3)
     for _ in range(60):
         old.observe(3, 0)
@@ -196,7 +197,7 @@ def test_newcomer_probes_thin_out_while_probes_keep_failing():
     """Where no request drafts well, each newcomer probe is a wasted drafting round: once two
     probes in a row failed, only one newcomer in 2, 4, ... (up to PROBE_BACKOFF_MAX) probes; a
     newcomer whose probe finds drafting pays brings every newcomer's probe back."""
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     first = costs.loop.new_policy(3)
     for _ in range(60):
         first.observe(3, 0)
@@ -225,7 +226,7 @@ def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
     """The second probe round exists to time a steady drafting round; once the cost model has
     those, it only repeats what the first round's acceptance already said (a wasted round
     where drafting does not pay)."""
-    costs = RoundCosts(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     pol = AdaptiveK(max_k=3, successes=0.0, trials=50.0)
     t = 0.0
     for k in (3, 3, 3, 3, 3, 0, 0, 0, 0):               # steady drafting rounds, then target-only
@@ -247,7 +248,7 @@ def test_expected_tokens_per_position_follow_where_drafts_fail():
             pol.observe(3, a)
     assert [pol.expected(k) for k in (1, 2, 3)] == pytest.approx([2.0, 2.3, 2.4], abs=0.08)
     assert expected_tokens(pol.acceptance, 1) < 1.7
-    costs = RoundCosts(t_verify=2e-3, t_draft=2e-4, t_exchange=1e-3)
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=2e-4, t_exchange=1e-3)
     assert best_k(pol.acceptance, 3, 2e-3, 2e-4, 1e-3) == 3
     assert choose_round_k([pol], costs) == 2
 
@@ -272,7 +273,7 @@ def test_a_request_that_fell_to_k1_goes_back_to_k3_when_its_first_drafts_keep_pa
     rejected draft 2, the request fell to k = 1, and with drafts 2 and 3 no longer tested their
     estimates stayed where those four rounds had left them: k = 1 for the rest of the request
     while its first draft passed every time. Untested positions now drift back to the pooled rate."""
-    costs = RoundCosts(t_verify=10e-3, t_draft=1.8e-3, t_exchange=0.5e-3)
+    costs = AdaptiveLoop(t_verify=10e-3, t_draft=1.8e-3, t_exchange=0.5e-3)
     pol = AdaptiveK(max_k=3)
     for _ in range(4):
         pol.observe(3, 1)                             # draft 1 right, draft 2 wrong
@@ -314,7 +315,7 @@ def test_kept_costs_and_expectations_equal_fresh_ones():
     over a seeded mix of target-only stretches, probes and drafting rounds (batch changes
     included), every kept value, and the round's k*, equals the one computed afresh."""
     rng = random.Random(3)
-    costs = RoundCosts()
+    costs = AdaptiveLoop()
     pols = [costs.loop.new_policy(3)]
     t, batch = 0.0, frozenset({"a"})
     for i in range(600):

@@ -1,0 +1,246 @@
+"""The round-cost model of adaptive speculation length: what a round of k drafts costs.
+
+Owns: the running estimates of a round's parts (a drafting round's verify, a
+target-only round's step and host work, the draft time per k, the draft
+exchange) and of whole rounds (start-to-start periods), and T(k) from them.
+Pure Python, no frameworks: the round loop reports every round with
+``RoundCosts.observe``; ``runtime.adaptive_k`` asks ``RoundCosts.cost``.
+
+Must not know: acceptance, requests, probes, workers, gRPC, tensors.
+
+A round's cost by its parts (runtime/adaptive_k.py's doc has the whole model):
+
+    T(k) = t_verify(k) + [k > 0] * (t_exchange + draft_time(k))
+
+What a round really costs: the sum above leaves out what happens around the
+parts (the loop's own work between rounds, streaming the chunks, threads
+competing for the interpreter), and that is not the same for both kinds of
+round: measured on an H200 with the bundled model, a target-only round took
+1.17 ms inside but 1.38 ms start to start, a k = 3 round 3.69 vs 3.72 ms.
+So once both kinds have been seen (``MIN_PERIODS`` each), T(0) is the median
+start-to-start period of target-only rounds, and T(k > 0) the median period of
+drafting rounds less their draft time, plus the draft time of k drafts.
+Before that, T(0) is the parts' sum of target-only rounds (their step and
+the host work around it), or a drafting round's verify while none was timed:
+never less, and what a target-only round cost before it had a step of its own.
+
+The draft time of k drafts (``RoundCosts.draft_time``) is one catch-up pass
+(the pending pairs, giving draft 1) plus k - 1 substeps: a + b k, not k times
+one price. Measured per k (the median of the last rounds that drafted k); a k
+not measured yet comes from the line through the measured ones (least
+squares), and k * t_draft only while a single k has been timed. Regression it
+fixes: charging a round's draft time per draft made a k = 1 round's catch-up
+(about 2.9 ms on 2 CPU cores, against about 1.2 ms per later substep, by the
+loop's own estimates) the price of every draft, so the longer a request stayed
+at k = 1, the dearer k = 3 looked (5.8 ms above k = 1 where it cost 2.4).
+
+Which rounds feed the cost estimates: a drafting round right after rounds
+that did not draft (a probe's first round, the first round of the loop) is
+not steady state — its catch-up carries every pair the skipped rounds left
+(wider than any captured width: the draft runs it eagerly) and the first
+exchange on a fresh stream pays its opening. Its verify time counts, its
+draft and exchange times do not. And no start-to-start period spans a change
+of the batch (requests retired and admitted in between).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+MIN_PERIODS = 3              # measured round periods of each kind before they replace the part sums
+
+
+def round_cost(k: int, t_verify: float, t_draft: float, t_exchange: float) -> float:
+    """T(k): a verify, plus (when k > 0) one draft exchange and k draft substeps."""
+    return t_verify + (t_exchange + k * t_draft if k > 0 else 0.0)
+
+
+def line_fit(points: dict[int, float]) -> tuple[float, float]:
+    """Least squares y = a + b k through {k: y} (two or more k), with a, b >= 0: a draft time
+    neither shrinks with k nor goes below zero."""
+    n = len(points)
+    mk = sum(points) / n
+    my = sum(points.values()) / n
+    var = sum((k - mk) ** 2 for k in points)
+    b = max(sum((k - mk) * (y - my) for k, y in points.items()) / var, 0.0)
+    a = my - b * mk
+    if a < 0:                                  # through the origin instead
+        a, b = 0.0, sum(k * y for k, y in points.items()) / sum(k * k for k in points)
+    return a, b
+
+
+class Window:
+    """The last ``n`` observations, and their median, computed again only after a change (a
+    target-only round changes only its own windows; see ``RoundCosts.observe``)."""
+
+    __slots__ = ("_items", "_median")
+
+    def __init__(self, n: int, items: tuple[float, ...] | list[float] = ()) -> None:
+        self._items: collections.deque[float] = collections.deque(items, maxlen=n)
+        self._median: float | None = None
+
+    def append(self, x: float) -> None:
+        self._items.append(x)
+        self._median = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def median(self) -> float:
+        if self._median is None:
+            self._median = statistics.median(self._items)
+        return self._median
+
+
+class RoundCosts:
+    """Running estimates of the round's parts (seconds), shared by every request of a loop.
+
+    Each part is the median of its last ``WINDOW`` observations: robust to the
+    outliers a serving loop sees (a stream opened, a request joining, a GC
+    pause), which would otherwise hold an average high for many rounds.
+    """
+
+    WINDOW = 31
+
+    def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
+        self._verify = Window(self.WINDOW, [t_verify])     # drafting rounds' verify (max_k + 1 positions)
+        self._verify0 = Window(self.WINDOW)                # target-only rounds' one-position step ...
+        self._overhead0 = Window(self.WINDOW)              # ... and what they cost around it
+        self._draft = Window(self.WINDOW, [t_draft])
+        self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
+        self._draft_median: dict[int, float] = {}    # k -> their median, once MIN_PERIODS were timed
+        self._exchange = Window(self.WINDOW, [t_exchange])
+        self._drafted_last = False     # did the previous observed round draft?
+        # Start-to-start periods: of target-only rounds, and of drafting rounds less their draft time.
+        self._period0 = Window(self.WINDOW)
+        self._fixed_spec = Window(self.WINDOW)
+        self._last_start: float | None = None
+        self._last_batch: frozenset[str] | None = None
+        self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
+        self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
+        self.version = 0                      # bumped when T(k > 0) may change (adaptive_k.round_k_star's cache)
+        self._line: tuple[float, float] | None = None    # line_fit of the measured draft times, kept
+
+    @property
+    def t_verify(self) -> float:
+        """A drafting round's verify."""
+        return self._verify.median
+
+    @property
+    def t_verify0(self) -> float:
+        """A round's verify when nobody drafts (the target's one-position step); a drafting
+        round's, which is never less, until one was timed."""
+        return self._verify0.median if len(self._verify0) else self.t_verify
+
+    @property
+    def t_round0(self) -> float:
+        """A target-only round by its parts: the one-position step and the host work around it."""
+        return self.t_verify0 + (self._overhead0.median if len(self._overhead0) else 0.0)
+
+    @property
+    def t_draft(self) -> float:
+        """One draft substep."""
+        return self._draft.median
+
+    def draft_time(self, k: int) -> float:
+        """Seconds of drafting in a round of k drafts (module doc): measured at k, else the
+        line through the k measured so far, else k * t_draft."""
+        if k <= 0:
+            return 0.0
+        measured = self._draft_median
+        if k in measured:
+            return measured[k]
+        if len(measured) >= 2:
+            if self._line is None:                # kept until a measured k's median changes
+                self._line = line_fit(measured)
+            a, b = self._line
+            return a + b * k
+        return k * self.t_draft
+
+    @property
+    def t_exchange(self) -> float:
+        """The draft call's fixed cost (transport, catch-up, host work)."""
+        return self._exchange.median
+
+    @property
+    def drafting_measured(self) -> bool:
+        """Have enough steady drafting rounds been timed for the cost model?"""
+        return len(self._fixed_spec) >= MIN_PERIODS
+
+    @property
+    def _periods_measured(self) -> bool:
+        return len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS
+
+    def cost(self, k: int) -> float:
+        """T(k) in seconds (``_cost``), kept until an ``observe`` changes what it reads."""
+        got = self._costs.get(k)
+        if got is None:
+            got = self._costs[k] = self._cost(k)
+        return got
+
+    def _cost(self, k: int) -> float:
+        """T(k) in seconds: measured periods once both kinds of round were seen, else the parts' sum."""
+        if self._periods_measured:
+            if k == 0:
+                return self._period0.median
+            return self._fixed_spec.median + self.draft_time(k)
+        return self.t_verify + self.t_exchange + self.draft_time(k) if k > 0 else self.t_round0
+
+    def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
+                started: float | None = None, batch: frozenset[str] | None = None) -> None:
+        """One round: its largest k, draft compute, verify compute and everything else; ``started``:
+        when it started (perf_counter seconds), for the start-to-start period of the round before;
+        ``batch``: its requests' ids."""
+        # NOTE: what ``cost`` keeps, dropped before anything it reads changes: a target-only
+        # round between target-only rounds changes only T(0) once periods are measured (its
+        # verify goes to the target-only window, which T(0) alone reads). Why keep anything: on the
+        # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
+        # rounds' in one run, ~8 % of a target-only round; the policy's host time per
+        # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
+        # 3.9 us with T(k), E(k), the medians and the best drafting k (adaptive_k.round_k_star) kept
+        # between changes.
+        drafting_changes = k_max > 0 or self._prev_k > 0 or not self._periods_measured
+        if drafting_changes:
+            self._costs.clear()
+            self.version += 1
+        else:
+            self._costs.pop(0, None)
+        prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
+        prev_batch, self._last_batch = self._last_batch, batch
+        self._prev_k = k_max
+        # NOTE: no period across a change of the batch: it holds the retiring of the requests
+        # that ended and the prefill of the ones that joined. Regression: at batch 1 a request's
+        # last round is often k = 0 (one token left) and the next starts after the next request's
+        # admission; on CPU those periods made T(0) ~60 ms where a target-only round took ~8.
+        if started is not None and prev_start is not None and (batch is None or batch == prev_batch):
+            period = started - prev_start
+            if prev_k == 0:
+                self._period0.append(period)
+            elif self._prev_steady:
+                self._fixed_spec.append(period - self._prev_draft)
+        if k_max > 0:
+            self._verify.append(verify_s)
+        else:
+            self._verify0.append(verify_s)
+            self._overhead0.append(overhead_s)
+        steady = self._drafted_last        # module doc: the first drafting round after none is not
+        self._drafted_last = k_max > 0
+        self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
+        if k_max > 0 and steady:
+            # NOTE: a round's draft time is one catch-up pass plus k-1 substeps: kept whole per k
+            # (draft_time), and per draft for t_draft (used while a single k has been timed);
+            # the round's overhead (which includes the exchange) goes to the exchange.
+            self._draft.append(draft_s / k_max)
+            by_k = self._draft_by_k.setdefault(k_max, collections.deque(maxlen=self.WINDOW))
+            by_k.append(draft_s)
+            if len(by_k) >= MIN_PERIODS:          # kept up to date here: cost() reads it every k, every round
+                self._draft_median[k_max] = statistics.median(by_k)
+                self._line = None
+            self._exchange.append(overhead_s)
+
+    def __repr__(self) -> str:
+        return (f"RoundCosts(t_verify={self.t_verify:.6f}, t_verify0={self.t_verify0:.6f}, "
+                f"t_draft={self.t_draft:.6f}, "
+                f"t_exchange={self.t_exchange:.6f})")
