@@ -40,7 +40,9 @@ from runtime.adaptive_k import AdaptiveLoop
 from runtime.micro_batch import run_round_micro
 from runtime.round_driver import (DraftPort, SeqStats, Sequence, TargetPort, admit, attach_draft, detach_draft,
                                   run_round)
-from rounds.scheduler_types import (Event, EventOutbox, RequestError, WorkerUnavailable, ItemFailures, error_of, GenerationRequest, TokensEvent, FinalEvent, ErrorEvent, QueueFull, RequestHandle, RoundTiming, TimingTotals, Observer, NullObserver)  # noqa: F401 (re-exported)
+from rounds.scheduler_types import (  # noqa: F401 (the names callers import from here, re-exported)
+    ErrorEvent, Event, EventOutbox, FinalEvent, GenerationRequest, ItemFailures, NullObserver, Observer, QueueFull,
+    RequestError, RequestHandle, RoundTiming, TimingTotals, TokensEvent, WorkerUnavailable, error_of)
 
 log = structlog.get_logger("rounds.scheduler")
 
@@ -405,7 +407,8 @@ class Scheduler:
         self.timing.add(timing)
         if self.costs is not None:
             k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
-            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0, frozenset(x.seq.request_id for x in live))
+            self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0,
+                               frozenset(x.seq.request_id for x in live))
         ks_acc = []
         for x in live:
             rid = x.seq.request_id

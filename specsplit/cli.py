@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("draft", "target"):
             return cmd_worker(args.command, args)
         handlers = {"orchestrator": cmd_orchestrator, "up": cmd_up, "demo": cmd_demo, "generate": cmd_generate,
-                    "status": cmd_status, "reload": cmd_reload, "push": cmd_push, "healthcheck": cmd_healthcheck, "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
+                    "status": cmd_status, "reload": cmd_reload, "push": cmd_push, "healthcheck": cmd_healthcheck,
+                    "config-reference": cmd_config_reference, "metrics-reference": cmd_metrics_reference}
         if args.command == "train":
             from training.torch_train import run_train
 
