@@ -94,7 +94,7 @@ from runtime.round_costs import RoundCosts, round_cost
 PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained MTP head's typical first-position rate)
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two probes (module doc)
-PROBE_BACKOFF_MAX = 16       # the probe interval grows to at most this many times PROBE_EVERY (module doc)
+PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
 
