@@ -46,6 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true", help="gemm: also time a grid of split-K launch shapes for each "
                    "projection at 4 rows and print the best ones")
     p.add_argument("--repeats", type=int, default=1, help="adaptive bench: interleaved repeats of every cell (medians)")
+    p.add_argument("--drafting-probes", action="store_true",
+                   help="adaptive bench: also a column of adaptive k whose probes draft and verify (spec.watch_probes "
+                        "off), on a stack of its own")
     p.add_argument("--fresh-stacks", action="store_true",
                    help="adaptive bench: start both stacks anew for every repeat, the adaptive one first on "
                         "odd repeats (default: one pair of stacks, fixed k first, for all repeats)")

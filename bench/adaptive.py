@@ -3,14 +3,16 @@
 Owns: three prompt sets on the bundled model — ``heldout`` (held-out prose and
 code, where the trained MTP head drafts well), ``random`` (random bytes of the
 same lengths, where the drafts are mostly wrong) and ``mix`` (the two
-interleaved) — decoded through the services at batch 1 (one client) on two
+interleaved) — decoded through the services at batch 1 (one client) on
 stacks started side by side: one with fixed k (each request asks k = 0, 1, 2 or
-3) and one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
-per round), both up at once, each prompt sent through every column in turn
-(``--repeats`` times). It prints each cell's median tokens/s (its requests'
-tokens over their summed time), the acceptance, adaptive over the best fixed k
-and over target-only, whether every output equals target-only, and per cell
-the round split and adaptive's share of rounds at each k.
+3), one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
+per round; its probes are watch probes) and, with ``--drafting-probes``, one
+with adaptive k whose probes draft and verify (``spec.watch_probes`` off), all
+up at once, each prompt sent through every column in turn (``--repeats``
+times). It prints each cell's median tokens/s (its requests' tokens over their
+summed time), the acceptance, each adaptive column over the best fixed k and
+over target-only, whether every output equals target-only, and per cell the
+round split and each adaptive column's share of rounds at each k.
 
 Issue 10's goal: on the mix, adaptive >= the best fixed k; on prompts where
 drafting never pays, adaptive >= target-only.
@@ -20,6 +22,7 @@ Must not know: how adaptive k decides (``runtime.adaptive_k``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -42,12 +45,17 @@ def prompt_sets(n: int, model: Path) -> dict[str, list[str]]:
     return {"heldout": held, "random": rand, "mix": mix}
 
 
-def _options(args, model: Path, adaptive: bool) -> StackOptions:
+def _options(args, model: Path, adaptive: bool, watch_probes: bool = True) -> StackOptions:
     draft_device = getattr(args, "draft_device", None) or args.device
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=max(FIXED_KS), max_batch=1, log_level="WARNING", adaptive_k=adaptive, worker_args=extra,
-                        metrics=True)
+                        metrics=True, watch_probes=watch_probes)
+
+
+# The stacks a run starts: fixed k (k = 0..3 are its columns), adaptive k with watch probes (the
+# default), and with --drafting-probes adaptive k whose probes draft and verify (spec.watch_probes off).
+STACKS = {"fixed": (False, True), "adaptive": (True, True), "adaptive-dp": (True, False)}
 
 
 def round_mix(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -98,7 +106,8 @@ def main(args) -> int:
     model = Path(args.model) if args.model else TINY
     sets = prompt_sets(args.prompts, model)
     repeats = max(1, getattr(args, "repeats", 1) or 1)
-    columns = [f"k={k}" for k in FIXED_KS] + ["adaptive"]
+    adaptive_cols = ["adaptive"] + (["adaptive-dp"] if getattr(args, "drafting_probes", False) else [])
+    columns = [f"k={k}" for k in FIXED_KS] + adaptive_cols
     runs: dict[str, dict[str, list[dict]]] = {name: {c: [] for c in columns} for name in sets}
     # NOTE: both stacks up at once, and every prompt through every column in turn (the adaptive
     # stack still sees the sets' prompts in order), so that a slow stretch of a shared machine
@@ -110,14 +119,15 @@ def main(args) -> int:
     # for every repeat, the adaptive one first on odd repeats.
     fresh = bool(getattr(args, "fresh_stacks", False))
     pairs = range(repeats) if fresh else [None]
+    names = ["fixed"] + adaptive_cols
     for pair in pairs:
-        order = (True, False) if (pair or 0) % 2 else (False, True)          # adaptive stack first?
-        with Stack(_options(args, model, order[0])) as first, Stack(_options(args, model, order[1])) as second:
-            fixed, adaptive = (second, first) if order[0] else (first, second)
-            stack_of = {c: (adaptive if c == "adaptive" else fixed) for c in columns}
+        order = names[(pair or 0) % len(names):] + names[:(pair or 0) % len(names)]     # who starts first
+        with contextlib.ExitStack() as up:
+            stacks = {n: up.enter_context(Stack(_options(args, model, *STACKS[n]))) for n in order}
+            stack_of = {c: stacks[c if c in stacks else "fixed"] for c in columns}
             address = {c: st.orchestrator_address for c, st in stack_of.items()}
             mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
-            for stack in (fixed, adaptive):
+            for stack in stacks.values():
                 _decode(stack.orchestrator_address, sets["heldout"][:2], 8, max(FIXED_KS), 1)      # warm-up
             for rep in progress([pair] if fresh else range(repeats), desc="bench adaptive", unit="repeat"):
                 for name, prompts in sets.items():
@@ -125,7 +135,7 @@ def main(args) -> int:
                     for i, prompt in enumerate(prompts):
                         shift = (i + rep) % len(columns)     # each prompt starts at another column
                         for c in columns[shift:] + columns[:shift]:
-                            k = max(FIXED_KS) if c == "adaptive" else int(c[2:])
+                            k = max(FIXED_KS) if c in adaptive_cols else int(c[2:])
                             done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k))
                     for c in columns:
                         runs[name][c].append(_cell(done[c]))
@@ -133,14 +143,15 @@ def main(args) -> int:
     for name, by_col in runs.items():
         row = {c: _merge(v) for c, v in by_col.items()}
         ref = row["k=0"]["outputs"]
-        best = max((c for c in row if c != "adaptive"), key=lambda c: row[c]["tok_s"])     # k = 0 is a fixed k too
+        best = max((c for c in row if c not in adaptive_cols), key=lambda c: row[c]["tok_s"])     # k = 0 too
         rows.append({"prompts": name, **{c: round(v["tok_s"], 1) for c, v in row.items()},
                      **{f"accept {c}": round(v["acceptance"], 3) for c, v in row.items() if c != "k=0"},
                      "best_fixed": best,
-                     "adaptive_over_best_fixed": round(row["adaptive"]["tok_s"] / row[best]["tok_s"], 3),
-                     "adaptive_over_target_only": round(row["adaptive"]["tok_s"] / row["k=0"]["tok_s"], 3),
+                     **{f"{c}_over_best_fixed": round(row[c]["tok_s"] / row[best]["tok_s"], 3) for c in adaptive_cols},
+                     **{f"{c}_over_target_only": round(row[c]["tok_s"] / row["k=0"]["tok_s"], 3) for c in adaptive_cols},
                      "identical": ref is not None and all(v["outputs"] == ref for v in row.values()),
-                     "round_ms": {c: v["round_ms"] for c, v in row.items()}, "adaptive_ks": row["adaptive"]["ks"]})
+                     "round_ms": {c: v["round_ms"] for c, v in row.items()},
+                     **{f"{c}_ks": row[c]["ks"] for c in adaptive_cols}})
     result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
               "repeats": repeats, "fresh_stacks": fresh, "rows": rows,
               "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
@@ -152,16 +163,16 @@ def main(args) -> int:
           f"prompts x {args.max_tokens} tokens per set, median tokens/s of {repeats} interleaved repeats"
           f"{' (fresh stacks each)' if fresh else ''} (acceptance)")
     cols = columns
-    print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols)
-          + f" {'adapt/best':>10s} {'adapt/k=0':>9s} identical")
+    ratios = " ".join(f"{c + '/best':>15s} {c + '/k=0':>14s}" for c in adaptive_cols)
+    print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols) + f" {ratios} identical")
     for r in rows:
         vals = " ".join(f"{r[c]:8.1f} ({r.get(f'accept {c}', 0):.2f})" if c != "k=0" else f"{r[c]:15.1f}" for c in cols)
-        print(f"{r['prompts']:>8s} {vals} {r['adaptive_over_best_fixed']:10.2f} {r['adaptive_over_target_only']:9.2f} "
-              f"{str(r['identical']):>9s}   (best fixed: {r['best_fixed']})")
-    print("per round, ms (draft / target / overhead = total), and adaptive's share of rounds at each k:")
+        rs = " ".join(f"{r[f'{c}_over_best_fixed']:15.2f} {r[f'{c}_over_target_only']:14.2f}" for c in adaptive_cols)
+        print(f"{r['prompts']:>8s} {vals} {rs} {str(r['identical']):>9s}   (best fixed: {r['best_fixed']})")
+    print("per round, ms (draft / target / overhead = total), and each adaptive column's share of rounds at each k:")
     for r in rows:
         parts = "  ".join(f"{c} {m.get('draft', 0):.2f}/{m.get('target', 0):.2f}/{m.get('overhead', 0):.2f}="
                           f"{m.get('total', 0):.2f}" for c, m in r["round_ms"].items())
-        mix = " ".join(f"{k}:{v:.2f}" for k, v in r["adaptive_ks"].items())
-        print(f"{r['prompts']:>8s} {parts}  adaptive k {mix}")
+        mix = "  ".join(f"{c} k " + " ".join(f"{k}:{v:.2f}" for k, v in r[f"{c}_ks"].items()) for c in adaptive_cols)
+        print(f"{r['prompts']:>8s} {parts}  {mix}")
     return 0

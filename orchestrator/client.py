@@ -67,6 +67,7 @@ class GenerateEvent:
     rounds: int = 0
     ahead_asked: int = 0             # rounds that drafted ahead, and rounds that used those drafts
     ahead_used: int = 0
+    watch_probes: int = 0            # adaptive k: rounds the draft drafted beside a target-only step
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class GenerationResult:
     weights_version: str = ""
     ahead_asked: int = 0
     ahead_used: int = 0
+    watch_probes: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,7 @@ class SpecsplitClient:
                         drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
                         mean_accepted_length=s.mean_accepted_length,
                         acceptance_per_position=tuple(s.acceptance_per_position), rounds=s.rounds,
-                        ahead_asked=s.ahead_asked, ahead_used=s.ahead_used)
+                        ahead_asked=s.ahead_asked, ahead_used=s.ahead_used, watch_probes=s.watch_probes)
         except grpc.RpcError as exc:
             raise SpecsplitError(exc.code(), exc.details() or "") from None
         finally:
@@ -247,7 +249,7 @@ class SpecsplitClient:
                                     ev.mean_accepted_length, ev.acceptance_per_position,
                                     {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens},
                                     ev.drafted, ev.accepted, ev.rounds, chunks, ev.request_id, ev.weights_version,
-                                    ev.ahead_asked, ev.ahead_used)
+                                    ev.ahead_asked, ev.ahead_used, ev.watch_probes)
         raise SpecsplitError(grpc.StatusCode.INTERNAL, "the stream ended without a final message")
 
     # --- status -----------------------------------------------------------------------

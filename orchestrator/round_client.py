@@ -40,7 +40,8 @@ _DRAIN = {"wait": tpb.DRAIN_POLICY_WAIT, "abort": tpb.DRAIN_POLICY_ABORT, "park"
 def stats_from_proto(p: tpb.DecodeStats) -> SeqStats:
     return SeqStats(rounds=p.rounds, drafted=p.drafted, accepted=p.accepted, emitted_in_rounds=p.emitted_in_rounds,
                     spec_rounds=p.spec_rounds, pos_drafted=list(p.position_drafted),
-                    pos_accepted=list(p.position_accepted), ahead_asked=p.ahead_asked, ahead_used=p.ahead_used)
+                    pos_accepted=list(p.position_accepted), ahead_asked=p.ahead_asked, ahead_used=p.ahead_used,
+                    watch_probes=p.watch_probes)
 
 
 def _timing(p: tpb.DecodeChunk) -> RoundTiming | None:

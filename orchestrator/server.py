@@ -257,7 +257,8 @@ class Orchestrator:
 def _stats_proto(s: SeqStats) -> opb.SpecStats:
     return opb.SpecStats(drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
                          mean_accepted_length=s.mean_accepted_length, acceptance_per_position=s.per_position(),
-                         rounds=s.rounds, ahead_asked=s.ahead_asked, ahead_used=s.ahead_used)
+                         rounds=s.rounds, ahead_asked=s.ahead_asked, ahead_used=s.ahead_used,
+                         watch_probes=s.watch_probes)
 
 
 class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.OrchestratorServicer):

@@ -64,7 +64,7 @@ class Scheduler:
     def __init__(self, target: TargetPort, draft: DraftPort | None, *, max_batch: int, max_queue: int,
                  eos_token_id: int | None, weights_version: str = "", observer: Observer | None = None,
                  adaptive_k: bool = False, ahead: bool = False, micro_batches: bool = False,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), watch_probes: bool = True) -> None:
         self.target, self.draft = target, draft
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_token_id = eos_token_id
@@ -73,7 +73,7 @@ class Scheduler:
         self.observer: Observer = observer or NullObserver()
         self.timing = TimingTotals()
         # Adaptive speculation length: per-request policies share the loop's round-cost estimates.
-        self.costs: AdaptiveLoop | None = AdaptiveLoop() if adaptive_k else None
+        self.costs: AdaptiveLoop | None = AdaptiveLoop(watch=watch_probes) if adaptive_k else None
         self.ahead = ahead                           # ahead drafting (runtime.round_driver.run_round)
         self.micro_batches = micro_batches           # two micro-batches overlapped (runtime.micro_batch)
         self.round = 0
@@ -366,6 +366,7 @@ class Scheduler:
         target = GuardedTarget(self.target, failed)
         draft = GuardedDraft(self.draft, failed) if self.draft is not None else None
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
+        watches = sum(x.seq.stats.watch_probes for x in live)
         t0 = time.perf_counter()
         try:
             seqs = [x.seq for x in live]
@@ -408,7 +409,8 @@ class Scheduler:
         if self.costs is not None:
             k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
             self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0,
-                               frozenset(x.seq.request_id for x in live))
+                               frozenset(x.seq.request_id for x in live),
+                               watched=sum(x.seq.stats.watch_probes for x in live) > watches)
         ks_acc = []
         for x in live:
             rid = x.seq.request_id

@@ -77,6 +77,23 @@ not pay, the interval doubles from the third probe on (up to
 every time once a measured acceptance (not a new request's prior) makes a
 round draft.
 
+Watch probes (``AdaptiveLoop.watch``, ``round_plan``): a probe need not be
+a drafting round. While the target decodes alone (a target-only round, its
+one-position step), the draft drafts the full k for the watched requests at
+the same time, and nobody verifies those drafts: the round loop compares them
+with the tokens the target commits in this round and the next k - 1 and
+reports the matching prefix to ``AdaptiveK.observe`` as that many accepted of
+k. For greedy drafts against a greedy target that is the acceptance itself;
+for greedy drafts against a sampling target, P(d = t) = p(d), the rejection
+test's acceptance of a one-hot draft; for coupled drafts the match is the
+coupled test. (Sampled drafts, whose match rate understates the acceptance,
+are not watched: a loop that holds one probes by drafting.) Such a probe costs
+the target only the exchange's host work, not a verify k + 1 wide after a
+drafting round, so the loop can afford one every ``WATCH_EVERY`` target-only
+rounds, without backoff, and a new request is watched in its first round
+instead of drafting it (no newcomer probe). What it cannot give is the cost of
+a drafting round: that still comes from the rounds that draft.
+
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
 adaptive state: those cost estimates, the probe schedule above and the loop's
@@ -95,6 +112,8 @@ PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained 
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two probes (module doc)
 PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY
+WATCH_EVERY = 4              # target-only rounds between two watch probes (module doc) ...
+WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that drafting does not pay, up to this many times
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
 
@@ -251,8 +270,12 @@ class AdaptiveLoop(RoundCosts):
     """One round loop's adaptive state: its round costs (``RoundCosts``), the probe schedule and
     the acceptance prior of its new requests (module doc)."""
 
-    def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
+    def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4,
+                 watch: bool = False) -> None:
         super().__init__(t_verify, t_draft, t_exchange)
+        self.watch = watch             # probes are watch probes where every request allows one (round_plan)
+        self.rounds_unwatched = 0      # target-only rounds since the last watch probe
+        self.watches_in_a_row = 0      # watch probes since a round last drafted
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
         self.probes_in_a_row = 0       # probes since measured acceptance last said drafting pays
@@ -269,6 +292,12 @@ class AdaptiveLoop(RoundCosts):
             self.newcomers_unprobed = 0
             return True
         return False
+
+    @property
+    def watch_every(self) -> int:
+        """Target-only rounds before the next watch probe: ``WATCH_EVERY``, doubling from the
+        second watch in a row (no round drafted since) up to ``WATCH_BACKOFF_MAX`` times."""
+        return WATCH_EVERY * min(2 ** max(0, self.watches_in_a_row - 1), WATCH_BACKOFF_MAX)
 
     @property
     def probe_every(self) -> int:
@@ -346,3 +375,30 @@ def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
     costs.probes_in_a_row += 1
     probed = {id(p) for p in new}
     return [p.max_k if id(p) in probed else 0 for p in policies]
+
+
+def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[bool] | None
+               ) -> tuple[list[int], list[int]]:
+    """(each request's drafts this round, each request's drafts in a watch probe this round).
+
+    ``watchable``: None where some request's drafts cannot be watched (sampled drafts): then,
+    as without ``costs.watch``, this is ``request_ks`` and no watch. Else ``watchable[i]`` is
+    False while a watch of request i still waits for the target's tokens. Probes are then
+    watch probes (module doc): a round at k* = 0 watches every watchable request after
+    ``WATCH_EVERY`` target-only rounds, and a watchable request not yet measured at once."""
+    n = len(policies)
+    if not costs.watch or watchable is None:
+        return request_ks(policies, costs), [0] * n
+    k = round_k_star(policies, costs)
+    for p in policies:
+        p.newcomer = False                 # a newcomer is watched, not drafted
+    if k > 0:
+        costs.rounds_unwatched = costs.watches_in_a_row = 0
+        return [min(k, p.max_k) for p in policies], [0] * n
+    costs.rounds_unwatched += 1
+    due = costs.rounds_unwatched >= costs.watch_every
+    if due:
+        costs.rounds_unwatched = 0
+        costs.watches_in_a_row += 1
+    watch = [p.max_k if ok and p.max_k > 0 and (due or not p.measured) else 0 for p, ok in zip(policies, watchable)]
+    return [0] * n, watch

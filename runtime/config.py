@@ -185,6 +185,8 @@ class SpecConfig:
                                          # accepted and the bonus matches); set on both workers
     micro_batches: bool = False          # target round loop: two micro-batches, the draft drafting one while the
                                          # target verifies the other (runtime/micro_batch.py); not with ahead_drafting
+    watch_probes: bool = True            # with adaptive_k: a probe drafts beside a target-only step and its drafts
+                                         # are judged against the target's next tokens, never verified
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_k, int) and 0 <= self.max_k <= 16, "spec.max_k", "an integer in [0, 16]", self.max_k)

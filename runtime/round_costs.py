@@ -105,7 +105,8 @@ class RoundCosts:
     WINDOW = 31
 
     def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
-        self._verify = Window(self.WINDOW, [t_verify])     # drafting rounds' verify (max_k + 1 positions)
+        self._verify = Window(self.WINDOW)                 # drafting rounds' verify (max_k + 1 positions)
+        self._verify_guess = t_verify                      # ... before any round was timed
         self._verify0 = Window(self.WINDOW)                # target-only rounds' one-position step ...
         self._overhead0 = Window(self.WINDOW)              # ... and what they cost around it
         self._draft = Window(self.WINDOW, [t_draft])
@@ -119,14 +120,18 @@ class RoundCosts:
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
+        self._prev_watched = False
         self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
         self.version = 0                      # bumped when T(k > 0) may change (adaptive_k.round_k_star's cache)
         self._line: tuple[float, float] | None = None    # line_fit of the measured draft times, kept
 
     @property
     def t_verify(self) -> float:
-        """A drafting round's verify."""
-        return self._verify.median
+        """A drafting round's verify; until one was timed, a target-only round's step (never
+        more) or, before anything was timed, the constructor's guess."""
+        if len(self._verify):
+            return self._verify.median
+        return self._verify0.median if len(self._verify0) else self._verify_guess
 
     @property
     def t_verify0(self) -> float:
@@ -189,10 +194,11 @@ class RoundCosts:
         return self.t_verify + self.t_exchange + self.draft_time(k) if k > 0 else self.t_round0
 
     def observe(self, k_max: int, draft_s: float, verify_s: float, overhead_s: float,
-                started: float | None = None, batch: frozenset[str] | None = None) -> None:
+                started: float | None = None, batch: frozenset[str] | None = None, watched: bool = False) -> None:
         """One round: its largest k, draft compute, verify compute and everything else; ``started``:
         when it started (perf_counter seconds), for the start-to-start period of the round before;
-        ``batch``: its requests' ids."""
+        ``batch``: its requests' ids; ``watched``: a target-only round that carried a watch probe
+        (runtime.adaptive_k), whose time is neither kind's and feeds no estimate."""
         # NOTE: what ``cost`` keeps, dropped before anything it reads changes: a target-only
         # round between target-only rounds changes only T(0) once periods are measured (its
         # verify goes to the target-only window, which T(0) alone reads). Why keep anything: on the
@@ -209,12 +215,16 @@ class RoundCosts:
             self._costs.pop(0, None)
         prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
         prev_batch, self._last_batch = self._last_batch, batch
+        prev_watched, self._prev_watched = self._prev_watched, watched
         self._prev_k = k_max
         # NOTE: no period across a change of the batch: it holds the retiring of the requests
         # that ended and the prefill of the ones that joined. Regression: at batch 1 a request's
         # last round is often k = 0 (one token left) and the next starts after the next request's
         # admission; on CPU those periods made T(0) ~60 ms where a target-only round took ~8.
-        if started is not None and prev_start is not None and (batch is None or batch == prev_batch):
+        # NOTE: nor one of a round that carried a watch probe: in process its draft runs inside
+        # the round (a target-only round then looked ~7x dearer on CPU, and drafting cheap).
+        if (started is not None and prev_start is not None and (batch is None or batch == prev_batch)
+                and not prev_watched):
             period = started - prev_start
             if prev_k == 0:
                 self._period0.append(period)
@@ -222,7 +232,7 @@ class RoundCosts:
                 self._fixed_spec.append(period - self._prev_draft)
         if k_max > 0:
             self._verify.append(verify_s)
-        else:
+        elif not watched:
             self._verify0.append(verify_s)
             self._overhead0.append(overhead_s)
         steady = self._drafted_last        # module doc: the first drafting round after none is not

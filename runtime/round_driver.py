@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, request_ks
+from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, request_ks, round_plan
 from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -49,6 +49,7 @@ class SeqStats:
     spec_rounds: int = 0
     ahead_asked: int = 0                           # rounds that asked the draft to draft ahead
     ahead_used: int = 0                            # rounds whose drafts came from an ahead call
+    watch_probes: int = 0                          # adaptive k's watch probes: rounds the draft drafted unverified
     pos_drafted: list[int] = field(default_factory=list)
     pos_accepted: list[int] = field(default_factory=list)
 
@@ -79,7 +80,8 @@ class SeqStats:
         return self.emitted_in_rounds / self.spec_rounds if self.spec_rounds else 0.0
 
     def merge(self, other: "SeqStats") -> None:
-        for name in ("rounds", "drafted", "accepted", "emitted_in_rounds", "spec_rounds", "ahead_asked", "ahead_used"):
+        for name in ("rounds", "drafted", "accepted", "emitted_in_rounds", "spec_rounds", "ahead_asked", "ahead_used",
+                     "watch_probes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for j in range(len(other.pos_drafted)):
             if j >= len(self.pos_drafted):
@@ -112,6 +114,8 @@ class Sequence:
     ready_drafts: np.ndarray | None = None  # drafts for the next round from ahead drafting (int64 [k])
     next_proposal: Proposal | None = None   # this sequence's next-round proposal, made while the target
                                             # verified the other micro-batch (runtime.micro_batch)
+    watched: np.ndarray | None = None  # a watch probe's drafts (int64 [k]), until the target's tokens judge them
+    watch_seen: list[int] = field(default_factory=list, repr=False)   # the target's tokens since that probe
     eos_token_ids: tuple[int, ...] = ()  # every EOS id of the model (config / generation_config list)
     _stop_cache: tuple | None = field(default=None, repr=False, compare=False)  # (params, EOS ids, stop_ids)
 
@@ -232,6 +236,7 @@ def forget_drafts(s: Sequence) -> None:
     """Drop drafts made for a next round (ahead, micro-batch): the draft's state they came from
     is gone (a re-prefill, a lost draft)."""
     s.ready_drafts, s.next_proposal = None, None
+    forget_watch(s)
 
 
 def detach_draft(s: Sequence) -> None:
@@ -262,10 +267,33 @@ def commit_result(s: Sequence, k: int, res: VerifyResult) -> list[int]:
     s.stats.record(k, res.num_accepted)
     if s.adaptive is not None:
         s.adaptive.observe(k, res.num_accepted)
+    if s.watched is not None:
+        judge_watch(s, res.tokens)
     out = s.emit(res.tokens)
     if s.drafting:
         s.append_pending(np.asarray(res.tokens, dtype=np.int64), res.hidden)
     return out
+
+
+def judge_watch(s: Sequence, tokens: tuple[int, ...] | list[int]) -> None:
+    """A watch probe's drafts d_1..d_k against the target's tokens since (``tokens``: a round's
+    committed ones): once the first mismatch or the k-th token is in, the matching prefix is
+    reported to the request's policy as that many accepted of k (runtime.adaptive_k, watch
+    probes) and the watch ends."""
+    drafts, seen = s.watched, s.watch_seen
+    seen.extend(int(t) for t in tokens[: len(drafts) - len(seen)])
+    matched = 0
+    while matched < len(seen) and int(drafts[matched]) == seen[matched]:
+        matched += 1
+    if matched < len(seen) or len(seen) == len(drafts):
+        if s.adaptive is not None:
+            s.adaptive.observe(len(drafts), matched)
+        forget_watch(s)
+
+
+def forget_watch(s: Sequence) -> None:
+    """Drop a watch probe not judged yet."""
+    s.watched, s.watch_seen = None, []
 
 
 def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
@@ -283,15 +311,31 @@ def attach_draft(draft: DraftPort, seqs: list[Sequence]) -> None:
 def round_ks(seqs: list[Sequence], draft: DraftPort | None, costs: AdaptiveLoop | None) -> dict[str, int]:
     """Drafts per request this round: its k, or with adaptive k what ``request_ks`` gives it (the
     round's k*, or its own k in a newcomer probe; runtime.adaptive_k)."""
+    return plan_round(seqs, draft, costs, watch=False)[0]
+
+
+def plan_round(seqs: list[Sequence], draft: DraftPort | None, costs: AdaptiveLoop | None, watch: bool = True
+               ) -> tuple[dict[str, int], dict[str, int]]:
+    """(drafts per request this round, drafts per request in a watch probe this round). With
+    ``watch`` and a loop that watches (``costs.watch``), probes are watch probes where every
+    adaptive request's drafts are greedy or coupled (``round_plan``); else none is watched."""
     drafting = [s for s in seqs if draft is not None and s.drafting]
     adaptive = [s for s in drafting if s.adaptive is not None]
-    chosen = ({s.request_id: min(k, s.k) for s, k in zip(adaptive, request_ks([s.adaptive for s in adaptive], costs))}
-              if (adaptive and costs is not None) else {})
+    chosen: dict[str, int] = {}
+    watched: dict[str, int] = {}
+    if adaptive and costs is not None:
+        policies = [s.adaptive for s in adaptive]
+        if watch and costs.watch and not any(s.params.draft_sampling and not s.params.greedy for s in adaptive):
+            ks, wks = round_plan(policies, costs, [s.watched is None for s in adaptive])
+            watched = {s.request_id: min(w, s.remaining - 1) for s, w in zip(adaptive, wks) if w > 0}
+        else:
+            ks = request_ks(policies, costs)
+        chosen = {s.request_id: min(k, s.k) for s, k in zip(adaptive, ks)}
     out = {s.request_id: 0 for s in seqs}
     for s in drafting:
         k = chosen.get(s.request_id, s.k)
         out[s.request_id] = max(0, min(k, s.remaining - 1))
-    return out
+    return out, {rid: w for rid, w in watched.items() if w > 0 and out[rid] == 0}
 
 
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
@@ -310,8 +354,13 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     otherwise they are dropped. Either way the target verifies every token it
     commits, so the output is unchanged (greedy: identical tokens). Greedy
     drafts only.
+
+    A watch probe (adaptive k, ``plan_round``): in a round where request s drafts
+    nothing, the draft drafts its k anyway while the target runs its step, and
+    the round loop compares those drafts with the target's next tokens
+    (``judge_watch``); nothing of them is verified or committed.
     """
-    ks = round_ks(seqs, draft, costs)
+    ks, wks = plan_round(seqs, draft, costs)
     proposals: dict[str, Proposal] = {}
     for s in seqs:
         if s.ready_drafts is not None:
@@ -334,12 +383,18 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
               and len(s.pending_tokens) == 0 and len(proposals[s.request_id].drafts) == ks[s.request_id]
               and s.remaining > ks[s.request_id] + 2] if draft is not None else []
     collect = _send_ahead(draft, aheads, ks) if aheads else None
+    # NOTE: watch probes go out before the verify too (the draft drafts while the target
+    # steps); their catch-up pairs are the draft's once it answers (``_take_watch``).
+    watching = [s for s in seqs if s.request_id in wks]
+    collect_watch = _send(draft, propose_requests(watching, wks)) if watching else None
     empty = np.zeros(0, dtype=np.int64)
     vreqs = [VerifyRequest(s.request_id, proposals[s.request_id].drafts if s.request_id in proposals else empty,
                            proposals[s.request_id].draft_probs if s.request_id in proposals else None)
              for s in seqs]
     results = target.verify(vreqs)
     ahead_out = _collect_ahead(collect, aheads)
+    if watching:
+        _take_watch(draft, collect_watch, watching)
     out: dict[str, list[int]] = {}
     for s, res in zip(seqs, results):
         k = ks[s.request_id]
@@ -356,6 +411,12 @@ def _send_ahead(draft: DraftPort, seqs: list[Sequence], ks: dict[str, int]):
                            ks[s.request_id] + 1, ahead=True, keep_tail=True) for s in seqs]
     for s in seqs:
         s.stats.ahead_asked += 1
+    return _send(draft, reqs)
+
+
+def _send(draft: DraftPort, reqs: list[ProposeRequest]):
+    """A Propose whose answer the round collects after the verify (the draft's ``propose_async``;
+    an in-process draft answers at once: no overlap, same drafts). Returns the collector."""
     send = getattr(draft, "propose_async", None)
     if send is None:                                  # an in-process draft: no overlap, same tokens
         try:
@@ -364,6 +425,28 @@ def _send_ahead(draft: DraftPort, seqs: list[Sequence], ks: dict[str, int]):
             done = [None] * len(reqs)
         return lambda: done
     return send(reqs)
+
+
+def _take_watch(draft: DraftPort, collect, seqs: list[Sequence]) -> None:
+    """The watch probes' drafts: each answered sequence's pairs are now the draft's and its
+    drafts wait for the target's tokens. A sequence whose item failed leaves the draft (it is
+    not known whether the draft took its pairs) and goes on target-only; a failed call is the
+    port's to report (``GuardedDraft.deferred``), and the loop's draft handling follows."""
+    try:
+        got = collect()
+    except Exception as exc:  # noqa: BLE001 - as _collect_ahead
+        got = getattr(exc, "results", None) or [None] * len(seqs)
+    for s, p in zip(seqs, got):
+        if p is not None and len(p.drafts):
+            took_proposal(s)
+            s.watched, s.watch_seen = np.asarray(p.drafts, dtype=np.int64), []
+            s.stats.watch_probes += 1
+        elif p is None:
+            try:
+                draft.release(s.request_id)
+            except Exception:  # noqa: BLE001 - a draft that cannot take a release is the port's to report
+                pass
+            detach_draft(s)
 
 
 def _collect_ahead(collect, seqs: list[Sequence]) -> dict[str, np.ndarray]:

@@ -46,22 +46,37 @@ def load(code: str):
     return importlib.import_module("runtime.adaptive_k")
 
 
+def draws(rng, a: float, k: int, decl: float) -> int:
+    """Drafts accepted of k at the request's rate a (the first draft's rate above a, later ones below)."""
+    acc = 0
+    while acc < k and rng.random() < min(1.0, a * (1.0 + decl * (1 - acc))):
+        acc += 1
+    return acc
+
+
 def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
-        regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY)) -> dict:
-    """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's)."""
+        regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY), watch: float | None = None) -> dict:
+    """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's). ``watch``: watch probes
+    on (``round_plan``), each costing its target-only round that many seconds more."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
+    if costs is not None and watch is not None:
+        costs.watch = True
     loop = getattr(costs, "loop", None)
     t, res = 0.0, {}
     for name, reqs in sets:
         t_start, toks = t, 0
         for easy, hard_rate in reqs:
             pol = None if costs is None else (loop.new_policy(k_req) if loop else mod.AdaptiveK(k_req))
-            out, pending, hard = 1, 1, False
+            out, pending, hard, watched = 1, 1, False, None    # watched: [k, accepted, tokens until known]
             while out < max_tokens:
+                wk = 0
                 if costs is None:
                     k = policy
+                elif watch is not None:
+                    ks, wks = mod.round_plan([pol], costs, [watched is None])
+                    k, wk = ks[0], min(wks[0], max_tokens - out - 1)
                 elif hasattr(mod, "request_ks"):
                     k = mod.request_ks([pol], costs)[0]
                 else:
@@ -70,19 +85,29 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                 if hard_rate is not None:
                     hard = (rng.random() < (0.3 if hard else 0.06)) != hard     # ~20 % of rounds hard
                 a = hard_rate if hard else easy
-                acc = 0
-                while acc < k and rng.random() < min(1.0, a * (1.0 + decl * (1 - acc))):
-                    acc += 1
+                acc = draws(rng, a, k, decl)
                 noise = rng.lognormal(0, 0.05)
                 if k == 0:
                     dur, draft_s, verify_s, over = t0 * noise, 0.0, verify * 0.87, t0 * 0.15
+                    if wk > 0:                      # the draft drafts on the side; the verdict comes later
+                        got = draws(rng, a, wk, decl)
+                        watched, pending = [wk, got, min(got + 1, wk)], 0
+                        dur, over = dur + watch, over + watch
                 else:
                     draft_s = (td * k + (wide if pending > CAPTURED else 0.0)) * noise
                     dur = fixed * noise + draft_s
                     verify_s, over, pending = verify, dur - draft_s - verify, 0
                 if costs is not None:
-                    costs.observe(k, draft_s, verify_s, over, started=t)
+                    if wk > 0:
+                        costs.observe(k, draft_s, verify_s, over, started=t, watched=True)
+                    else:
+                        costs.observe(k, draft_s, verify_s, over, started=t)
                     pol.observe(k, acc)
+                    if watched is not None:
+                        watched[2] -= acc + 1
+                        if watched[2] <= 0:
+                            pol.observe(watched[0], watched[1])
+                            watched = None
                 t += dur
                 out += acc + 1
                 pending += acc + 1
@@ -105,6 +130,8 @@ def main() -> int:
     ap.add_argument("--random-rate", type=float, nargs=2, default=[0.03, 0.15], metavar=("LO", "HI"),
                     help="the random prompts' acceptance rates (uniform between)")
     ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
+    ap.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                    help="watch probes on (runtime.adaptive_k.round_plan), each adding SECONDS to its round")
     args = ap.parse_args()
     mod = load(args.code)
     rates: dict[str, dict[str, list[float]]] = {}
@@ -115,7 +142,8 @@ def main() -> int:
         mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
         sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
         for p in (0, 1, 2, 3, "adaptive"):
-            for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens, regime=tuple(args.regime)).items():
+            for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens,
+                               regime=tuple(args.regime), watch=args.watch).items():
                 rates.setdefault(name, {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):

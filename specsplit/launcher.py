@@ -75,6 +75,7 @@ class StackOptions:
     ahead_drafting: bool = False             # target: draft past d_k while verifying (spec.ahead_drafting)
     micro_batches: bool = False              # target: two micro-batches overlapped (spec.micro_batches)
     adaptive_k: bool = False                 # target: per-request k follows acceptance and costs (spec.adaptive_k)
+    watch_probes: bool = True                # target, with adaptive_k: probes watch, never verify (spec.watch_probes)
     worker_args: tuple[str, ...] = ()        # extra flags for both workers (e.g. --runtime-dtype bfloat16)
     draft_args: tuple[str, ...] = ()         # extra flags for the draft only, after worker_args
     target_tp: int = 1                       # the target's tensor-parallel ranks (cuda:N.. from target_device)
@@ -170,6 +171,7 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
     argv += ["--spec-ahead-drafting" if opts.ahead_drafting else "--no-spec-ahead-drafting"]
     if role == "target":
         argv += ["--spec-adaptive-k" if opts.adaptive_k else "--no-spec-adaptive-k"]
+        argv += ["--spec-watch-probes" if opts.watch_probes else "--no-spec-watch-probes"]
         argv += ["--spec-micro-batches" if opts.micro_batches else "--no-spec-micro-batches"]
         if opts.target_tp > 1:
             argv += ["--tp", str(opts.target_tp)]

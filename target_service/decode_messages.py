@@ -61,7 +61,7 @@ def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:
     return tpb.DecodeStats(drafted=s.drafted, accepted=s.accepted, rounds=s.rounds, spec_rounds=s.spec_rounds,
                            emitted_in_rounds=s.emitted_in_rounds, position_drafted=s.pos_drafted,
                            position_accepted=s.pos_accepted, ahead_asked=s.ahead_asked,
-                           ahead_used=s.ahead_used)
+                           ahead_used=s.ahead_used, watch_probes=s.watch_probes)
 
 
 # NOTE: messages are filled in place (the destination is a field of the message being built):

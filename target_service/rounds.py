@@ -115,7 +115,7 @@ class RoundHost:
         self.scheduler = Scheduler(self.target, None, max_batch=DEFAULT_MAX_BATCH, max_queue=DEFAULT_MAX_QUEUE,
                                    eos_token_id=None, observer=observer or NullObserver(),
                                    adaptive_k=cfg.spec.adaptive_k, ahead=cfg.spec.ahead_drafting,
-                                   micro_batches=cfg.spec.micro_batches)
+                                   micro_batches=cfg.spec.micro_batches, watch_probes=cfg.spec.watch_probes)
         self.draft_link: DraftLink | None = None
         self.draft_timeout_s = 30.0
         self.configured = False

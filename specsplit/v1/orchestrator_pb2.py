@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecsplit/v1/orchestrator.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0e\n\x01k\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12+\n\x08messages\x18\t \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x0c\n\x04stop\x18\n \x03(\tB\x04\n\x02_k\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xbf\x01\n\tSpecStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x05 \x03(\x01\x12\x0e\n\x06rounds\x18\x06 \x01(\x03\x12\x13\n\x0b\x61head_asked\x18\x07 \x01(\x03\x12\x12\n\nahead_used\x18\x08 \x01(\x03\"\xc9\x01\n\rGenerateFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.specsplit.v1.TokenChunkH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\xb3\x01\n\x12OrchestratorStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x1d\n\x15speculation_available\x18\x03 \x01(\x08\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x11\n\tdefault_k\x18\x05 \x01(\x05\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x11\n\treloading\x18\x07 \x01(\x08\"\xc9\x01\n\rClusterStatus\x12\x36\n\x0corchestrator\x18\x01 \x01(\x0b\x32 .specsplit.v1.OrchestratorStatus\x12)\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12*\n\x06target\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12\x13\n\x0b\x64raft_error\x18\x04 \x01(\t\x12\x14\n\x0ctarget_error\x18\x05 \x01(\t\"\xb9\x01\n\x14ReloadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12&\n\x04mode\x18\x04 \x01(\x0e\x32\x18.specsplit.v1.ReloadMode\x12.\n\x08inflight\x18\x05 \x01(\x0e\x32\x1c.specsplit.v1.InflightPolicy\x12\x0f\n\x07preload\x18\x06 \x01(\x08\"\xa8\x01\n\x15ReloadWeightsResponse\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.specsplit.v1.ItemError\"\x98\x01\n\x11PushWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x1a\n\x12target_config_json\x18\x02 \x01(\t\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.specsplit.v1.ReloadMode\x12.\n\x08inflight\x18\x04 \x01(\x0e\x32\x1c.specsplit.v1.InflightPolicy\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"(\n\x11PushWeightsCommit\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\x05\"\xae\x01\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.specsplit.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.TensorChunkH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.specsplit.v1.PushWeightsCommitH\x00\x42\x06\n\x04part\"\xa5\x01\n\x13PushWeightsResponse\x12\x17\n\x0fweights_version\x18\x01 \x01(\t\x12\x13\n\x0bstaged_path\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x05\x12\x33\n\x06\x65vents\x18\x05 \x03(\x0b\x32#.specsplit.v1.ReloadWeightsResponse*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*^\n\nReloadMode\x12\x1b\n\x17RELOAD_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15RELOAD_MODE_RECAPTURE\x10\x01\x12\x18\n\x14RELOAD_MODE_IN_PLACE\x10\x02*\x85\x01\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14INFLIGHT_POLICY_WAIT\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_ABORT\x10\x02\x12\x1d\n\x19INFLIGHT_POLICY_RECOMPUTE\x10\x03\x32\xd7\x02\n\x0cOrchestrator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12H\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1b.specsplit.v1.ClusterStatus\x12Z\n\rReloadWeights\x12\".specsplit.v1.ReloadWeightsRequest\x1a#.specsplit.v1.ReloadWeightsResponse0\x01\x12T\n\x0bPushWeights\x12 .specsplit.v1.PushWeightsRequest\x1a!.specsplit.v1.PushWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecsplit/v1/orchestrator.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0e\n\x01k\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12+\n\x08messages\x18\t \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x0c\n\x04stop\x18\n \x03(\tB\x04\n\x02_k\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\x05\x12\x13\n\x0bnum_drafted\x18\x04 \x01(\x05\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xd5\x01\n\tSpecStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x05 \x03(\x01\x12\x0e\n\x06rounds\x18\x06 \x01(\x03\x12\x13\n\x0b\x61head_asked\x18\x07 \x01(\x03\x12\x12\n\nahead_used\x18\x08 \x01(\x03\x12\x14\n\x0cwatch_probes\x18\t \x01(\x03\"\xc9\x01\n\rGenerateFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.specsplit.v1.SpecStats\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x0c\n\x04text\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.specsplit.v1.TokenChunkH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.specsplit.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\xb3\x01\n\x12OrchestratorStatus\x12\x17\n\x0f\x61\x63tive_requests\x18\x01 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x02 \x01(\x05\x12\x1d\n\x15speculation_available\x18\x03 \x01(\x08\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x11\n\tdefault_k\x18\x05 \x01(\x05\x12\r\n\x05max_k\x18\x06 \x01(\x05\x12\x11\n\treloading\x18\x07 \x01(\x08\"\xc9\x01\n\rClusterStatus\x12\x36\n\x0corchestrator\x18\x01 \x01(\x0b\x32 .specsplit.v1.OrchestratorStatus\x12)\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12*\n\x06target\x18\x03 \x01(\x0b\x32\x1a.specsplit.v1.WorkerStatus\x12\x13\n\x0b\x64raft_error\x18\x04 \x01(\t\x12\x14\n\x0ctarget_error\x18\x05 \x01(\t\"\xb9\x01\n\x14ReloadWeightsRequest\x12\x13\n\x0btarget_path\x18\x01 \x01(\t\x12\x12\n\ndraft_path\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12&\n\x04mode\x18\x04 \x01(\x0e\x32\x18.specsplit.v1.ReloadMode\x12.\n\x08inflight\x18\x05 \x01(\x0e\x32\x1c.specsplit.v1.InflightPolicy\x12\x0f\n\x07preload\x18\x06 \x01(\x08\"\xa8\x01\n\x15ReloadWeightsResponse\x12\r\n\x05phase\x18\x01 \x01(\t\x12\x0f\n\x07service\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x17\n\x0fweights_version\x18\x06 \x01(\t\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.specsplit.v1.ItemError\"\x98\x01\n\x11PushWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x1a\n\x12target_config_json\x18\x02 \x01(\t\x12&\n\x04mode\x18\x03 \x01(\x0e\x32\x18.specsplit.v1.ReloadMode\x12.\n\x08inflight\x18\x04 \x01(\x0e\x32\x1c.specsplit.v1.InflightPolicy\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"(\n\x11PushWeightsCommit\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\x05\"\xae\x01\n\x12PushWeightsRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.specsplit.v1.PushWeightsHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.specsplit.v1.TensorChunkH\x00\x12\x31\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1f.specsplit.v1.PushWeightsCommitH\x00\x42\x06\n\x04part\"\xa5\x01\n\x13PushWeightsResponse\x12\x17\n\x0fweights_version\x18\x01 \x01(\t\x12\x13\n\x0bstaged_path\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x04 \x01(\x05\x12\x33\n\x06\x65vents\x18\x05 \x03(\x0b\x32#.specsplit.v1.ReloadWeightsResponse*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*^\n\nReloadMode\x12\x1b\n\x17RELOAD_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15RELOAD_MODE_RECAPTURE\x10\x01\x12\x18\n\x14RELOAD_MODE_IN_PLACE\x10\x02*\x85\x01\n\x0eInflightPolicy\x12\x1f\n\x1bINFLIGHT_POLICY_UNSPECIFIED\x10\x00\x12\x18\n\x14INFLIGHT_POLICY_WAIT\x10\x01\x12\x19\n\x15INFLIGHT_POLICY_ABORT\x10\x02\x12\x1d\n\x19INFLIGHT_POLICY_RECOMPUTE\x10\x03\x32\xd7\x02\n\x0cOrchestrator\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12H\n\tGetStatus\x12\x1e.specsplit.v1.GetStatusRequest\x1a\x1b.specsplit.v1.ClusterStatus\x12Z\n\rReloadWeights\x12\".specsplit.v1.ReloadWeightsRequest\x1a#.specsplit.v1.ReloadWeightsResponse0\x01\x12T\n\x0bPushWeights\x12 .specsplit.v1.PushWeightsRequest\x1a!.specsplit.v1.PushWeightsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2479
-  _globals['_FINISHREASON']._serialized_end=2601
-  _globals['_RELOADMODE']._serialized_start=2603
-  _globals['_RELOADMODE']._serialized_end=2697
-  _globals['_INFLIGHTPOLICY']._serialized_start=2700
-  _globals['_INFLIGHTPOLICY']._serialized_end=2833
+  _globals['_FINISHREASON']._serialized_start=2501
+  _globals['_FINISHREASON']._serialized_end=2623
+  _globals['_RELOADMODE']._serialized_start=2625
+  _globals['_RELOADMODE']._serialized_end=2719
+  _globals['_INFLIGHTPOLICY']._serialized_start=2722
+  _globals['_INFLIGHTPOLICY']._serialized_end=2855
   _globals['_GENERATEREQUEST']._serialized_start=77
   _globals['_GENERATEREQUEST']._serialized_end=349
   _globals['_CHATMESSAGE']._serialized_start=351
@@ -47,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=528
   _globals['_USAGE']._serialized_end=585
   _globals['_SPECSTATS']._serialized_start=588
-  _globals['_SPECSTATS']._serialized_end=779
-  _globals['_GENERATEFINAL']._serialized_start=782
-  _globals['_GENERATEFINAL']._serialized_end=983
-  _globals['_GENERATERESPONSE']._serialized_start=985
-  _globals['_GENERATERESPONSE']._serialized_end=1101
-  _globals['_ORCHESTRATORSTATUS']._serialized_start=1104
-  _globals['_ORCHESTRATORSTATUS']._serialized_end=1283
-  _globals['_CLUSTERSTATUS']._serialized_start=1286
-  _globals['_CLUSTERSTATUS']._serialized_end=1487
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=1490
-  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=1675
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=1678
-  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=1846
-  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1849
-  _globals['_PUSHWEIGHTSHEADER']._serialized_end=2001
-  _globals['_TENSORCHUNK']._serialized_start=2003
-  _globals['_TENSORCHUNK']._serialized_end=2090
-  _globals['_PUSHWEIGHTSCOMMIT']._serialized_start=2092
-  _globals['_PUSHWEIGHTSCOMMIT']._serialized_end=2132
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2135
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2309
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2312
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2477
-  _globals['_ORCHESTRATOR']._serialized_start=2836
-  _globals['_ORCHESTRATOR']._serialized_end=3179
+  _globals['_SPECSTATS']._serialized_end=801
+  _globals['_GENERATEFINAL']._serialized_start=804
+  _globals['_GENERATEFINAL']._serialized_end=1005
+  _globals['_GENERATERESPONSE']._serialized_start=1007
+  _globals['_GENERATERESPONSE']._serialized_end=1123
+  _globals['_ORCHESTRATORSTATUS']._serialized_start=1126
+  _globals['_ORCHESTRATORSTATUS']._serialized_end=1305
+  _globals['_CLUSTERSTATUS']._serialized_start=1308
+  _globals['_CLUSTERSTATUS']._serialized_end=1509
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_start=1512
+  _globals['_RELOADWEIGHTSREQUEST']._serialized_end=1697
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_start=1700
+  _globals['_RELOADWEIGHTSRESPONSE']._serialized_end=1868
+  _globals['_PUSHWEIGHTSHEADER']._serialized_start=1871
+  _globals['_PUSHWEIGHTSHEADER']._serialized_end=2023
+  _globals['_TENSORCHUNK']._serialized_start=2025
+  _globals['_TENSORCHUNK']._serialized_end=2112
+  _globals['_PUSHWEIGHTSCOMMIT']._serialized_start=2114
+  _globals['_PUSHWEIGHTSCOMMIT']._serialized_end=2154
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2157
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2331
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2334
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2499
+  _globals['_ORCHESTRATOR']._serialized_start=2858
+  _globals['_ORCHESTRATOR']._serialized_end=3201
 # @@protoc_insertion_point(module_scope)

@@ -268,6 +268,7 @@ class SpecStats(_message.Message):
     ROUNDS_FIELD_NUMBER: _builtins.int
     AHEAD_ASKED_FIELD_NUMBER: _builtins.int
     AHEAD_USED_FIELD_NUMBER: _builtins.int
+    WATCH_PROBES_FIELD_NUMBER: _builtins.int
     drafted: _builtins.int
     accepted: _builtins.int
     acceptance_rate: _builtins.float
@@ -280,6 +281,11 @@ class SpecStats(_message.Message):
     draft past d_k while the target verified, and rounds that used those drafts.
     """
     ahead_used: _builtins.int
+    watch_probes: _builtins.int
+    """Adaptive k (target spec.adaptive_k, spec.watch_probes): rounds in which the
+    draft drafted for this request beside a target-only step, its drafts judged
+    against the target's next tokens and never verified.
+    """
     @_builtins.property
     def acceptance_per_position(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Acceptance rate of draft position 1..k."""
@@ -295,10 +301,11 @@ class SpecStats(_message.Message):
         rounds: _builtins.int = ...,
         ahead_asked: _builtins.int = ...,
         ahead_used: _builtins.int = ...,
+        watch_probes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_per_position", b"acceptance_per_position", "acceptance_rate", b"acceptance_rate", "accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "mean_accepted_length", b"mean_accepted_length", "rounds", b"rounds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acceptance_per_position", b"acceptance_per_position", "acceptance_rate", b"acceptance_rate", "accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "mean_accepted_length", b"mean_accepted_length", "rounds", b"rounds", "watch_probes", b"watch_probes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

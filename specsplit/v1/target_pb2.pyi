@@ -274,6 +274,7 @@ class DecodeStats(_message.Message):
     POSITION_ACCEPTED_FIELD_NUMBER: _builtins.int
     AHEAD_ASKED_FIELD_NUMBER: _builtins.int
     AHEAD_USED_FIELD_NUMBER: _builtins.int
+    WATCH_PROBES_FIELD_NUMBER: _builtins.int
     drafted: _builtins.int
     accepted: _builtins.int
     rounds: _builtins.int
@@ -285,6 +286,10 @@ class DecodeStats(_message.Message):
     drafts came from such a call (no draft call on their critical path).
     """
     ahead_used: _builtins.int
+    watch_probes: _builtins.int
+    """Adaptive k's watch probes: rounds the draft drafted beside a target-only
+    step, the drafts judged against the target's next tokens, never verified.
+    """
     @_builtins.property
     def position_drafted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per draft position 1..k: how often drafted / accepted."""
@@ -303,10 +308,11 @@ class DecodeStats(_message.Message):
         position_accepted: _abc.Iterable[_builtins.int] | None = ...,
         ahead_asked: _builtins.int = ...,
         ahead_used: _builtins.int = ...,
+        watch_probes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "emitted_in_rounds", b"emitted_in_rounds", "position_accepted", b"position_accepted", "position_drafted", b"position_drafted", "rounds", b"rounds", "spec_rounds", b"spec_rounds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ahead_asked", b"ahead_asked", "ahead_used", b"ahead_used", "drafted", b"drafted", "emitted_in_rounds", b"emitted_in_rounds", "position_accepted", b"position_accepted", "position_drafted", b"position_drafted", "rounds", b"rounds", "spec_rounds", b"spec_rounds", "watch_probes", b"watch_probes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

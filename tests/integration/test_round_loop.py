@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from orchestrator.round_client import RemoteRounds
@@ -320,4 +321,39 @@ def test_decode_stream_batches_requests_refuses_bad_joins_and_cancels(stack):
     assert got["long"][-1].final.finish_reason == "cancelled"
     # The rounds' events went out together: messages carried several requests each.
     assert max(len(m) for m in per_message) >= 3, per_message
+    assert rounds.status().active_requests == 0
+
+
+@pytest.fixture(scope="module")
+def adaptive_stack():
+    from draft_service import server as draft_server
+    from target_service import server as target_server
+
+    draft = draft_server.start(_cfg("draft"))
+    target = target_server.start(_cfg("target", adaptive_k=True))          # spec.watch_probes on by default
+    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
+                          admin_token=process_token())
+    rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
+    yield rounds, f"127.0.0.1:{draft.port}"
+    rounds.stop()
+    client.close()
+    target.stop(grace=None)
+    draft.stop(grace=None)
+
+
+def test_watch_probes_over_grpc_change_no_token(adaptive_stack):
+    """Adaptive k's watch probes through the services: on prompts of random bytes drafting soon stops
+    paying and the loop watches instead (the draft drafts beside a target-only step, over the same
+    Propose stream, and nothing of it is verified); every token equals target-only's, the final
+    stats count the watches, and the draft's caches follow (no request fails a later Propose)."""
+    rounds, draft_address = adaptive_stack
+    rng = np.random.default_rng(5)
+    prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(3)]
+    rounds.configure("", 4, 8, TIMEOUT)                                # no draft: target-only
+    ref = _generate(rounds, prompts, 3, max_tokens=64)
+    rounds.configure(draft_address, 4, 8, TIMEOUT)
+    got = [_generate(rounds, [p], 3, max_tokens=64)[0] for p in prompts]       # one at a time: batch 1
+    for (tokens, final), (ref_tokens, _) in zip(got, ref):
+        assert isinstance(final, FinalEvent) and tokens == ref_tokens
+    assert sum(f.stats.watch_probes for _, f in got) > 0
     assert rounds.status().active_requests == 0

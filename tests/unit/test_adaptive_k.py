@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, AdaptiveK, AdaptiveLoop, best_k,
-                                best_round_k, choose_round_k, expected_tokens, request_ks, round_k_star, _argmax,
-                                _rates)
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_EVERY,
+                                AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k, expected_tokens,
+                                request_ks, round_k_star, round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
-from runtime.round_driver import Sequence, round_ks
+from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -361,3 +361,71 @@ def test_target_only_rounds_have_their_own_verify_time():
     assert costs.t_verify0 == pytest.approx(1.2e-3) and costs.t_verify == pytest.approx(2e-3)
     assert costs.cost(0) == pytest.approx(1.3e-3)
     assert costs.cost(3) == pytest.approx(2e-3 + 2e-4 + 3e-4)
+
+
+def test_watch_probes_replace_drafting_probes_and_back_off_while_drafting_does_not_pay():
+    """With watch probes a round at k* = 0 never drafts: a request not yet measured is watched in
+    its first round (no newcomer probe), then every WATCH_EVERY target-only rounds, doubling while
+    no round drafts (up to WATCH_BACKOFF_MAX times); a round that drafts resets the interval."""
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4, watch=True)
+    old = costs.loop.new_policy(3)
+    for _ in range(60):
+        old.observe(3, 0)                                  # the loop's prior is now ~0
+    new = costs.loop.new_policy(3)
+    assert round_plan([old, new], costs, [True, True]) == ([0, 0], [0, 3])
+    assert round_plan([old, new], costs, [True, False]) == ([0, 0], [0, 0])     # its watch still waits
+    new.observe(3, 0)                                      # judged: nothing matched
+    watched_at = []
+    for r in range(400):
+        ks, wks = round_plan([old, new], costs, [True, True])
+        assert ks == [0, 0]
+        if wks != [0, 0]:
+            assert wks == [3, 3]
+            watched_at.append(r)
+    gaps = [b - a for a, b in zip(watched_at, watched_at[1:])]
+    assert gaps[:5] == [WATCH_EVERY * min(2 ** i, WATCH_BACKOFF_MAX) for i in range(5)]
+    assert 0 <= watched_at[0] < WATCH_EVERY
+    for _ in range(40):
+        new.observe(3, 3)                                  # a watch finds drafting pays: the round drafts
+    assert round_plan([old, new], costs, [True, True])[0] == [3, 3]
+    assert costs.watch_every == WATCH_EVERY
+    # Where a request's drafts cannot be watched (None), probes draft as without watching.
+    plain = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4, watch=True)
+    stale = plain.loop.new_policy(3)
+    for _ in range(60):
+        stale.observe(3, 0)
+    assert round_plan([stale, plain.loop.new_policy(3)], plain, None) == ([0, 3], [0, 0])
+
+
+def test_a_watch_is_judged_by_the_targets_next_tokens():
+    """A watch probe's drafts d_1..d_k against the tokens the target commits from that round on:
+    the matching prefix, reported once the first mismatch or the k-th token is in."""
+    pol = AdaptiveK(3)
+    s = Sequence("a", np.arange(4), SamplingParams(max_tokens=32), k=3, adaptive=pol)
+    s.watched = np.array([5, 6, 7])
+    judge_watch(s, (5,))                                   # d_1 matched; d_2 not known yet
+    assert s.watched is not None and pol.trials == 2.0
+    judge_watch(s, (6, 9))                                 # d_2 matched, d_3 did not (a drafting round's tokens)
+    assert s.watched is None
+    assert pol.pos_trials[:3] == pytest.approx([0.9 * 2 + 1, 0.9 * 2 + 1, 0.9 * 2 + 1])
+    assert pol.pos_successes[:2] == pytest.approx([0.9 * 1.6 + 1, 0.9 * 1.6 + 1])
+    assert pol.pos_successes[2] == pytest.approx(0.9 * 1.6)
+    s.watched = np.array([1, 2, 3])
+    judge_watch(s, (4,))                                   # d_1 wrong: judged at once, 0 of 3
+    assert s.watched is None and pol.trials == pytest.approx(0.9 * (0.9 * 2 + 3) + 1)     # 3 tested, then 1
+
+
+def test_the_round_plan_watches_only_greedy_or_coupled_drafts():
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4, watch=True)
+    for _ in range(60):
+        costs.loop.observe(3, 0)
+    greedy = Sequence("g", np.arange(4), SamplingParams(max_tokens=32), k=3, adaptive=costs.loop.new_policy(3))
+    greedy.drafting = True
+    assert plan_round([greedy], draft=object(), costs=costs) == ({"g": 0}, {"g": 3})
+    sampled = Sequence("s", np.arange(4), SamplingParams(max_tokens=32, temperature=0.8, draft_sampling=True), k=3,
+                       adaptive=costs.loop.new_policy(3))
+    sampled.drafting = True
+    greedy.watched = np.array([1, 2, 3])
+    # A sampled draft's match rate understates its acceptance: the batch probes by drafting.
+    assert plan_round([greedy, sampled], draft=object(), costs=costs) == ({"g": 0, "s": 3}, {})
+

@@ -476,13 +476,14 @@ def test_no_draft_runs_target_only(engines, reference):
     assert final.stats.drafted == 0 and not sched.speculation_available
 
 
-@pytest.mark.parametrize("loop_prior", [None, 0.0])
-def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, loop_prior):
+@pytest.mark.parametrize("loop_prior,watch", [(None, True), (0.0, True), (0.0, False)])
+def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, loop_prior, watch):
     """With adaptive k, each round's k follows the request's acceptance (0..k); greedy output stays exact.
-    With a loop prior of 0 every request starts with a newcomer probe: it drafts while the others in
-    its batch do not."""
+    With a loop prior of 0 every request starts with a probe: a watch probe (the draft drafts beside
+    a target-only step, nothing verified), or without them a newcomer probe (it drafts while the
+    others in its batch do not)."""
     sched = Scheduler(engines.target, engines.draft, max_batch=3, max_queue=16, eos_token_id=257,
-                      weights_version="v0", adaptive_k=True).start()
+                      weights_version="v0", adaptive_k=True, watch_probes=watch).start()
     if loop_prior is not None:
         sched.costs.loop.successes, sched.costs.loop.trials = loop_prior * 100.0, 100.0
     try:
@@ -496,4 +497,6 @@ def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, 
         tokens, final, _ = results[r.request_id]
         assert isinstance(final, FinalEvent) and tuple(tokens) == reference(r.prompt, r.params), r.request_id
         assert final.stats.rounds >= final.stats.spec_rounds
+        if loop_prior == 0.0:       # the first round of each is its probe
+            assert (final.stats.watch_probes > 0) == watch and (final.stats.spec_rounds > 0 or watch), r.request_id
     assert slots_free(engines)
