@@ -89,10 +89,15 @@ test's acceptance of a one-hot draft; for coupled drafts the match is the
 coupled test. (Sampled drafts, whose match rate understates the acceptance,
 are not watched: a loop that holds one probes by drafting.) Such a probe costs
 the target only the exchange's host work, not a verify k + 1 wide after a
-drafting round, so the loop can afford one every ``WATCH_EVERY`` target-only
-rounds, without backoff, and a new request is watched in its first round
-instead of drafting it (no newcomer probe). What it cannot give is the cost of
-a drafting round: that still comes from the rounds that draft.
+drafting round, so the loop affords one every ``WATCH_EVERY`` target-only
+rounds (doubling while no round drafts, up to ``WATCH_BACKOFF_MAX`` times),
+and a new request is watched in its first round instead of drafting it (no
+newcomer probe). In a trace simulation of the H200 regime this took adaptive k
+from 0.988 / 0.976 / 1.048 of the best fixed k (held-out / random / mix) to
+0.994 / 0.985 / 1.090 with a watch costing 0.1 ms (docs/performance.md §
+Session 22). What a watch cannot give is the cost of a drafting round: that
+still comes from the rounds that draft, and a round that carried a watch feeds
+no cost estimate (``RoundCosts.observe``).
 
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
@@ -263,7 +268,6 @@ class AdaptiveK:
                     self.pos_trials[j] += EMA_WEIGHT * PRIOR_TRIALS
             if self.loop is not None:
                 self.loop.observe(k, accepted)
-
 
 
 class AdaptiveLoop(RoundCosts):
