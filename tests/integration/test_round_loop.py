@@ -57,13 +57,14 @@ def _drain(handle) -> tuple[list[int], object]:
     raise AssertionError("no final event")
 
 
-@pytest.fixture(scope="module")
-def stack():
+def _services(**target_spec):
+    """A draft and a target service in this process (target spec settings ``target_spec``), and the
+    target's round loop driven as the orchestrator does: yields (rounds, the draft's address)."""
     from draft_service import server as draft_server
     from target_service import server as target_server
 
     draft = draft_server.start(_cfg("draft"))
-    target = target_server.start(_cfg("target", ahead_drafting=True, adaptive_k=False))
+    target = target_server.start(_cfg("target", **target_spec))
     # In-process services share this process's generated admin token (ControlRounds is an admin RPC).
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
                           admin_token=process_token())
@@ -73,6 +74,11 @@ def stack():
     client.close()
     target.stop(grace=None)
     draft.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    yield from _services(ahead_drafting=True, adaptive_k=False)
 
 
 def _draft_status(draft_address: str):
@@ -326,19 +332,7 @@ def test_decode_stream_batches_requests_refuses_bad_joins_and_cancels(stack):
 
 @pytest.fixture(scope="module")
 def adaptive_stack():
-    from draft_service import server as draft_server
-    from target_service import server as target_server
-
-    draft = draft_server.start(_cfg("draft"))
-    target = target_server.start(_cfg("target", adaptive_k=True))          # spec.watch_probes on by default
-    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
-                          admin_token=process_token())
-    rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
-    yield rounds, f"127.0.0.1:{draft.port}"
-    rounds.stop()
-    client.close()
-    target.stop(grace=None)
-    draft.stop(grace=None)
+    yield from _services(adaptive_k=True)              # spec.watch_probes on by default
 
 
 def test_watch_probes_over_grpc_change_no_token(adaptive_stack):
