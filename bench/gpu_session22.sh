@@ -5,6 +5,8 @@
 #   bash bench/gpu_session22.sh OUT_DIR first    # the graph and decode-ahead GPU tests (verify1 replayed, decode
 #                                                # ahead on CUDA), bench adaptive with a column of drafting probes
 #                                                # (three stacks on the one GPU), then bench services at batch 8
+#   bash bench/gpu_session22.sh OUT_DIR adaptive # bench adaptive --drafting-probes, two repeats (watch probes that
+#                                                # measure their own cost), then bench services at batch 1
 #   bash bench/gpu_session22.sh OUT_DIR second   # bench services at batch 8 and 1 (target-only on verify1), the
 #                                                # batch-8 round probe with a draft service, as time allows
 #
@@ -18,6 +20,10 @@ if [ "$mode" = first ]; then
   timeout 330 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
     --drafting-probes 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
   [ "$(left)" -gt 60 ] && svc services_b8 "$(left)" --device cuda:0 --batch 8
+elif [ "$mode" = adaptive ]; then
+  timeout 330 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
+    --drafting-probes --repeats 2 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
+  [ "$(left 420)" -gt 60 ] && svc services_b1 "$(left 420)" --device cuda:0 --batch 1
 elif [ "$mode" = second ]; then
   svc services_b8 150 --device cuda:0 --batch 8
   svc services_b1 150 --device cuda:0 --batch 1

@@ -108,6 +108,7 @@ acceptance prior.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -118,7 +119,9 @@ EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance esti
 PROBE_EVERY = 16             # target-only rounds between two probes (module doc)
 PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY
 WATCH_EVERY = 4              # target-only rounds between two watch probes (module doc) ...
-WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that drafting does not pay, up to this many times
+WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that drafting does not pay, up to this many times,
+WATCH_BUDGET = 0.03          # ... and never more often than keeps their measured cost to this share of T(0)
+WATCH_SHARE_MAX = 0.5        # watch while a watch costs less than this share of what a drafting round adds to T(0)
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
 
@@ -209,6 +212,7 @@ class AdaptiveK:
     trials: float = PRIOR_TRIALS
     loop: LoopAcceptance | None = field(default=None, repr=False, compare=False)
     drafted: bool = False                                 # has it drafted a round yet?
+    all_accepted: bool = field(default=False, repr=False)  # did its last observed round accept all k?
     newcomer: bool = field(default=True, repr=False)      # not yet considered for a newcomer probe
     # Per draft position j = 1..max_k: weighted rounds that tested draft j (reached it), and
     # that accepted it; both start at the prior (the pooled rate, PRIOR_TRIALS trials each).
@@ -257,6 +261,7 @@ class AdaptiveK:
             self._expected, self._stamp = None, next(_STAMPS)
             decay = 1.0 - EMA_WEIGHT
             self.drafted = True
+            self.all_accepted = accepted >= k
             self.successes = decay * self.successes + accepted
             self.trials = decay * self.trials + _trials(k, accepted)
             pooled = self.acceptance
@@ -300,8 +305,26 @@ class AdaptiveLoop(RoundCosts):
     @property
     def watch_every(self) -> int:
         """Target-only rounds before the next watch probe: ``WATCH_EVERY``, doubling from the
-        second watch in a row (no round drafted since) up to ``WATCH_BACKOFF_MAX`` times."""
-        return WATCH_EVERY * min(2 ** max(0, self.watches_in_a_row - 1), WATCH_BACKOFF_MAX)
+        second watch in a row (no round drafted since) up to ``WATCH_BACKOFF_MAX`` times, and at
+        least as many as keep a watch's measured cost (``watch_extra``) within ``WATCH_BUDGET``
+        of the target-only decoding between two watches."""
+        return max(WATCH_EVERY * min(2 ** max(0, self.watches_in_a_row - 1), WATCH_BACKOFF_MAX), self.watch_floor)
+
+    @property
+    def watch_floor(self) -> int:
+        """The fewest target-only rounds between two watches that keep a watch's measured cost
+        (``watch_extra``) within ``WATCH_BUDGET`` of the decoding between them (1 before one was timed)."""
+        extra = self.watch_extra
+        return max(1, math.ceil(extra / (WATCH_BUDGET * max(self.cost(0), 1e-9)))) if extra else 1
+
+    def watching_pays(self, max_k: int) -> bool:
+        """Whether probes should be watches (module doc): until one was timed, and while a watch
+        costs less than ``WATCH_SHARE_MAX`` of what a round drafting ``max_k`` adds to T(0). With
+        the draft on the target's GPU a watch's kernels take turns with the target's step and it
+        costs about a draft; a drafting probe then costs little more and commits its accepted
+        drafts (docs/performance.md § Session 22)."""
+        extra = self.watch_extra
+        return extra is None or extra < WATCH_SHARE_MAX * max(self.cost(max_k) - self.cost(0), 0.0)
 
     @property
     def probe_every(self) -> int:
@@ -391,7 +414,7 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
     watch probes (module doc): a round at k* = 0 watches every watchable request after
     ``WATCH_EVERY`` target-only rounds, and a watchable request not yet measured at once."""
     n = len(policies)
-    if not costs.watch or watchable is None:
+    if not costs.watch or watchable is None or not costs.watching_pays(max((p.max_k for p in policies), default=0)):
         return request_ks(policies, costs), [0] * n
     k = round_k_star(policies, costs)
     for p in policies:
@@ -401,8 +424,13 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
         return [min(k, p.max_k) for p in policies], [0] * n
     costs.rounds_unwatched += 1
     due = costs.rounds_unwatched >= costs.watch_every
-    if due:
+    # NOTE: a request whose last watch (or round) matched all k is watched again as soon as the
+    # budget allows, whatever the backoff: the loop's backoff comes from the requests before it
+    # (a held-out request after random ones), and its estimate rises one watch at a time.
+    again = costs.rounds_unwatched >= costs.watch_floor
+    watch = [p.max_k if ok and p.max_k > 0 and (due or not p.measured or (again and p.all_accepted)) else 0
+             for p, ok in zip(policies, watchable)]
+    if due or any(watch):
         costs.rounds_unwatched = 0
-        costs.watches_in_a_row += 1
-    watch = [p.max_k if ok and p.max_k > 0 and (due or not p.measured) else 0 for p, ok in zip(policies, watchable)]
+        costs.watches_in_a_row += 1 if due else 0
     return [0] * n, watch

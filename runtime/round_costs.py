@@ -121,6 +121,8 @@ class RoundCosts:
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
         self._prev_watched = False
+        self._prev_parts = 0.0                              # the previous round's verify + everything else
+        self._watched = Window(self.WINDOW)                # what rounds that carried a watch took
         self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
         self.version = 0                      # bumped when T(k > 0) may change (adaptive_k.round_k_star's cache)
         self._line: tuple[float, float] | None = None    # line_fit of the measured draft times, kept
@@ -175,6 +177,12 @@ class RoundCosts:
         return len(self._fixed_spec) >= MIN_PERIODS
 
     @property
+    def watch_extra(self) -> float | None:
+        """What a round that carried a watch probe (runtime.adaptive_k) takes beyond a target-only
+        round, T(0); None before one was timed."""
+        return max(self._watched.median - self.cost(0), 0.0) if len(self._watched) else None
+
+    @property
     def _periods_measured(self) -> bool:
         return len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS
 
@@ -223,13 +231,16 @@ class RoundCosts:
         # admission; on CPU those periods made T(0) ~60 ms where a target-only round took ~8.
         # NOTE: nor one of a round that carried a watch probe: in process its draft runs inside
         # the round (a target-only round then looked ~7x dearer on CPU, and drafting cheap).
-        if (started is not None and prev_start is not None and (batch is None or batch == prev_batch)
-                and not prev_watched):
+        same_batch = started is not None and prev_start is not None and (batch is None or batch == prev_batch)
+        if same_batch and not prev_watched:
             period = started - prev_start
             if prev_k == 0:
                 self._period0.append(period)
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
+        elif prev_watched:               # its period where there is one, else its parts
+            self._watched.append(started - prev_start if same_batch else self._prev_parts)
+        self._prev_parts = verify_s + overhead_s
         if k_max > 0:
             self._verify.append(verify_s)
         elif not watched:
