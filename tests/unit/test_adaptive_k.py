@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_EVERY,
-                                AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k, expected_tokens,
-                                request_ks, round_k_star, round_plan, _argmax, _rates)
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_BUDGET,
+                                WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
+                                expected_tokens, request_ks, round_k_star, round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
@@ -429,3 +430,27 @@ def test_the_round_plan_watches_only_greedy_or_coupled_drafts():
     # A sampled draft's match rate understates its acceptance: the batch probes by drafting.
     assert plan_round([greedy, sampled], draft=object(), costs=costs) == ({"g": 0, "s": 3}, {})
 
+
+
+@pytest.mark.parametrize("extra,pays", [(0.05e-3, True), (0.5e-3, False)])
+def test_watches_time_themselves_and_give_way_to_drafting_probes_where_they_cost_a_draft(extra, pays):
+    """A round that carried a watch is timed apart (``watch_extra``: beyond T(0)); watches stay
+    probes while that is under half of what a drafting round adds to T(0), no more often than
+    keeps them within WATCH_BUDGET of the decoding between them, and else probes draft."""
+    costs, t, batch = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4, watch=True), 0.0, frozenset("a")
+    for _ in range(6):
+        costs.observe(0, 0.0, 1e-3, 1e-4, started=t, batch=batch)
+        t += 1.1e-3
+    assert costs.watch_extra is None and costs.watching_pays(3) and costs.watch_floor == 1
+    costs.observe(0, 0.0, 1e-3, 1e-4, started=t, batch=batch, watched=True)
+    t += 1.1e-3 + extra
+    costs.observe(0, 0.0, 1e-3, 1e-4, started=t, batch=batch)
+    assert costs.watch_extra == pytest.approx(extra)
+    assert costs.cost(0) == pytest.approx(1.1e-3)                   # the watched round is not in T(0)
+    assert costs.watching_pays(3) == pays                          # T(3) - T(0) = 0.4 ms here
+    assert costs.watch_floor == math.ceil(extra / (WATCH_BUDGET * 1.1e-3))
+    stale = costs.loop.new_policy(3)
+    for _ in range(60):
+        stale.observe(3, 0)
+    _, watch = round_plan([stale, costs.loop.new_policy(3)], costs, [True, True])
+    assert watch == ([0, 3] if pays else [0, 0])
