@@ -97,7 +97,15 @@ from 0.988 / 0.976 / 1.048 of the best fixed k (held-out / random / mix) to
 0.994 / 0.985 / 1.090 with a watch costing 0.1 ms (docs/performance.md §
 Session 22). What a watch cannot give is the cost of a drafting round: that
 still comes from the rounds that draft, and a round that carried a watch feeds
-no cost estimate (``RoundCosts.observe``).
+none of the other estimates (``RoundCosts.observe``). It is timed on its own
+(``RoundCosts.watch_extra``), because "beside" holds only where the draft has a
+GPU of its own: on one H200 shared by both workers a watch took about a
+draft's time, and watching every 4 rounds lost the mix (0.78 of the best
+fixed k against 0.97 with drafting probes). So watches stay probes while one
+costs less than ``WATCH_SHARE_MAX`` of what a drafting round adds to T(0), at
+most one per ``watch_floor`` target-only rounds (``WATCH_BUDGET``), and
+otherwise probes draft. A request whose last round matched (or accepted) all k
+is watched again as soon as the floor allows, whatever the loop's backoff.
 
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
