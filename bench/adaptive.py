@@ -147,8 +147,8 @@ def main(args) -> int:
         rows.append({"prompts": name, **{c: round(v["tok_s"], 1) for c, v in row.items()},
                      **{f"accept {c}": round(v["acceptance"], 3) for c, v in row.items() if c != "k=0"},
                      "best_fixed": best,
-                     **{f"{c}_over_best_fixed": round(row[c]["tok_s"] / row[best]["tok_s"], 3) for c in adaptive_cols},
-                     **{f"{c}_over_target_only": round(row[c]["tok_s"] / row["k=0"]["tok_s"], 3) for c in adaptive_cols},
+                     **{f"{c}_over_{ref}": round(row[c]["tok_s"] / row[col]["tok_s"], 3)
+                        for c in adaptive_cols for ref, col in (("best_fixed", best), ("target_only", "k=0"))},
                      "identical": ref is not None and all(v["outputs"] == ref for v in row.values()),
                      "round_ms": {c: v["round_ms"] for c, v in row.items()},
                      **{f"{c}_ks": row[c]["ks"] for c in adaptive_cols}})

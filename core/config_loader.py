@@ -53,8 +53,8 @@ HELP: dict[str, str] = {
                        "(0..the request's k; runtime/adaptive_k.py)",
     "spec.watch_probes": "target, with spec.adaptive_k: probes are watch probes where requests' drafts are greedy "
                          "or coupled (the draft drafts beside a target-only step; its drafts are judged against the "
-                         "target's next tokens, never verified; spec.micro_batches rounds probe by drafting); off: probes "
-                         "draft and verify",
+                         "target's next tokens, never verified; spec.micro_batches rounds probe by drafting); off: "
+                         "probes draft and verify",
     "spec.ahead_drafting": "target: while verifying, ask the draft for k+1 drafts past d_k; used next round when "
                            "all k were accepted and the bonus matches (exact either way); draft: also capture "
                            "the catch-up width that follows such a round (set it on both)",
