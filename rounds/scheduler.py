@@ -366,7 +366,7 @@ class Scheduler:
         target = GuardedTarget(self.target, failed)
         draft = GuardedDraft(self.draft, failed) if self.draft is not None else None
         before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
-        watches = sum(x.seq.stats.watch_probes for x in live)
+        watches = sum(x.seq.stats.watch_probes for x in live) if self.costs is not None else 0
         t0 = time.perf_counter()
         try:
             seqs = [x.seq for x in live]

@@ -316,7 +316,12 @@ class AdaptiveLoop(RoundCosts):
         second watch in a row (no round drafted since) up to ``WATCH_BACKOFF_MAX`` times, and at
         least as many as keep a watch's measured cost (``watch_extra``) within ``WATCH_BUDGET``
         of the target-only decoding between two watches."""
-        return max(WATCH_EVERY * min(2 ** max(0, self.watches_in_a_row - 1), WATCH_BACKOFF_MAX), self.watch_floor)
+        return max(self.watch_backoff, self.watch_floor)
+
+    @property
+    def watch_backoff(self) -> int:
+        """``watch_every`` before the cost floor: the backoff alone."""
+        return WATCH_EVERY * min(2 ** max(0, self.watches_in_a_row - 1), WATCH_BACKOFF_MAX)
 
     @property
     def watch_floor(self) -> int:
@@ -431,11 +436,12 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
         costs.rounds_unwatched = costs.watches_in_a_row = 0
         return [min(k, p.max_k) for p in policies], [0] * n
     costs.rounds_unwatched += 1
-    due = costs.rounds_unwatched >= costs.watch_every
+    floor = costs.watch_floor
+    due = costs.rounds_unwatched >= max(costs.watch_backoff, floor)          # watch_every, floor once
     # NOTE: a request whose last watch (or round) matched all k is watched again as soon as the
     # budget allows, whatever the backoff: the loop's backoff comes from the requests before it
     # (a held-out request after random ones), and its estimate rises one watch at a time.
-    again = costs.rounds_unwatched >= costs.watch_floor
+    again = costs.rounds_unwatched >= floor
     watch = [p.max_k if ok and p.max_k > 0 and (due or not p.measured or (again and p.all_accepted)) else 0
              for p, ok in zip(policies, watchable)]
     if due or any(watch):
