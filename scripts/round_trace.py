@@ -7,7 +7,9 @@ proposed k; for k = 0 whether the draft holds the request, as adaptive k's targe
 do): how many, the medians of the round's draft / target / overhead / wall milliseconds and of
 the period (from the end of the request's round before to the end of this one, where that
 leaves under 2 ms outside the round), and the draft time of the
-first drafting round after a target-only one (a probe: its catch-up carries every skipped pair).
+first drafting round after a target-only one (a probe: its catch-up carries every skipped pair);
+under adaptive k also what the cost model estimated (T(0), T(max k)) against the measured periods,
+and the requests' estimated E(max k) in the rounds that did and did not draft.
 
     ROUND_PROBE_DIR=/tmp/rt PYTHONPATH=scripts/round_probe python -m specsplit bench adaptive ...
     python scripts/round_trace.py /tmp/rt
@@ -48,6 +50,18 @@ def summarize(rows: list) -> list[str]:
         probes.sort()
         out.append(f"drafting rounds right after a target-only one: {len(probes)}, draft ms median "
                    f"{med(probes):.3f}, p90 {probes[math.ceil(0.9 * len(probes)) - 1]:.3f}, max {probes[-1]:.3f}")
+    model = [r for r in rows if len(r) > 10]        # adaptive k: the model's T(0), T(max k), E(max k)
+    if model:
+        top = max(r[2] for r in rows)
+        periods = {k: [x[4] for x in xs if x[4] is not None and x[4] - x[3] * 1e3 < 2.0]
+                   for (k, _), xs in kinds.items()}
+        realized = [r[3] + 1 for r in rows if r[2] == top]
+        out.append(f"model (median over rounds): T(0) {med([r[10] * 1e3 for r in model]):.3f} ms (period at k=0 "
+                   f"{med(periods.get(0, [])):.3f}), T({top}) {med([r[11] * 1e3 for r in model]):.3f} ms "
+                   f"(period at k={top} {med(periods.get(top, [])):.3f}); E({top}) where the round drafted 0: "
+                   f"{med([r[12] for r in model if r[2] == 0]):.2f}, drafted {top}: "
+                   f"{med([r[12] for r in model if r[2] == top]):.2f} (tokens a k={top} round committed, mean "
+                   f"{statistics.mean(realized) if realized else float('nan'):.2f})")
     return out
 
 
