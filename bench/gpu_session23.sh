@@ -7,6 +7,9 @@
 #                                                # (scripts/round_probe: the cost model's T(0), T(k) and each
 #                                                # request's E(k) too), summarized by scripts/round_trace.py; then
 #                                                # the target's round host in process at batch 8, target-only
+#   bash bench/gpu_session23.sh OUT_DIR profile  # Torch profiler passes: the round host at batch 8 target-only against
+#                                                # the in-process engine (bench profile --small); at batch 1 on a
+#                                                # random prompt, target-only against adaptive k with a draft service
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -20,6 +23,16 @@ if [ "$mode" = trace ]; then
   python3 scripts/round_trace.py "$out/rt" 2>&1 | tee "$out/round_trace.txt"
   [ "$(left)" -gt 60 ] && timeout "$(left)" python3 scripts/round_host_probe.py models/tiny cuda:0 8 128 --outbox \
     --profile 25 2>&1 | quiet | tee "$out/probe_b8_target_only.txt" | head -40
+elif [ "$mode" = profile ]; then
+  probe() { local name="$1" limit="$2"; shift 2
+    timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \
+      | grep -v "^ *[0-9]* *[0-9.]* *[0-9.]* *[0-9.]* *[0-9.]* /" | head -40; }
+  probe b8_target_only 100 8 128 --outbox --torch-profile 10
+  timeout 120 python3 -m specsplit bench profile --device cuda:0 --small --batch 8 --max-tokens 64 2>&1 | quiet \
+    | tee "$out/engine_b8.txt" | head -40
+  probe b1_random_target_only 90 1 128 --outbox --random-prompt --torch-profile 8
+  [ "$(left)" -gt 60 ] && probe b1_random_adaptive "$(left)" 1 128 --outbox --random-prompt --draft cuda:0 \
+    --adaptive --torch-profile 8 --profile 25
 else
   echo "unknown mode $mode"; exit 2
 fi

@@ -10,17 +10,23 @@ their events reach them:
   --late       nobody is woken before a request ends (a floor: no reader work during rounds).
 With ``--draft DEVICE``: a draft service process on that device (as the launcher starts it) and
 k=3 requests, the target's round loop exchanging with it as in serving.
-Prints tokens/s and the scheduler's round wall / draft / target / overhead per round; with
---profile N, the scheduler thread's cProfile (top N by own time).
+With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
+prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
+then runs mostly target-only rounds with the draft holding the request).
+Prints tokens/s and the scheduler's round wall / draft / target / overhead per round and the
+steps queued ahead (and the gate's pauses); with --profile N, the scheduler thread's cProfile (top N
+by own time); with --torch-profile N, a Torch profiler pass over the run (GPU busy and host gap
+per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
-                                          [--profile N]
+                                          [--adaptive] [--random-prompt] [--profile N] [--torch-profile N]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import sys
@@ -42,6 +48,7 @@ from target_service.worker import TargetWorker  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
 
 PROMPT = tuple(range(1, 33))
+RANDOM_PROMPT = tuple(int(x) for x in __import__("numpy").random.default_rng(0).integers(32, 256, 48))
 WAIT_S = 120.0
 
 
@@ -66,6 +73,11 @@ def _late_handles() -> None:
         init(self, req, wake, outbox)
         self.events = _WakeAtEnd()
     scheduler_types.RequestHandle.__init__ = handle_init
+
+
+def _torch_profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
 
 def _profile_scheduler(rows: int) -> None:
@@ -123,6 +135,9 @@ def main() -> int:
     mode.add_argument("--late", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--draft", default="", metavar="DEVICE")
+    ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--random-prompt", action="store_true")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N")
     a = ap.parse_args()
     if not a.draft:
         return probe(a, None)
@@ -142,7 +157,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         _profile_scheduler(a.profile)
     cfg = WorkerConfig(role="target", target_path=a.model, weights_version="v1",
                        runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
-                       spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
+                       spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive), cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
                        graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
     worker = TargetWorker(cfg)
@@ -153,10 +168,11 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
     box = EventOutbox() if a.outbox else None
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+    prompt = RANDOM_PROMPT if a.random_prompt else PROMPT
 
     def one(rid: str) -> int:
         done = reader.expect(rid) if reader is not None else None
-        h = host.submit(GenerationRequest(rid, PROMPT, params, 3 if draft else 0), box)
+        h = host.submit(GenerationRequest(rid, prompt, params, 3 if draft else 0), box)
         if reader is not None:
             done.wait(WAIT_S)
             return reader.tokens[rid]
@@ -170,7 +186,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
             tokens += len(ev.tokens)
         return tokens
 
-    for reps, label in ((1, "warm-up"), (2, "run")):
+    phases = [(1, "warm-up"), (2, "run")] + ([(2, "profiled")] if a.torch_profile else [])
+    for reps, label in phases:
         counts = [0] * a.batch
 
         def client(i: int) -> None:
@@ -178,18 +195,27 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                 counts[i] += one(f"q{label}{i}-{n}")
         tm = host.scheduler.timing
         r0, w0, t0s, d0, o0 = tm.rounds, tm.wall_s, tm.target_s, tm.draft_s, tm.overhead_s
+        prof = _torch_profiler() if label == "profiled" else contextlib.nullcontext()
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.batch)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        with prof:
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(a.batch)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
         dt = time.perf_counter() - t0
         r = max(tm.rounds - r0, 1)
         print(f"{label}: batch {a.batch} {sum(counts) / dt:.1f} tok/s; {r} rounds, round wall "
               f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, draft {1e3 * (tm.draft_s - d0) / r:.3f}, target "
               f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
-              f"queued ahead {worker.engine.ahead_stats}")
+              f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}")
+        if label == "profiled":
+            from bench.profile_round import _kernel_summary
+            got = _kernel_summary(prof, dt, a.torch_profile)
+            print(f"  gpu busy {got['gpu_busy_ms'] / r:.3f} ms a round, host gap {got['host_gap_ms'] / r:.3f}, "
+                  f"{got['kernels'] / r:.1f} kernels a round (gpu busy includes the draft process's kernels: no)")
+            for t in got["top"]:
+                print(f"    {t['calls'] / r:6.2f} {t['total_us'] / r:8.1f} us/round  {t['name'][:80]}")
     if reader is not None:
         reader.stop()
     host.close()
