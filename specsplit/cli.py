@@ -25,7 +25,7 @@ from typing import Any
 from core.config import ConfigError
 from orchestrator.config import OrchestratorConfig
 from worker.config import WorkerConfig
-from core import config_loader
+from core import config_loader, heap
 from specsplit import configs
 from specsplit.cli_client import (DEFAULT_ADDRESS, add_client_parsers, cmd_generate, cmd_healthcheck, cmd_push,
                                   cmd_reload, cmd_status)
@@ -99,7 +99,9 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
             from target_service.server import start
         # NOTE: `start` (not `create_server`) returns the service with its bound metrics port,
         # so the listening line reports the port actually served.
+        heap.enable()
         service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
+        heap.settle()          # loaded, captured: the long-lived heap out of the collector's walks
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
     announce(role, service.port, service.metrics_port, cfg.server.host, cfg.security)
@@ -139,6 +141,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
     log = configure_logging("orchestrator", args.log_level)
     log.info("starting", config=redact(cfg))
     try:
+        heap.enable()
         server, port = create_server(cfg)
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
@@ -151,6 +154,7 @@ def cmd_orchestrator(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - one line, like every start-up failure
             server.stop(0)
             raise StartFailed() from exc
+    heap.settle()
     announce("orchestrator", port, getattr(server, "metrics_port", None), cfg.server.host, cfg.security,
              http_port=http.port if http is not None else None)
     sig = wait_for_signal()

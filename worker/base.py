@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import structlog
 
+from core import heap
 from core.serving import check_checkpoint_path
 from core.wire import ItemError, item_error_for
 from runtime import host_memory
@@ -268,6 +269,7 @@ class Worker:
         self.engine = None
         self.model_cfg = None
         self.weights_version = ""
+        heap.thaw()                    # NOTE: before the collection: settled cycles are found only thawed
         gc.collect()
         self.ops.synchronize()
         self.ops.empty_cache()
@@ -289,6 +291,7 @@ class Worker:
         # The registry does not expose its pool; the allocator's growth over the
         # capture is the pool plus static buffers (0 on CPU).
         self._pool_bytes = max(0, self.ops.memory_allocated() - before)
+        heap.settle()              # serving state built: out of the collector's full walks (core/heap.py)
 
     def clear_graphs(self) -> bool:
         """READY -> LOADED (no-op when LOADED or EMPTY)."""
@@ -299,6 +302,7 @@ class Worker:
         # graphs' static outputs, and after an in-place copy it read the old weights: both
         # drop it before the change.
         self._drop_pending()
+        heap.thaw()                    # NOTE: before the registry's collection (core/heap.py)
         self.registry.clear()
         self._pool_bytes = 0
 
