@@ -10,6 +10,9 @@
 #   bash bench/gpu_session23.sh OUT_DIR profile  # Torch profiler passes: the round host at batch 8 target-only against
 #                                                # the in-process engine (bench profile --small); at batch 1 on a
 #                                                # random prompt, target-only against adaptive k with a draft service
+#   bash bench/gpu_session23.sh OUT_DIR k0       # at batch 1 on a random prompt, every round recorded: adaptive k
+#                                                # with a draft service, then k = 0 requests beside a draft service;
+#                                                # then bench adaptive --drafting-probes
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -33,6 +36,19 @@ elif [ "$mode" = profile ]; then
   probe b1_random_target_only 90 1 128 --outbox --random-prompt --torch-profile 8
   [ "$(left)" -gt 60 ] && probe b1_random_adaptive "$(left)" 1 128 --outbox --random-prompt --draft cuda:0 \
     --adaptive --torch-profile 8 --profile 25
+elif [ "$mode" = k0 ]; then
+  probe() { local name="$1" limit="$2"; shift 2
+    timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \
+      | head -8; }
+  mkdir -p "$out/rt_adaptive" "$out/rt_k0"
+  ROUND_PROBE_DIR="$out/rt_adaptive" PYTHONPATH="$PWD/scripts/round_probe:$PYTHONPATH" \
+    probe b1_random_adaptive 100 1 128 --outbox --random-prompt --draft cuda:0 --adaptive
+  python3 scripts/round_trace.py "$out/rt_adaptive" 2>&1 | tee "$out/round_trace_adaptive.txt"
+  ROUND_PROBE_DIR="$out/rt_k0" PYTHONPATH="$PWD/scripts/round_probe:$PYTHONPATH" \
+    probe b1_random_k0_draft 100 1 128 --outbox --random-prompt --draft cuda:0 --k 0
+  python3 scripts/round_trace.py "$out/rt_k0" 2>&1 | tee "$out/round_trace_k0.txt"
+  [ "$(left)" -gt 100 ] && timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 \
+    --prompts 8 --max-tokens 128 --drafting-probes 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
 else
   echo "unknown mode $mode"; exit 2
 fi

@@ -19,7 +19,7 @@ by own time); with --torch-profile N, a Torch profiler pass over the run (GPU bu
 per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
-                                          [--adaptive] [--random-prompt] [--profile N] [--torch-profile N]
+                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -136,6 +136,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--draft", default="", metavar="DEVICE")
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--k", type=int, default=None, help="the requests' k (default: 3 with --draft, else 0)")
     ap.add_argument("--random-prompt", action="store_true")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N")
     a = ap.parse_args()
@@ -169,10 +170,11 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     prompt = RANDOM_PROMPT if a.random_prompt else PROMPT
+    k = a.k if a.k is not None else (3 if draft else 0)
 
     def one(rid: str) -> int:
         done = reader.expect(rid) if reader is not None else None
-        h = host.submit(GenerationRequest(rid, prompt, params, 3 if draft else 0), box)
+        h = host.submit(GenerationRequest(rid, prompt, params, k), box)
         if reader is not None:
             done.wait(WAIT_S)
             return reader.tokens[rid]
