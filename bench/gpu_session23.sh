@@ -13,6 +13,9 @@
 #   bash bench/gpu_session23.sh OUT_DIR k0       # at batch 1 on a random prompt, every round recorded: adaptive k
 #                                                # with a draft service, then k = 0 requests beside a draft service;
 #                                                # then bench adaptive --drafting-probes
+#   bash bench/gpu_session23.sh OUT_DIR split    # the target's verify timed in parts (before the host copy's wait,
+#                                                # the wait, after), k = 0 requests beside a draft against adaptive
+#                                                # k, twice in turn; then bench adaptive --drafting-probes --repeats 2
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -49,6 +52,16 @@ elif [ "$mode" = k0 ]; then
   python3 scripts/round_trace.py "$out/rt_k0" 2>&1 | tee "$out/round_trace_k0.txt"
   [ "$(left)" -gt 100 ] && timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 \
     --prompts 8 --max-tokens 128 --drafting-probes 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
+elif [ "$mode" = split ]; then
+  for round in 1 2; do
+    for v in "--k 0" "--adaptive"; do
+      echo "== round $round: $v"
+      timeout 100 python3 scripts/round_host_probe.py models/tiny cuda:0 1 128 --outbox --random-prompt --draft cuda:0 \
+        $v --verify-split 2>&1 | quiet | grep -E "^run|verify" | tee -a "$out/split.txt"
+    done
+  done
+  [ "$(left)" -gt 150 ] && timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 \
+    --prompts 8 --max-tokens 128 --drafting-probes --repeats 2 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
 else
   echo "unknown mode $mode"; exit 2
 fi

@@ -19,7 +19,7 @@ by own time); with --torch-profile N, a Torch profiler pass over the run (GPU bu
 per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
-                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
+                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N] [--verify-split]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -73,6 +73,49 @@ def _late_handles() -> None:
         init(self, req, wake, outbox)
         self.events = _WakeAtEnd()
     scheduler_types.RequestHandle.__init__ = handle_init
+
+
+def _split_verify(engine) -> list:
+    """Wrap the engine's verify and its host-copy wait: per verify (drafted, ahead used, ms before
+    the wait, ms waiting, ms after)."""
+    rows: list = []
+    verify, fetch_async = engine.verify, engine.ops.to_numpy_many_async
+    mark: dict = {}
+
+    def timed_fetch(*args, **kw):
+        fetch = fetch_async(*args, **kw)
+
+        def wait():
+            mark["wait0"] = time.perf_counter()
+            try:
+                return fetch()
+            finally:
+                mark["wait1"] = time.perf_counter()
+        return wait
+
+    def timed_verify(reqs):
+        used0, t0 = engine.ahead_stats.used, time.perf_counter()
+        mark.clear()
+        try:
+            return verify(reqs)
+        finally:
+            t1 = time.perf_counter()
+            w0, w1 = mark.get("wait0", t1), mark.get("wait1", t1)
+            rows.append((any(len(r.drafts) for r in reqs), engine.ahead_stats.used > used0,
+                         1e3 * (w0 - t0), 1e3 * (w1 - w0), 1e3 * (t1 - w1)))
+    engine.verify, engine.ops.to_numpy_many_async = timed_verify, timed_fetch
+    return rows
+
+
+def _print_split(rows: list) -> None:
+    import statistics
+    groups: dict = {}
+    for drafted, used, *parts in rows[len(rows) // 3:]:          # after the warm-up
+        groups.setdefault((drafted, used), []).append(parts)
+    for (drafted, used), xs in sorted(groups.items()):
+        med = [statistics.median(x[i] for x in xs) for i in range(3)]
+        print(f"  verify drafted={drafted!s:5s} ahead used={used!s:5s} {len(xs):5d} calls: before the wait "
+              f"{med[0]:.3f} ms, waiting {med[1]:.3f}, after {med[2]:.3f} (medians)")
 
 
 def _torch_profiler():
@@ -139,6 +182,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=None, help="the requests' k (default: 3 with --draft, else 0)")
     ap.add_argument("--random-prompt", action="store_true")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N")
+    ap.add_argument("--verify-split", action="store_true",
+                    help="time each target verify in parts: before the host copy's wait, the wait, after")
     a = ap.parse_args()
     if not a.draft:
         return probe(a, None)
@@ -164,6 +209,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
     worker = TargetWorker(cfg)
     worker.load_weights(a.model, "", "v1")
     worker.capture_graphs()
+    split = _split_verify(worker.engine) if a.verify_split else None
     host = RoundHost(worker, cfg)
     host.configure(draft.address if draft else "", a.batch, 64, 30.0)
     box = EventOutbox() if a.outbox else None
@@ -218,6 +264,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                   f"{got['kernels'] / r:.1f} kernels a round (gpu busy includes the draft process's kernels: no)")
             for t in got["top"]:
                 print(f"    {t['calls'] / r:6.2f} {t['total_us'] / r:8.1f} us/round  {t['name'][:80]}")
+    if split is not None:
+        _print_split(split)
     if reader is not None:
         reader.stop()
     host.close()
