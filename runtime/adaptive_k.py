@@ -72,10 +72,26 @@ have been timed (its first round is not steady, below), then one: what it is
 for is the acceptance, and the next round's choice already sees it. A
 newcomer probe counts as a probe. When probes keep finding that drafting does
 not pay, the interval doubles from the third probe on (up to
-``PROBE_BACKOFF_MAX`` times), and newcomer probes thin out the same way
-(one newcomer in 2, 4, ... up to ``PROBE_BACKOFF_MAX``); both are back to
-every time once a measured acceptance (not a new request's prior) makes a
-round draft.
+``PROBE_BACKOFF_MAX`` times), back to ``PROBE_EVERY`` once a measured
+acceptance (not a new request's prior) makes a round draft. Every newcomer is
+probed, whatever the backoff: one round per request where drafting never
+pays, against a whole request at k = 0 where its text drafts well.
+
+Follow-up probes (``follow_ups``): one probe round moves an estimate only so
+far (a request after random ones starts near the loop's low prior, and
+``PRIOR_TRIALS`` trials' worth of it stay), so at k* = 0 a request whose last
+round drafted and paid — committed, as a round of its own, at least what
+target-only rounds would have in the same time — drafts again, and goes on
+while its rounds pay, until its estimate alone makes k* > 0. A probe whose
+round did not pay ends there. Regression it fixes: ``bench adaptive
+--repeats 2`` on an H100 served the second held-out set after the first mix,
+and adaptive k ran 34-40 % of its held-out rounds at k = 0 (0.85 of the best
+fixed k): the loop's prior was low, the backoff had thinned the newcomer
+probes to one request in 8 and the periodic ones to one in 128 rounds, and a
+single probe that accepted all its drafts did not lift the request's estimate
+over the threshold. In the trace simulation of that regime (``--repeats 2``,
+held-out / random / mix over the best fixed k) 0.966 / 0.970 / 1.006 became
+0.988 / 0.970 / 1.026 with both changes.
 
 Watch probes (``AdaptiveLoop.watch``, ``round_plan``): a probe need not be
 a drafting round. While the target decodes alone (a target-only round, its
@@ -222,6 +238,7 @@ class AdaptiveK:
     drafted: bool = False                                 # has it drafted a round yet?
     all_accepted: bool = field(default=False, repr=False)  # did its last observed round accept all k?
     newcomer: bool = field(default=True, repr=False)      # not yet considered for a newcomer probe
+    last_round: tuple[int, int] | None = field(default=None, repr=False)   # (k, accepted) if its last round drafted
     # Per draft position j = 1..max_k: weighted rounds that tested draft j (reached it), and
     # that accepted it; both start at the prior (the pooled rate, PRIOR_TRIALS trials each).
     pos_successes: list[float] = field(default_factory=list, repr=False)
@@ -265,6 +282,7 @@ class AdaptiveK:
         return self.drafted or self.trials > PRIOR_TRIALS
 
     def observe(self, k: int, accepted: int) -> None:
+        self.last_round = (k, accepted) if k > 0 else None
         if k > 0:
             self._expected, self._stamp = None, next(_STAMPS)
             decay = 1.0 - EMA_WEIGHT
@@ -296,19 +314,8 @@ class AdaptiveLoop(RoundCosts):
         self.target_only_rounds = 0    # rounds at k* = 0 since the last probe
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
         self.probes_in_a_row = 0       # probes since measured acceptance last said drafting pays
-        self.newcomers_unprobed = 0    # newcomers let pass without a probe since the last newcomer probe
         self.loop = LoopAcceptance()   # new requests' prior (module doc)
         self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
-
-    def newcomer_probe_due(self) -> bool:
-        """Count one newcomer whose prior says k = 0; True when it is to probe: every one while
-        probes find drafting pays or have failed once, then one in 2, 4, ... up to
-        ``PROBE_BACKOFF_MAX`` (the periodic probes' backoff, counted in requests)."""
-        self.newcomers_unprobed += 1
-        if self.newcomers_unprobed >= min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX):
-            self.newcomers_unprobed = 0
-            return True
-        return False
 
     @property
     def watch_every(self) -> int:
@@ -398,22 +405,40 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     return k
 
 
+def follow_ups(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[AdaptiveK]:
+    """The requests whose last round drafted and, as a round of their own, would have paid: at
+    k* = 0 they draft their k again (a follow-up probe, module doc). A round where the requests F
+    draft and the others do not commits, by F's last results, sum_F (a_i + 1) + (n - |F|) tokens
+    in T(max k_F), against n in T(0); F is every request whose last round drafted, and none while
+    that round would not pay."""
+    last = [p for p in policies if p.last_round is not None and p.max_k > 0]
+    if not last:
+        return []
+    top = max(p.max_k for p in last)
+    tokens = sum(p.last_round[1] + 1 for p in last) + len(policies) - len(last)
+    return last if tokens * costs.cost(0) >= len(policies) * costs.cost(top) else []
+
+
 def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
     """Each request's drafts this round: min(k*, its k); when k* = 0, a request that has never
-    drafted drafts its own k alone (the newcomer probe, module doc)."""
+    drafted drafts its own k alone (the newcomer probe), and so do the ones whose last drafting
+    round paid (the follow-up probe, ``follow_ups``; module doc)."""
     k = choose_round_k(policies, costs)
     new = [p for p in policies if p.newcomer and not p.measured and p.max_k > 0]
     for p in policies:
         p.newcomer = False
     if k > 0:
         return [min(k, p.max_k) for p in policies]
-    if not (new and costs.newcomer_probe_due()):
+    follow = follow_ups(policies, costs)
+    probe_new = bool(new)
+    if not (follow or probe_new):
         return [0] * len(policies)
     # NOTE: after choose_round_k, which has counted this round as a target-only one: the probe
-    # restarts the probe clock and counts in the backoff like any probe.
+    # restarts the probe clock, and a newcomer probe counts in the backoff like any probe (a
+    # follow-up continues a probe that paid: it does not).
     costs.target_only_rounds = 0
-    costs.probes_in_a_row += 1
-    probed = {id(p) for p in new}
+    costs.probes_in_a_row += 1 if probe_new else 0
+    probed = {id(p) for p in follow} | ({id(p) for p in new} if probe_new else set())
     return [p.max_k if id(p) in probed else 0 for p in policies]
 
 

@@ -130,6 +130,9 @@ def main() -> int:
     ap.add_argument("--random-rate", type=float, nargs=2, default=[0.03, 0.15], metavar=("LO", "HI"),
                     help="the random prompts' acceptance rates (uniform between)")
     ap.add_argument("--decl", type=float, default=0.1, help="per-position decline of the acceptance")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="the three sets served this many times in turn by one loop (as bench adaptive --repeats "
+                         "does: the second heldout comes after the first mix); tokens/s per set over all")
     ap.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="watch probes on (runtime.adaptive_k.round_plan), each adding SECONDS to its round")
     args = ap.parse_args()
@@ -140,11 +143,12 @@ def main() -> int:
         held = [(rng.uniform(0.75, 0.92), rng.uniform(0.4, 0.6)) for _ in range(8)]
         rand = [(rng.uniform(*args.random_rate), None) for _ in range(8)]
         mix = [held[i] if i % 2 == 0 else rand[i] for i in range(8)]
-        sets = [("warm", held[:2]), ("heldout", held), ("random", rand), ("mix", mix)]
+        sets = [("warm", held[:2])] + [(f"{n}#{r}", reqs) for r in range(args.repeats)
+                                       for n, reqs in (("heldout", held), ("random", rand), ("mix", mix))]
         for p in (0, 1, 2, 3, "adaptive"):
             for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens,
                                regime=tuple(args.regime), watch=args.watch).items():
-                rates.setdefault(name, {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
+                rates.setdefault(name.split("#")[0], {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):
         row = {c: statistics.mean(v) for c, v in rates[name].items()}

@@ -11,7 +11,7 @@ import pytest
 from core.params import SamplingParams
 from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_BUDGET,
                                 WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
-                                expected_tokens, request_ks, round_k_star, round_plan, _argmax, _rates)
+                                expected_tokens, follow_ups, request_ks, round_k_star, round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
@@ -194,33 +194,60 @@ def test_the_newcomer_probe_drafts_only_the_newcomer():
     assert round_ks(seqs, draft=object(), costs=costs) == {"a": 0, "b": 3}
 
 
-def test_newcomer_probes_thin_out_while_probes_keep_failing():
-    """Where no request drafts well, each newcomer probe is a wasted drafting round: once two
-    probes in a row failed, only one newcomer in 2, 4, ... (up to PROBE_BACKOFF_MAX) probes; a
-    newcomer whose probe finds drafting pays brings every newcomer's probe back."""
+def test_every_newcomer_is_probed_while_the_periodic_probes_back_off():
+    """Where no request drafts well, the periodic probes back off, but every newcomer still drafts
+    its first round: one round per request, against a whole request at k = 0 where it drafts well."""
     costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     first = costs.loop.new_policy(3)
     for _ in range(60):
         first.observe(3, 0)
-    probed = []
-    for _ in range(40):
+    firsts = []
+    for _ in range(12):
         pol = costs.loop.new_policy(3)
-        for r in range(4):                             # its rounds: drafting never pays
+        for r in range(40):                            # its rounds: drafting never pays
             ks = request_ks([pol], costs)
             if r == 0:
-                probed.append(ks == [3])
+                firsts.append(ks)
             pol.observe(ks[0], 0)
-    at = [i for i, p in enumerate(probed) if p]
-    assert [b - a for a, b in zip(at, at[1:])][:6] == [1, 2, 4, PROBE_BACKOFF_MAX, PROBE_BACKOFF_MAX, PROBE_BACKOFF_MAX]
+    assert firsts == [[3]] * 12
+    assert costs.probe_every == PROBE_EVERY * PROBE_BACKOFF_MAX
+
+
+def test_follow_up_probes_go_on_while_they_pay():
+    """At k* = 0 a request whose last round drafted and paid drafts again, until its own estimate
+    makes k* > 0; a probe round that did not pay ends the probe."""
+    costs = AdaptiveLoop(t_verify=1e-3, t_draft=1e-4, t_exchange=1.4e-3)    # T(3) / T(0) = 2.7, as on an H100
+    low = costs.loop.new_policy(3)
+    for _ in range(60):
+        low.observe(3, 0)                              # the loop's prior: drafting never pays
+    bad = costs.loop.new_policy(3)
+    assert request_ks([bad], costs) == [3]             # its newcomer probe ...
+    bad.observe(3, 0)
+    assert request_ks([bad], costs) == [0]             # ... did not pay: it ends
     good = costs.loop.new_policy(3)
-    while request_ks([good], costs) != [3]:            # a newcomer on its turn, or a periodic probe
-        pass
-    good.observe(3, 3)
-    assert request_ks([good], costs)[0] > 0 and costs.probes_in_a_row == 0
+    assert request_ks([good], costs) == [3]
+    follow = 0
     for _ in range(30):
-        first.observe(3, 0)                            # the loop's prior is low again
-    other = costs.loop.new_policy(3)
-    assert other.acceptance < 0.1 and request_ks([other], costs) == [3]      # the next newcomer probes
+        good.observe(3, 3)
+        if round_k_star([good], costs) > 0:
+            break
+        assert request_ks([good], costs) == [3]        # a follow-up: the last round paid
+        follow += 1
+    assert round_k_star([good], costs) > 0 and follow > 0      # one probe alone was not enough
+
+
+def test_follow_ups_are_judged_for_the_whole_round():
+    """A follow-up round costs every request of the batch T(k): it goes ahead only where the
+    followers' last results pay for the others' round too."""
+    costs = AdaptiveLoop(t_verify=1e-3, t_draft=1e-4, t_exchange=5e-4)      # T(3) / T(0) = 1.8
+    a, b = AdaptiveK(3), AdaptiveK(3)
+    a.observe(3, 1)                                    # 2 tokens in T(3): pays alone (2 >= 1.8)
+    assert follow_ups([a], costs) == [a]
+    assert follow_ups([a, b], costs) == []             # 3 tokens for two requests: < 2 x 1.8
+    b.observe(3, 3)
+    assert follow_ups([a, b], costs) == [a, b]         # 6 >= 3.6
+    a.observe(0, 0)
+    assert follow_ups([a], costs) == []                # its last round did not draft
 
 
 def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
