@@ -6,7 +6,8 @@
 #   bash bench/gpu_session23.sh OUT_DIR trace    # bench adaptive --drafting-probes with every request-round recorded
 #                                                # (scripts/round_probe: the cost model's T(0), T(k) and each
 #                                                # request's E(k) too), summarized by scripts/round_trace.py; then
-#                                                # the target's round host in process at batch 8, target-only
+#                                                # the target's round host in process at batch 8, target-only;
+#                                                # REPEATS=N: bench adaptive --repeats N, and nothing after it
 #   bash bench/gpu_session23.sh OUT_DIR profile  # Torch profiler passes: the round host at batch 8 target-only against
 #                                                # the in-process engine (bench profile --small); at batch 1 on a
 #                                                # random prompt, target-only against adaptive k with a draft service
@@ -24,10 +25,10 @@ gpu_prologue
 if [ "$mode" = trace ]; then
   mkdir -p "$out/rt"
   ROUND_PROBE_DIR="$out/rt" PYTHONPATH="$PWD/scripts/round_probe:$PYTHONPATH" timeout 300 python3 -m specsplit \
-    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --drafting-probes 2>&1 | quiet \
-    | tee "$out/adaptive.txt" | tail -10
+    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --drafting-probes \
+    --repeats "${REPEATS:-1}" 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
   python3 scripts/round_trace.py "$out/rt" 2>&1 | tee "$out/round_trace.txt"
-  [ "$(left)" -gt 60 ] && timeout "$(left)" python3 scripts/round_host_probe.py models/tiny cuda:0 8 128 --outbox \
+  [ -z "${REPEATS:-}" ] && [ "$(left)" -gt 60 ] && timeout "$(left)" python3 scripts/round_host_probe.py models/tiny cuda:0 8 128 --outbox \
     --profile 25 2>&1 | quiet | tee "$out/probe_b8_target_only.txt" | head -40
 elif [ "$mode" = profile ]; then
   probe() { local name="$1" limit="$2"; shift 2
