@@ -52,6 +52,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-stacks", action="store_true",
                    help="adaptive bench: start both stacks anew for every repeat, the adaptive one first on "
                         "odd repeats (default: one pair of stacks, fixed k first, for all repeats)")
+    p.add_argument("--same-stack", action="store_true",
+                   help="adaptive bench: the fixed-k columns as requests with fixed_k on the adaptive stack, not on "
+                        "a stack of their own (no stack-to-stack speed difference in the ratios)")
     p.add_argument("--seconds", type=float, default=40.0, help="load bench: how long the clients run; gemm --sweep: "
                    "the seconds of grid timed per projection")
     p.add_argument("--draft-device", default=None, help="services bench: the draft's device (default: --device)")

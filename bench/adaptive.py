@@ -5,7 +5,8 @@ code, where the trained MTP head drafts well), ``random`` (random bytes of the
 same lengths, where the drafts are mostly wrong) and ``mix`` (the two
 interleaved) — decoded through the services at batch 1 (one client) on
 stacks started side by side: one with fixed k (each request asks k = 0, 1, 2 or
-3), one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
+3; with ``--same-stack`` these are requests with ``fixed_k`` on the adaptive
+stack instead), one with ``spec.adaptive_k`` (requests ask k = 3, the round loop chooses
 per round; its probes are watch probes) and, with ``--drafting-probes``, one
 with adaptive k whose probes draft and verify (``spec.watch_probes`` off), all
 up at once, each prompt sent through every column in turn (``--repeats``
@@ -69,10 +70,10 @@ def round_mix(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     return {f"k{k}": round((at_least[k] - at_least[k + 1]) / rounds, 3) for k in FIXED_KS}
 
 
-def _request(address: str, metrics_port: int, prompt: str, max_tokens: int, k: int) -> dict:
+def _request(address: str, metrics_port: int, prompt: str, max_tokens: int, k: int, fixed_k: bool = False) -> dict:
     """One request, with what it added to the orchestrator's round counters."""
     m0 = round_split(metrics_port)
-    (result,), seconds = _decode(address, [prompt], max_tokens, k, 1)
+    (result,), seconds = _decode(address, [prompt], max_tokens, k, 1, fixed_k)
     m1 = round_split(metrics_port)
     return {"tokens": len(result.tokens), "seconds": seconds, "drafted": result.drafted, "accepted": result.accepted,
             "output": result.tokens, "counters": {key: m1[key] - m0.get(key, 0.0) for key in m1}}
@@ -117,14 +118,19 @@ def main(args) -> int:
     # is a stack that is slow as a whole (on the H200 host, twice, the first bench services
     # stack's batch-8 verifies took 2.3 ms, the second's 1.1): --fresh-stacks starts both anew
     # for every repeat, the adaptive one first on odd repeats.
+    # NOTE: --same-stack: the fixed-k columns are requests with fixed_k on the adaptive stack, so
+    # no stack-to-stack speed enters the ratios. On an H100 (session 23) the adaptive stacks' rounds
+    # of the same k took 10-20 % longer than the fixed stack's (k = 3 start to start 1.97-2.03 ms
+    # against 1.77, k = 0 0.87-0.89 against 0.81), the whole of adaptive k's loss on the random set.
+    same = bool(getattr(args, "same_stack", False))
     fresh = bool(getattr(args, "fresh_stacks", False))
     pairs = range(repeats) if fresh else [None]
-    names = ["fixed"] + adaptive_cols
+    names = adaptive_cols if same else ["fixed"] + adaptive_cols
     for pair in pairs:
         order = names[(pair or 0) % len(names):] + names[:(pair or 0) % len(names)]     # who starts first
         with contextlib.ExitStack() as up:
             stacks = {n: up.enter_context(Stack(_options(args, model, *STACKS[n]))) for n in order}
-            stack_of = {c: stacks[c if c in stacks else "fixed"] for c in columns}
+            stack_of = {c: stacks[c if c in stacks else ("adaptive" if same else "fixed")] for c in columns}
             address = {c: st.orchestrator_address for c, st in stack_of.items()}
             mport = {c: st.children["orchestrator"].metrics_port for c, st in stack_of.items()}
             for stack in stacks.values():
@@ -136,7 +142,8 @@ def main(args) -> int:
                         shift = (i + rep) % len(columns)     # each prompt starts at another column
                         for c in columns[shift:] + columns[:shift]:
                             k = max(FIXED_KS) if c in adaptive_cols else int(c[2:])
-                            done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k))
+                            done[c].append(_request(address[c], mport[c], prompt, args.max_tokens, k,
+                                                    fixed_k=same and c not in adaptive_cols))
                     for c in columns:
                         runs[name][c].append(_cell(done[c]))
     rows = []
@@ -153,7 +160,7 @@ def main(args) -> int:
                      "round_ms": {c: v["round_ms"] for c, v in row.items()},
                      **{f"{c}_ks": row[c]["ks"] for c in adaptive_cols}})
     result = {"backend": args.backend, "device": args.device, "max_tokens": args.max_tokens, "prompts": args.prompts,
-              "repeats": repeats, "fresh_stacks": fresh, "rows": rows,
+              "repeats": repeats, "fresh_stacks": fresh, "same_stack": same, "rows": rows,
               "goal": "mix: adaptive >= best fixed k; where drafting never pays: adaptive >= k=0"}
     if args.json:
         print(json.dumps(result))

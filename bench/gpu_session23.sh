@@ -28,8 +28,10 @@ if [ "$mode" = trace ]; then
     bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --drafting-probes \
     --repeats "${REPEATS:-1}" 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
   python3 scripts/round_trace.py "$out/rt" 2>&1 | tee "$out/round_trace.txt"
-  [ -z "${REPEATS:-}" ] && [ "$(left)" -gt 60 ] && timeout "$(left)" python3 scripts/round_host_probe.py models/tiny cuda:0 8 128 --outbox \
-    --profile 25 2>&1 | quiet | tee "$out/probe_b8_target_only.txt" | head -40
+  if [ -z "${REPEATS:-}" ] && [ "$(left)" -gt 60 ]; then
+    timeout "$(left)" python3 scripts/round_host_probe.py models/tiny cuda:0 8 128 --outbox --profile 25 2>&1 | quiet \
+      | tee "$out/probe_b8_target_only.txt" | head -40
+  fi
 elif [ "$mode" = profile ]; then
   probe() { local name="$1" limit="$2"; shift 2
     timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \

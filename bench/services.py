@@ -50,10 +50,11 @@ def round_split(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def _decode(address: str, prompts: list[str], max_tokens: int, k: int, concurrency: int):
+def _decode(address: str, prompts: list[str], max_tokens: int, k: int, concurrency: int, fixed_k: bool = False):
     """Decode ``prompts`` with ``concurrency`` clients at once. Each client keeps its channel for
     all the requests it sends, as a serving client does (a channel opened per request cost
-    ~1–3 ms a request on the 2-core CPU, a cost the in-process peer never pays)."""
+    ~1–3 ms a request on the 2-core CPU, a cost the in-process peer never pays). ``fixed_k``: the
+    requests draft k every round where the server adapts k."""
     clients = [SpecsplitClient(address, timeout=600).wait_ready(60) for _ in range(concurrency)]
     free: queue.SimpleQueue = queue.SimpleQueue()
     for c in clients:
@@ -62,7 +63,7 @@ def _decode(address: str, prompts: list[str], max_tokens: int, k: int, concurren
     def one(p: str):
         c = free.get()
         try:
-            return c.generate_text(p, max_tokens=max_tokens, k=k, ignore_eos=True)
+            return c.generate_text(p, max_tokens=max_tokens, k=k, ignore_eos=True, fixed_k=fixed_k)
         finally:
             free.put(c)
 

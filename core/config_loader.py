@@ -50,7 +50,7 @@ HELP: dict[str, str] = {
     "spec.max_k": "largest number of drafts per round a request may ask for",
     "spec.default_k": "drafts per round when a request does not say",
     "spec.adaptive_k": "target: each round's k follows the requests' acceptance and the measured round costs "
-                       "(0..the request's k; runtime/adaptive_k.py)",
+                       "(0..the request's k; runtime/adaptive_k.py); a request with fixed_k drafts its k every round",
     "spec.watch_probes": "target, with spec.adaptive_k: probes are watch probes where requests' drafts are greedy "
                          "or coupled (the draft drafts beside a target-only step; its drafts are judged against the "
                          "target's next tokens, never verified; spec.micro_batches rounds probe by drafting); off: "

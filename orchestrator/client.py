@@ -178,10 +178,11 @@ class SpecsplitClient:
                       top_p: float = 1.0, seed: int | None = None, k: int | None = None,
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, draft_sampling: bool = False,
                       request_id: str = "", stop: Sequence[str] = (),
-                      sampling_mode: str | None = None) -> opb.GenerateRequest:
+                      sampling_mode: str | None = None, fixed_k: bool = False) -> opb.GenerateRequest:
         """``prompt``: text, token ids, or chat messages ``[{"role": ..., "content": ...}]``
         (rendered with the model's chat template by the server). ``sampling_mode``: "rejection",
-        "coupled", or None for the server's default."""
+        "coupled", or None for the server's default. ``fixed_k``: draft k every round even where
+        the server adapts k."""
         modes = {None: common_pb2.SAMPLING_MODE_UNSPECIFIED, "rejection": common_pb2.SAMPLING_MODE_REJECTION,
                  "coupled": common_pb2.SAMPLING_MODE_COUPLED}
         if sampling_mode not in modes:
@@ -192,7 +193,8 @@ class SpecsplitClient:
         if seed is not None:
             sampling.seed = seed
         req = opb.GenerateRequest(request_id=request_id, max_tokens=max_tokens, sampling=sampling,
-                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=list(stop))
+                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=list(stop),
+                                  fixed_k=fixed_k)
         if isinstance(prompt, str):
             req.prompt = prompt
         elif prompt and isinstance(prompt[0], Mapping):
@@ -207,7 +209,7 @@ class SpecsplitClient:
                  **kw: Any) -> Iterator[GenerateEvent]:
         """Stream a generation: chunk events, then one final event. Leaving the loop early
         (or closing the iterator) cancels the call, which frees its slots on the workers.
-        Keywords: temperature, top_k, top_p, seed, k, stop_token_ids, stop (strings), ignore_eos,
+        Keywords: temperature, top_k, top_p, seed, k, fixed_k, stop_token_ids, stop (strings), ignore_eos,
         draft_sampling, sampling_mode, request_id."""
         return self.stream(self.build_request(prompt, max_tokens, **kw), timeout=timeout)
 

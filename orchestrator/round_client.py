@@ -219,7 +219,8 @@ class RemoteRounds:
         p = req.params
         msg = tpb.DecodeRequest(request_id=req.request_id, prompt=list(req.prompt), params=wire.params_to_proto(p),
                                 max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids),
-                                ignore_eos=p.ignore_eos, k=req.k, resume_output=list(req.resume_output),
+                                ignore_eos=p.ignore_eos, k=req.k, fixed_k=req.fixed_k,
+                                resume_output=list(req.resume_output),
                                 chunk_in_final=True, stream_interval=self.stream_interval)
         # NOTE: refused here, not sent: a message over the channel's limit would end the shared
         # stream, and every request on it with it.

@@ -99,6 +99,6 @@ def validate(req: opb.GenerateRequest, cfg: OrchestratorConfig, facts: ModelFact
         raise RequestError("RESOURCE_EXHAUSTED",
                            f"{field}/max_tokens: a prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} "
                            f"+ k={k_eff} needs {need} cache positions; the workers hold {facts.max_len}")
-    return GenerationRequest(rid, prompt, params, k)
+    return GenerationRequest(rid, prompt, params, k, fixed_k=req.fixed_k)
 
 

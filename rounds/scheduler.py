@@ -280,7 +280,7 @@ class Scheduler:
         k = r.k if self.draft is not None else 0
         seq = Sequence(r.request_id, np.asarray(r.prompt, dtype=np.int64), r.params, k, self.eos_token_id,
                        output=list(r.resume_output), eos_token_ids=self.eos_token_ids)
-        if self.costs is not None:
+        if self.costs is not None and not r.fixed_k:
             seq.adaptive = self.costs.loop.new_policy(r.k)    # the loop's prior (runtime.adaptive_k)
         return seq
 

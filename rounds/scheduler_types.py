@@ -65,6 +65,7 @@ class GenerationRequest:
     params: SamplingParams
     k: int                           # drafts per round; 0 = target-only
     resume_output: tuple[int, ...] = ()  # tokens produced before (a resumed request): re-prefilled, not re-sent
+    fixed_k: bool = False            # draft k every round even where the loop adapts k (no policy)
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.json:
             res = client.generate_text(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop)
+                                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop,
+                                       fixed_k=args.fixed_k)
             print(json.dumps({"tokens": list(res.tokens), "text": res.text, "acceptance_rate": res.acceptance_rate,
                               "mean_accepted_length": res.mean_accepted_length,
                               "finish_reason": res.finish_reason}))
             return 0
         final = None
         for event in client.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop):
+                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, k=k, stop=args.stop,
+                                     fixed_k=args.fixed_k):
             if event.text is not None and not event.final:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -246,6 +248,7 @@ def add_client_parsers(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--k", type=int, default=None, help="drafts per round (default: server's)")
+    p.add_argument("--fixed-k", action="store_true", help="draft k every round even where the server adapts k")
     p.add_argument("--no-spec", action="store_true", help="target-only decoding")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 

@@ -54,7 +54,7 @@ def decode_request(req: tpb.DecodeRequest, worker: TargetWorker) -> GenerationRe
                                  stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
                                  ignore_eos=bool(req.ignore_eos))
     return GenerationRequest(req.request_id, tuple(int(t) for t in prompt), params, int(req.k),
-                             tuple(int(t) for t in resume))
+                             tuple(int(t) for t in resume), fixed_k=req.fixed_k)
 
 
 def stats_to_proto(s: SeqStats) -> tpb.DecodeStats:

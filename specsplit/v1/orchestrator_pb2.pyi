@@ -105,6 +105,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    FIXED_K_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id for logs and metrics; empty means one is assigned."""
     prompt: _builtins.str
@@ -119,6 +120,11 @@ class GenerateRequest(_message.Message):
     """
     ignore_eos: _builtins.bool
     """Do not stop at the model's EOS token(s)."""
+    fixed_k: _builtins.bool
+    """Draft k every round even where the target adapts k per round
+    (spec.adaptive_k): this request keeps no acceptance estimate and is never
+    probed. No effect where the target does not adapt k.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt as token ids, each in [0, vocab_size)."""
@@ -158,10 +164,11 @@ class GenerateRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        fixed_k: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "k", b"k", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_k", b"_k", "fixed_k", b"fixed_k", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop", b"stop", "stop_token_ids", b"stop_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__k: _TypeAlias = _typing.Literal["k"]  # noqa: Y015
     _WhichOneofArgType__k: _TypeAlias = _typing.Literal["_k", b"_k"]  # noqa: Y015

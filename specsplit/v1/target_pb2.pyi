@@ -125,6 +125,7 @@ class DecodeRequest(_message.Message):
     RESUME_OUTPUT_FIELD_NUMBER: _builtins.int
     CHUNK_IN_FINAL_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    FIXED_K_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the target holds; at most 128 characters."""
     max_tokens: _builtins.int
@@ -144,6 +145,8 @@ class DecodeRequest(_message.Message):
     tokens of the request's prefill are never held, its last ones go with (or
     before) its final event.
     """
+    fixed_k: _builtins.bool
+    """Draft k every round even where this target adapts k (spec.adaptive_k)."""
     @_builtins.property
     def prompt(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """t_0..t_{n-1}; at least one token, each in [0, vocab_size)."""
@@ -175,10 +178,11 @@ class DecodeRequest(_message.Message):
         resume_output: _abc.Iterable[_builtins.int] | None = ...,
         chunk_in_final: _builtins.bool = ...,
         stream_interval: _builtins.int = ...,
+        fixed_k: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["params", b"params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_in_final", b"chunk_in_final", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_in_final", b"chunk_in_final", "fixed_k", b"fixed_k", "ignore_eos", b"ignore_eos", "k", b"k", "max_tokens", b"max_tokens", "params", b"params", "prompt", b"prompt", "request_id", b"request_id", "resume_output", b"resume_output", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

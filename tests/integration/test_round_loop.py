@@ -351,3 +351,22 @@ def test_watch_probes_over_grpc_change_no_token(adaptive_stack):
         assert isinstance(final, FinalEvent) and tokens == ref_tokens
     assert sum(f.stats.watch_probes for _, f in got) > 0
     assert rounds.status().active_requests == 0
+
+
+def test_fixed_k_requests_draft_every_round_where_the_loop_adapts(adaptive_stack):
+    """A request with fixed_k (DecodeRequest.fixed_k) on a loop that adapts k drafts its k every
+    round, beside adaptive requests on the same prompts that soon stop drafting; same tokens."""
+    rounds, draft_address = adaptive_stack
+    rng = np.random.default_rng(7)
+    prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(2)]
+    rounds.configure(draft_address, 4, 8, TIMEOUT)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        adaptive = _drain(rounds.submit(GenerationRequest(f"ad-{i}", p, params, 3)))
+        fixed = _drain(rounds.submit(GenerationRequest(f"fx-{i}", p, params, 3, fixed_k=True)))
+        assert fixed[0] == adaptive[0]
+        stats = fixed[1].stats
+        # Every round drafts but a last one with a single token left (k is capped by what remains).
+        assert stats.spec_rounds >= stats.rounds - 1 and stats.watch_probes == 0, stats
+        assert adaptive[1].stats.spec_rounds < adaptive[1].stats.rounds, adaptive[1].stats
+    assert rounds.status().active_requests == 0
