@@ -17,6 +17,9 @@
 #   bash bench/gpu_session23.sh OUT_DIR split    # the target's verify timed in parts (before the host copy's wait,
 #                                                # the wait, after), k = 0 requests beside a draft against adaptive
 #                                                # k, twice in turn; then bench adaptive --drafting-probes --repeats 2
+#   bash bench/gpu_session23.sh OUT_DIR same     # bench adaptive --same-stack --repeats 3 (the fixed columns as
+#                                                # fixed_k requests on the adaptive stack), traced: what session 24
+#                                                # should run first
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -65,6 +68,12 @@ elif [ "$mode" = split ]; then
   done
   [ "$(left)" -gt 150 ] && timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 \
     --prompts 8 --max-tokens 128 --drafting-probes --repeats 2 2>&1 | quiet | tee "$out/adaptive.txt" | tail -10
+elif [ "$mode" = same ]; then
+  mkdir -p "$out/rt"
+  ROUND_PROBE_DIR="$out/rt" PYTHONPATH="$PWD/scripts/round_probe:$PYTHONPATH" timeout 420 python3 -m specsplit \
+    bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 --same-stack --repeats 3 2>&1 \
+    | quiet | tee "$out/adaptive_same.txt" | tail -10
+  python3 scripts/round_trace.py "$out/rt" 2>&1 | tee "$out/round_trace.txt"
 else
   echo "unknown mode $mode"; exit 2
 fi
