@@ -212,6 +212,8 @@ class Orchestrator:
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - the poller must keep running
+                if self._stop.is_set():
+                    return                   # close() under way: its channels may already be closed
                 log.exception("poll_failed")
 
     def cluster_status(self) -> opb.ClusterStatus:
@@ -245,6 +247,11 @@ class Orchestrator:
     def close(self) -> None:
         """Stop polling, end live requests (releasing their slots), close the channels."""
         self._stop.set()
+        # NOTE: the poller's current poll ends before the channels close, waited for a few
+        # seconds at most (a hung worker's call runs to its deadline; the poller then sees
+        # _stop and stays quiet): a poll on a closed channel logged "poll_failed" at shutdown.
+        if self._poller.is_alive() and self._poller is not threading.current_thread():
+            self._poller.join(timeout=min(self.cfg.worker_timeout_s, 5.0))
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.scheduler.stop()
