@@ -91,7 +91,8 @@ probes to one request in 8 and the periodic ones to one in 128 rounds, and a
 single probe that accepted all its drafts did not lift the request's estimate
 over the threshold. In the trace simulation of that regime (``--repeats 2``,
 held-out / random / mix over the best fixed k) 0.966 / 0.970 / 1.006 became
-0.988 / 0.970 / 1.026 with both changes.
+0.988 / 0.970 / 1.026 with both changes. (Where probes are watch probes, a
+watch that matched all k is followed up the same way: ``round_plan``'s re-watch.)
 
 Watch probes (``AdaptiveLoop.watch``, ``round_plan``): a probe need not be
 a drafting round. While the target decodes alone (a target-only round, its
