@@ -121,7 +121,7 @@ def main(args) -> int:
     # NOTE: --same-stack: the fixed-k columns are requests with fixed_k on the adaptive stack, so
     # no stack-to-stack speed enters the ratios. On an H100 (session 23) the adaptive stacks' rounds
     # of the same k took 10-20 % longer than the fixed stack's (k = 3 start to start 1.97-2.03 ms
-    # against 1.77, k = 0 0.87-0.89 against 0.81), the whole of adaptive k's loss on the random set.
+    # against 1.77, k = 0 0.87-0.89 against 0.81), most of adaptive k's loss on the random set.
     same = bool(getattr(args, "same_stack", False))
     fresh = bool(getattr(args, "fresh_stacks", False))
     pairs = range(repeats) if fresh else [None]
