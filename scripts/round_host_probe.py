@@ -19,7 +19,8 @@ by own time); with --torch-profile N, a Torch profiler pass over the run (GPU bu
 per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
-                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N] [--verify-split]
+                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
+                                          [--verify-split]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -33,6 +34,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -48,7 +51,7 @@ from target_service.worker import TargetWorker  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
 
 PROMPT = tuple(range(1, 33))
-RANDOM_PROMPT = tuple(int(x) for x in __import__("numpy").random.default_rng(0).integers(32, 256, 48))
+RANDOM_PROMPT = tuple(int(x) for x in np.random.default_rng(0).integers(32, 256, 48))
 WAIT_S = 120.0
 
 
@@ -203,7 +206,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         _profile_scheduler(a.profile)
     cfg = WorkerConfig(role="target", target_path=a.model, weights_version="v1",
                        runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
-                       spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive), cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
+                       spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive),
+                       cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
                        graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
     worker = TargetWorker(cfg)

@@ -3,9 +3,9 @@
 With ``ROUND_PROBE_DIR`` set to a folder, a process that runs a round loop (the target service)
 records every request-round the scheduler hands to its streams — the end time
 (``time.monotonic_ns``), the request id, drafts proposed and accepted, the round's draft,
-target, overhead and wall seconds, its batch size and whether the draft holds the request, and under adaptive k the cost model's
-T(0) and T(max k) and the request's E(max k) after the round — and
-appends the rows recorded since the last time to ``<folder>/rounds-<pid>.jsonl`` (one JSON list
+target, overhead and wall seconds, its batch size and whether the draft holds the request, and
+under adaptive k the cost model's T(0) and T(max k) and the request's E(max k) after the round —
+and appends the rows recorded since the last time to ``<folder>/rounds-<pid>.jsonl`` (one JSON list
 a line) every half second. It wraps ``rounds.scheduler.Scheduler._push_tokens`` once that module is imported.
 (Not SPECSPLIT_* variables: the services refuse environment variables of theirs they do not know.)
 Nothing here is imported by the services themselves.
