@@ -272,8 +272,8 @@ class Scheduler(Admission):
         failed: dict[str, RequestError] = {}
         target = GuardedTarget(self.target, failed)
         draft = GuardedDraft(self.draft, failed) if self.draft is not None else None
-        before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted) for x in live}
-        watches = sum(x.seq.stats.watch_probes for x in live) if self.costs is not None else 0
+        before = {x.seq.request_id: (x.seq.stats.drafted, x.seq.stats.accepted, x.seq.stats.watch_probes)
+                  for x in live}
         t0 = time.perf_counter()
         try:
             seqs = [x.seq for x in live]
@@ -317,14 +317,14 @@ class Scheduler(Admission):
             k_max = max((x.seq.stats.drafted - before[x.seq.request_id][0] for x in live), default=0)
             self.costs.observe(k_max, draft_s, target.compute_s, timing.overhead_s, t0,
                                frozenset(x.seq.request_id for x in live),
-                               watched=sum(x.seq.stats.watch_probes for x in live) > watches)
+                               watched=any(x.seq.stats.watch_probes > before[x.seq.request_id][2] for x in live))
         ks_acc = []
         for x in live:
             rid = x.seq.request_id
             if rid in failed:
                 self._end_error(x, failed[rid])
                 continue
-            d0, a0 = before[rid]
+            d0, a0, _ = before[rid]
             nd, na = x.seq.stats.drafted - d0, x.seq.stats.accepted - a0
             ks_acc.append((nd, na))
             self._push_tokens(x, emitted.get(rid, []), na, nd, timing, last=x.seq.finish_reason is not None)
