@@ -114,6 +114,15 @@ def _kernel_summary(prof, wall_s: float, top: int) -> dict:
             "top": [{"name": n[:90], "calls": len(v), "total_us": round(sum(v), 1)} for n, v in ranked]}
 
 
+def _host_summary(prof, top: int) -> list[dict]:
+    """The host side of the same trace: CPU-side events (Torch ops and CUDA runtime calls) by
+    their own time, the top ``top``. Nested events overlap their parents, so the rows do not sum
+    to the wall time; what they show is which calls the host spends its microseconds in."""
+    rows = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda e: -e.self_cpu_time_total)
+    return [{"name": e.key[:90], "calls": e.count, "self_us": round(e.self_cpu_time_total, 1)} for e in rows[:top]]
+
+
 def _main_small(args) -> int:
     import cProfile
     import io

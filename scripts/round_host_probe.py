@@ -262,12 +262,15 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
               f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
               f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}")
         if label == "profiled":
-            from bench.profile_round import _kernel_summary
+            from bench.profile_round import _host_summary, _kernel_summary
             got = _kernel_summary(prof, dt, a.torch_profile)
             print(f"  gpu busy {got['gpu_busy_ms'] / r:.3f} ms a round, host gap {got['host_gap_ms'] / r:.3f}, "
                   f"{got['kernels'] / r:.1f} kernels a round (gpu busy includes the draft process's kernels: no)")
             for t in got["top"]:
                 print(f"    {t['calls'] / r:6.2f} {t['total_us'] / r:8.1f} us/round  {t['name'][:80]}")
+            print("  host: own CPU time per round of this process's calls (nested calls overlap)")
+            for t in _host_summary(prof, a.torch_profile):
+                print(f"    {t['calls'] / r:6.2f} {t['self_us'] / r:8.1f} us/round  {t['name'][:80]}")
     if split is not None:
         _print_split(split)
     if reader is not None:
