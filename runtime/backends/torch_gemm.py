@@ -364,8 +364,13 @@ def splitk_qkv_rope(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: to
     rb = row_blocks(m, block_rows)
     q = torch.empty((m, heads, d), dtype=x.dtype, device=x.device)
     part = torch.empty((rb, p.split, n, block_rows), dtype=torch.float32, device=x.device)
+    # NOTE: the kernel indexes write_index and table_rows as dense [M]; a fused propose's
+    # substep positions are a strided column (runtime/fused_propose.py), read as dense they gave
+    # batch rows past the first another row's RoPE angle (drafts differed from the per-substep path).
+    write_index = write_index.contiguous()
+    rows = write_index if table_rows is None else table_rows.contiguous()
     _splitk_rope_kernel[(heads + 2 * kv_heads, p.split, rb)](
-        x, w, part, counters, cos.contiguous(), sin.contiguous(), write_index if table_rows is None else table_rows,
+        x, w, part, counters, cos.contiguous(), sin.contiguous(), rows,
         write_index, q, k_cache, v_cache, m, n, k,
         K_PER_SPLIT=p.k_per_split, SPLIT=p.split, MP=block_rows, D=d, H=heads, KVH=kv_heads, BLOCK_K=p.block_k,
         num_warps=p.warps, num_stages=p.stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

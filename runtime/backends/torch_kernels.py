@@ -456,8 +456,11 @@ class Kernels:
         ``table_rows`` [B*T]: cos/sin are the tables [P, D], read at those rows (no gather launch)."""
         b, t, _, d = qkv.shape
         q = torch.empty((b, t, heads, d), dtype=qkv.dtype, device=qkv.device)
-        _rope_write_kv_kernel[(b * t,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                        write_index if table_rows is None else table_rows, write_index, q,
+        # NOTE: indexed as dense [B*T] (a strided view of positions would read other rows: see
+        # torch_gemm.splitk_qkv_rope).
+        write_index = write_index.contiguous()
+        rows = write_index if table_rows is None else table_rows.contiguous()
+        _rope_write_kv_kernel[(b * t,)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), rows, write_index, q,
                                         k_cache, v_cache, H=heads, KVH=kv_heads, D=d,
                                         HP=pow2(heads), KP=pow2(kv_heads), INDEXED=table_rows is not None)
         return q

@@ -78,6 +78,14 @@ def kernel_errors() -> dict[str, float]:
     q3 = Kernels.rope_write_kv(qkv, cos_t[pos].view(b, t, 1, hd), sin_t[pos].view(b, t, 1, hd), h, kvh,
                                kc_ref, vc_ref, rows)
     assert torch.equal(q2, q3) and torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
+    # Regression (seen on an H100): table rows and write rows as strided views (a fused propose's
+    # substep column at batch > 1) read as dense arrays gave rows past the first other positions.
+    wide = torch.stack([pos, pos + 1], dim=1)[:, 0]                             # stride 2
+    wide_rows = torch.stack([rows, rows + 1], dim=1)[:, 0]
+    assert not wide.is_contiguous() and not wide_rows.is_contiguous()
+    kc5, vc5 = kc_ref.clone(), vc_ref.clone()
+    q5 = Kernels.rope_write_kv(qkv, cos_t, sin_t, h, kvh, kc5, vc5, wide_rows, table_rows=wide)
+    assert torch.equal(q5, q3) and torch.equal(kc5, kc_ref) and torch.equal(vc5, vc_ref)
 
     read_slots, positions = torch.tensor([2, 0]), torch.tensor([[60, 61, 62, 63], [10, 11, 12, 13]])
     worst = 0.0
@@ -170,6 +178,11 @@ def kernel_errors() -> dict[str, float]:
         q4 = kern.qkv_rope(x, w, cos_t, sin_t, h, kvh, kc4, vc4, rows, table_rows=pos)
         q5 = kern.qkv_rope(x, w, cos_t[pos].view(b, 3, 1, hd), sin_t[pos].view(b, 3, 1, hd), h, kvh, kc1, vc1, rows)
         assert torch.equal(q4, q5) and torch.equal(kc4, kc1) and torch.equal(vc4, vc1), least
+        wide, wide_rows = torch.stack([pos, pos], dim=1)[:, 0], torch.stack([rows, rows], dim=1)[:, 0]
+        assert not wide.is_contiguous() and not wide_rows.is_contiguous()       # strided: the regression above
+        kc8, vc8 = kc1.clone(), vc1.clone()
+        q8 = kern.qkv_rope(x, w, cos_t, sin_t, h, kvh, kc8, vc8, wide_rows, table_rows=wide)
+        assert torch.equal(q8, q5) and torch.equal(kc8, kc1) and torch.equal(vc8, vc1), least
         # 20 rows in two row blocks: each block's bits (q and cache rows) those of its rows alone
         kern.gemm_row_blocks = 2
         x20, pos20, rows20 = rnd(5, 4, 256), torch.arange(20) * 2, torch.arange(20) + 300
