@@ -8,6 +8,8 @@
 #                                              # draft service and cProfile; then bench propose-host
 #   bash bench/gpu_session24.sh OUT_DIR check  # the gpu tests of the round loop, the stack, decode ahead, reload,
 #                                              # propose and the fast path on this code; then bench peer at batch 1
+#   bash bench/gpu_session24.sh OUT_DIR fix    # after the strided RoPE rows fix: the propose and kernel gpu tests,
+#                                              # then bench services at batch 8 and 1 (acceptance, speed-up)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -28,6 +30,11 @@ elif [ "$mode" = check ]; then
     tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -16
   [ "$(left)" -gt 120 ] && timeout "$(left)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 \
     --max-tokens 128 2>&1 | quiet | tee "$out/bench_peer.txt" | tail -14
+elif [ "$mode" = fix ]; then
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_propose_gpu.py \
+    tests/gpu/test_kernels_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert|\[gpu\] fused" \
+    | tail -16
+  svc services "$(left)" --device cuda:0 --batch 8 1
 else
   echo "unknown mode $mode"; exit 2
 fi
