@@ -1,7 +1,7 @@
 """Run by ``test_fused_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (Triton reads
 it when the kernels are defined): the fused decoder-layer kernels on CPU tensors, each
-against the plain ops it replaces, then the bundled model's greedy decoding with the
-kernels on against the same engine with them off. Prints one JSON object.
+against the plain ops it replaces, a fused propose against the per-substep path at batch 3,
+then the bundled model's greedy decoding with the kernels on against the same engine with them off. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -345,6 +345,52 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
             "target_only_equals_speculative": fused[0] == fused[3], "calls": calls}
 
 
+def fused_propose_rows(rounds: int = 2) -> dict[str, object]:
+    """A fused greedy propose (one ``propose{k}`` step: catch-up, then substeps fed on the device)
+    against the per-substep path, both on the kernels, at batch 3 with k = 3 for every row: the
+    substeps' positions and write slots are strided columns of [B, k-1] inputs there, which a
+    kernel reading them as dense got wrong for rows past the first (seen on an H100: the drafts
+    differed, acceptance at batch 8 fell from 0.78 to 0.70)."""
+    import numpy as np
+
+    from runtime.config import CacheConfig, ModelConfig
+    from runtime.draft_engine import DraftEngine
+    from runtime.graphs import GraphRegistry
+    from runtime.model import init_params, mtp_tensor_shapes, target_tensor_shapes
+    from runtime.types import DraftPrefillRequest, ProposeRequest
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    kernels = Kernels()
+    kernels.linear_dtypes = (torch.float32,)
+    drafts = []
+    for fused in (True, False):
+        ops = TorchOps("cpu", "float32")
+        ops.kernels, ops.plain_ops = kernels, contextlib.nullcontext
+        scale = lambda p: {k: ops.from_numpy(v * (6 if v.ndim == 2 else 1)) for k, v in p.items()}  # noqa: E731
+        t, d = scale(init_params(cfg, 0, target_tensor_shapes(cfg))), scale(init_params(cfg, 1, mtp_tensor_shapes(cfg)))
+        d.update({n: t[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")})
+        draft = DraftEngine(ops, cfg, d, CacheConfig(max_slots=4, max_len=64), 3, GraphRegistry(ops, (4,)),
+                            fused_propose=fused)
+        draft.registry.capture_all(warmup=0)
+        rng, lens, got = np.random.default_rng(3), {}, []
+        for i in range(3):
+            m = 6 + 5 * i
+            draft.prefill([DraftPrefillRequest(f"r{i}", rng.integers(0, 256, m),
+                                               rng.standard_normal((m, 128)).astype(np.float32), SamplingParams())])
+            lens[f"r{i}"] = m
+        for _ in range(rounds):
+            reqs = []
+            for rid in lens:
+                reqs.append(ProposeRequest(rid, lens[rid], rng.integers(0, 256, 2),
+                                           rng.standard_normal((2, 128)).astype(np.float32), 3))
+                lens[rid] += 2
+            got.append([p.drafts.tolist() for p in draft.propose(reqs)])
+        drafts.append((got, draft.fused_proposes))
+    (fused_drafts, n_fused), (plain_drafts, _) = drafts
+    return {"identical": fused_drafts == plain_drafts, "fused_proposes": n_fused}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"errors": kernel_errors(), "invariance": invariance(),
+    print(json.dumps({"errors": kernel_errors(), "invariance": invariance(), "fused_propose": fused_propose_rows(),
                       "engine": engine_tokens(int(sys.argv[1]), int(sys.argv[2]))}))

@@ -4,7 +4,8 @@ CI has no GPU, so the same Triton kernels run in Triton's interpreter
 (``TRITON_INTERPRET=1``, read when the kernels are defined: hence a subprocess,
 ``kernels_interpret.py``): each kernel against the plain ops it replaces, and the
 bundled model's greedy tokens with the kernels on equal to the plain ops' tokens,
-target-only and speculative. ``tests/gpu/test_kernels_gpu.py`` runs them compiled.
+target-only and speculative, and a fused propose's drafts equal to the per-substep path's at
+batch 3 (strided substep inputs). ``tests/gpu/test_kernels_gpu.py`` runs them compiled.
 """
 
 import json
@@ -30,6 +31,7 @@ def test_kernels_equal_the_plain_ops_and_keep_greedy_tokens():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for name, err in result["errors"].items():
         assert err < 1e-5, (name, err)
+    assert result["fused_propose"] == {"identical": True, "fused_proposes": 2}, result["fused_propose"]
     assert result["engine"]["identical"], result
     assert result["engine"]["target_only_equals_speculative"], result
     assert result["engine"]["tokens"] == 12
