@@ -1,7 +1,8 @@
 """Run by ``test_fused_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (Triton reads
 it when the kernels are defined): the fused decoder-layer kernels on CPU tensors, each
 against the plain ops it replaces, a fused propose against the per-substep path at batch 3,
-then the bundled model's greedy decoding with the kernels on against the same engine with them off. Prints one JSON object.
+then the bundled model's greedy decoding with the kernels on against the same engine with them
+off. Prints one JSON object.
 """
 
 from __future__ import annotations
