@@ -5,7 +5,7 @@ Shows, through the public client on the bundled model: greedy output of
 every round-loop variant (fixed k, ahead drafting, adaptive k, both; two
 micro-batches overlapped) is identical to target-only decoding, at batch 1 and
 with concurrent requests;
-ahead drafts are actually used; and a RECOMPUTE reload under traffic keeps
+ahead drafts are actually used; fixed k accepts as much at concurrency 4 as alone; and a RECOMPUTE reload under traffic keeps
 the output exact (requests parked in the target's loop, re-prefilled).
 """
 
@@ -64,11 +64,19 @@ def test_round_loop_variants_are_exact_on_gpus(ahead, adaptive):
     opts = StackOptions(model=str(TINY), backend="torch", draft_device=DRAFT, target_device=TARGET, k=3,
                         max_batch=8, capture_graphs=True, log_level="WARNING", ahead_drafting=ahead,
                         adaptive_k=adaptive)
-    for _conc, spec in _side_by_side(opts, (1, 4), f"ahead={ahead} adaptive={adaptive}"):
+    acceptance = {}
+    for conc, spec in _side_by_side(opts, (1, 4), f"ahead={ahead} adaptive={adaptive}"):
         used = sum(r.ahead_used for r in spec)
         if ahead and not adaptive:                # adaptive k may choose k = 0 (no drafts to go ahead of)
             assert used > 0, "ahead drafts were never used"
-        print(f"  ahead used {used}/{sum(r.ahead_asked for r in spec)}")
+        acceptance[conc] = sum(r.accepted for r in spec) / max(sum(r.drafted for r in spec), 1)
+        print(f"  ahead used {used}/{sum(r.ahead_asked for r in spec)}, acceptance {acceptance[conc]:.3f}")
+    if not (ahead or adaptive):
+        # A batch drafts what its requests draft alone (greedy): regression for a fused propose
+        # that rotated rows past the first by another row's position (docs/performance.md
+        # § Session 24: acceptance 0.70 at batch 8 against 0.78 alone). Not bit-exact across
+        # batch sizes (cuBLAS picks float32 kernels by row count), so within 0.02.
+        assert abs(acceptance[4] - acceptance[1]) <= 0.02, acceptance
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
