@@ -10,6 +10,8 @@
 #                                              # propose and the fast path on this code; then bench peer at batch 1
 #   bash bench/gpu_session24.sh OUT_DIR fix    # after the strided RoPE rows fix: the propose and kernel gpu tests,
 #                                              # then bench services at batch 8 and 1 (acceptance, speed-up)
+#   bash bench/gpu_session24.sh OUT_DIR rest   # the one-GPU test files the other modes leave out, then ahead drafting
+#                                              # against fixed k at batch 1 (bench services --variants fixed ahead)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -35,6 +37,11 @@ elif [ "$mode" = fix ]; then
     tests/gpu/test_kernels_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert|\[gpu\] fused" \
     | tail -16
   svc services "$(left)" --device cuda:0 --batch 8 1
+elif [ "$mode" = rest ]; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_graphs_gpu.py tests/gpu/test_invariant_gpu.py \
+    tests/gpu/test_prefill_gpu.py tests/gpu/test_fill_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|error|Error|assert" | tail -8
+  svc ahead "$(left 330)" --device cuda:0 --batch 1 --prompts 8 --variants fixed ahead
 else
   echo "unknown mode $mode"; exit 2
 fi
