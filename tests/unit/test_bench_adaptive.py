@@ -1,8 +1,11 @@
-"""bench adaptive's share of rounds at each k, from the orchestrator's counters (pure function)."""
+"""bench adaptive's pure functions: the share of rounds at each k from the orchestrator's counters,
+and a column over the best fixed k paired prompt by prompt."""
 
 from __future__ import annotations
 
-from bench.adaptive import round_mix
+import math
+
+from bench.adaptive import paired_ratio, round_mix
 
 
 def test_round_mix_counts_rounds_at_each_k_from_position_counters():
@@ -11,3 +14,14 @@ def test_round_mix_counts_rounds_at_each_k_from_position_counters():
     after = {"total_count": 15.0, "drafted_1": 7.0, "drafted_2": 3.0, "drafted_3": 1.0}
     assert round_mix(before, after) == {"k0": 0.7, "k1": 0.1, "k2": 0.1, "k3": 0.1}
     assert round_mix(after, after) == {}
+
+
+def test_paired_ratio_is_the_geometric_mean_of_the_prompts_ratios():
+    # two repeats of two prompts; the second repeat runs in a stretch twice as slow for both columns
+    best = [{"requests": [(100, 0.10), (100, 0.20)]}, {"requests": [(100, 0.20), (100, 0.40)]}]
+    cells = [{"requests": [(100, 0.125), (100, 0.20)]}, {"requests": [(100, 0.25), (100, 0.40)]}]
+    assert math.isclose(paired_ratio(cells, best), math.sqrt(0.8))     # 0.8 on the first prompt, 1 on the second
+    assert math.isclose(paired_ratio(best, best), 1.0)
+    faster = [{"requests": [(100, s / 2) for _, s in c["requests"]]} for c in best]
+    assert math.isclose(paired_ratio(faster, best), 2.0)
+    assert paired_ratio([], []) == 0.0
