@@ -115,9 +115,10 @@ def _kernel_summary(prof, wall_s: float, top: int) -> dict:
 
 
 def _host_summary(prof, top: int) -> list[dict]:
-    """The host side of the same trace: CPU-side events (Torch ops and CUDA runtime calls) by
-    their own time, the top ``top``. Nested events overlap their parents, so the rows do not sum
-    to the wall time; what they show is which calls the host spends its microseconds in."""
+    """The host side of the same trace: CPU-side events by their own time, the top ``top`` —
+    every thread's CUDA runtime calls (traced by the driver's tools), Torch's ops only of the
+    thread that started the profiler. Nested events overlap their parents, so the rows do not
+    sum to the wall time; what they show is which calls the host spends its microseconds in."""
     rows = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     rows.sort(key=lambda e: -e.self_cpu_time_total)
     return [{"name": e.key[:90], "calls": e.count, "self_us": round(e.self_cpu_time_total, 1)} for e in rows[:top]]

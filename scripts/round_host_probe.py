@@ -268,7 +268,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                   f"{got['kernels'] / r:.1f} kernels a round (gpu busy includes the draft process's kernels: no)")
             for t in got["top"]:
                 print(f"    {t['calls'] / r:6.2f} {t['total_us'] / r:8.1f} us/round  {t['name'][:80]}")
-            print("  host: own CPU time per round of this process's calls (nested calls overlap)")
+            print("  host: own CPU time per round of every thread's CUDA calls (nested calls overlap)")
             for t in _host_summary(prof, a.torch_profile):
                 print(f"    {t['calls'] / r:6.2f} {t['self_us'] / r:8.1f} us/round  {t['name'][:80]}")
     if split is not None:
