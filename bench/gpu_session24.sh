@@ -12,6 +12,9 @@
 #                                              # then bench services at batch 8 and 1 (acceptance, speed-up)
 #   bash bench/gpu_session24.sh OUT_DIR rest   # the one-GPU test files the other modes leave out, then ahead drafting
 #                                              # against fixed k at batch 1 (bench services --variants fixed ahead)
+#   bash bench/gpu_session24.sh OUT_DIR ring   # bench propose-host: the fused propose and the whole verify with the
+#                                              # engines' reused read-back buffers and without ("(no fetch ring)");
+#                                              # then the round host at batch 1 target-only (its host-bound round)
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -42,6 +45,10 @@ elif [ "$mode" = rest ]; then
     tests/gpu/test_prefill_gpu.py tests/gpu/test_fill_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|error|Error|assert" | tail -8
   svc ahead "$(left 330)" --device cuda:0 --batch 1 --prompts 8 --variants fixed ahead
+elif [ "$mode" = ring ]; then
+  timeout 240 python3 -m specsplit bench propose-host --backend torch --device cuda:0 2>&1 | quiet \
+    | tee "$out/propose_host.txt" | grep -E "what|propose k=3 fused|verify k=3"
+  probe b1_target_only "$(left 330)" 1 128 --outbox --random-prompt
 else
   echo "unknown mode $mode"; exit 2
 fi

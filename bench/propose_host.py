@@ -10,6 +10,8 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
     (adaptive k's first drafting round after a target-only stretch), at batch 1 and 8,
   - a whole greedy ``TargetEngine.verify`` of k drafts at batch 1 and 8 (decode
     ahead does not queue: the call has drafts),
+  - on CUDA, the fused propose and the whole verify again without the engines' reused
+    read-back buffers (``torch_host.FetchRing``): a pinned allocation per tensor per call,
   - the draft registry's capture time with and without the propose kinds,
   - a round's Propose message on the host at batch 1 and 8, its hidden rows a tensor per item
     and one for the round: the target's encode, the draft servicer's decode and answer, the
@@ -80,6 +82,20 @@ def _us(fn, sync) -> float:
         runs.append((time.perf_counter() - t0) / ITERS * 1e6)
         sync()
     return min(runs)
+
+
+def _ring_labels(engine, on: bool = True):
+    """Yields the row labels of one timing with the engine's reused read-back buffers
+    (``torch_host.FetchRing``) and, where it has them (CUDA), one without: a pinned allocation
+    per tensor per call, as before session 24. Bench-only reach into the engine's attribute."""
+    ring = engine._fetch_ring
+    yield ""
+    if on and ring is not None:
+        engine._fetch_ring = None
+        try:
+            yield " (no fetch ring)"
+        finally:
+            engine._fetch_ring = ring
 
 
 def _engine(device: str, k: int, fused: bool) -> SpecEngine:
@@ -226,12 +242,13 @@ def main(args) -> int:
             before = dr.fused_proposes if fused else None
             one()
             assert (dr.fused_proposes > before) if fused else True
-            _stub(dr.registry, True)
-            stubbed = _us(one, ops.synchronize)
-            _stub(dr.registry, False)
-            wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
-            rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep"), "batch": b,
-                         "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+            for label in _ring_labels(dr, fused):
+                _stub(dr.registry, True)
+                stubbed = _us(one, ops.synchronize)
+                _stub(dr.registry, False)
+                wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
+                rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep") + label, "batch": b,
+                             "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
             for r in ids:
                 dr.release(r)
 
@@ -277,12 +294,13 @@ def main(args) -> int:
             for st, req, length, last in saved:
                 st.length, req.last_token = length, last
 
-        _stub(tgt.registry, True)
-        stubbed = _us(check, ops.synchronize)
-        _stub(tgt.registry, False)
-        wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
-        rows.append({"what": f"verify k={k} (whole engine call)", "batch": b, "host_us_stubbed": round(stubbed, 1),
-                     "wall_us": None if wall is None else round(wall, 1)})
+        for label in _ring_labels(tgt):
+            _stub(tgt.registry, True)
+            stubbed = _us(check, ops.synchronize)
+            _stub(tgt.registry, False)
+            wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
+            rows.append({"what": f"verify k={k} (whole engine call){label}", "batch": b,
+                         "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
         for r in ids:
             tgt.release(r)
 

@@ -88,6 +88,7 @@ class DraftEngine:
         self.rope = Rope(ops, cfg, cache_cfg.max_len)
         self.requests: dict[str, _DraftRequest] = {}
         self.registry = registry
+        self._fetch_ring = ops.fetch_ring()      # a propose's read-back buffer, reused (torch_host.FetchRing)
         self.catchup_width = max_k + 1
         self._catchup_kind = f"catchup{self.catchup_width}"
         self._compiled = ops.compile_step(self._step)
@@ -366,7 +367,8 @@ class DraftEngine:
             self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                              [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
-        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
+        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
+                                            ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
     def _propose_fused(self, reqs: list[ProposeRequest], slots: list[int], starts: list[int], kind: str,
@@ -391,7 +393,7 @@ class DraftEngine:
             self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                              [pairs[i] + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a fused propose.
-        (all_np,) = self.ops.to_numpy_many([drafts])
+        (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
     # --- ahead drafting ------------------------------------------------------------
@@ -443,7 +445,8 @@ class DraftEngine:
             self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                              [start[i] + kmax for i in keep])
         # NOTE: the only host synchronisation of an ahead call.
-        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)])
+        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
+                                            ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
     def _greedy_substep(self, g, tok, places: list[tuple[int, int] | None]):

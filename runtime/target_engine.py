@@ -72,6 +72,7 @@ class TargetEngine:
         self._pending: PendingStep | None = None
         self.ahead_stats = AheadStats()
         self._ahead_gate = AheadGate()
+        self._fetch_ring = ops.fetch_ring()      # a verify's read-back buffers, reused (torch_host.FetchRing)
         # Checkpoint names (views after fusing: in-place updates go through them)
         # plus the fused q/k/v and gate/up buffers the forward uses.
         fused = fuse_projections(ops, params, [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)])
@@ -342,7 +343,7 @@ class TargetEngine:
         # rows' (a, token) and the coupled rows' choices [C, k+1] from the
         # device sampler, or the logits for numpy. A target-only greedy batch
         # queues its next step after these copies and before the wait.
-        fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True)
+        fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
         if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)

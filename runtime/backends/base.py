@@ -51,13 +51,18 @@ class Ops(Protocol):
         and casts float arrays to the compute dtype."""
     def to_numpy(self, x: Tensor) -> np.ndarray:
         """Copy to host; floating tensors come back as float32."""
-    def to_numpy_many(self, xs: list[Tensor], bf16_bits: bool = False) -> list[np.ndarray]:
+    def to_numpy_many(self, xs: list[Tensor], bf16_bits: bool = False, ring: Any = None) -> list[np.ndarray]:
         """Several tensors to the host with one synchronisation. Floating tensors come back
         as float32, or (bf16 tensors, ``bf16_bits``) as uint16 bf16 bit patterns."""
-    def to_numpy_many_async(self, xs: list[Tensor], bf16_bits: bool = False) -> Any:
+    def to_numpy_many_async(self, xs: list[Tensor], bf16_bits: bool = False, ring: Any = None) -> Any:
         """``to_numpy_many`` split in two: the copies are queued now (the values are those
         of this point in the stream), the returned function waits for them and returns the
-        arrays; device work queued in between may run on."""
+        arrays; device work queued in between may run on. ``ring``: what ``fetch_ring`` gave
+        (None: none); the arrays may then be that ring's reused host buffers, valid until its
+        next few fetches (callers copy what they keep)."""
+    def fetch_ring(self) -> Any:
+        """Reused host buffers for one hot read-back (a verify's outputs, a propose's drafts),
+        or None where the backend has none (each read-back then allocates its own)."""
     def zeros(self, shape: tuple[int, ...], dtype: str | None = None) -> Tensor: ...
     def arange(self, n: int) -> Tensor:
         """int64 [n] = 0..n-1"""

@@ -83,13 +83,16 @@ class PaddleOps:
             x = x.astype(paddle.float32)
         return x.numpy()
 
-    def to_numpy_many(self, xs, bf16_bits=False):
+    def to_numpy_many(self, xs, bf16_bits=False, ring=None):
         # bf16 comes back widened to float32 (bf16 -> float32 is exact); no bit-pattern path here.
         return [self.to_numpy(x) for x in xs]
 
-    def to_numpy_many_async(self, xs, bf16_bits=False):
+    def to_numpy_many_async(self, xs, bf16_bits=False, ring=None):
         arrays = self.to_numpy_many(xs, bf16_bits)        # synchronous here: nothing to overlap
         return lambda: arrays
+
+    def fetch_ring(self):
+        return None                                       # every read-back makes its own arrays
 
     def zeros(self, shape, dtype=None):
         return paddle.zeros(list(shape), dtype=_DTYPES[dtype or self.dtype])

@@ -1,10 +1,9 @@
 """Torch implementation of the ops layer (see ``base.py`` for semantics).
 
-Owns: every ``torch`` call the model family makes, the pinned host staging
-ring for host->device step inputs, the pinned read-back of step outputs
-(one stream sync for several tensors), streaming checkpoint bytes into
-tensors through pinned chunks (``fill_from_files``), and the device sampler
-(``torch_sampling.py``). Must not know models, requests or gRPC.
+Owns: every ``torch`` call the model family makes, the read-back of step outputs
+(one stream sync for several tensors), uploads and checkpoint bytes through the
+pinned buffers of ``torch_host.py``, and the device sampler (``torch_sampling.py``).
+Must not know models, requests or gRPC.
 """
 
 from __future__ import annotations
@@ -12,22 +11,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import Any
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from core.config import ConfigError
 from runtime.backends.base import HostMirror
+from runtime.backends.torch_host import STAGE_BYTES, FetchRing, FileFill, PinnedMirror, StageRing
 from runtime.backends.torch_sampling import TorchSampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 _NAMES = {v: k for k, v in _DTYPES.items()}
-_STAGE_SLOTS = 8            # pinned staging buffers in the ring (uploads in flight at once)
-_STAGE_BYTES = 1 << 20      # larger uploads (weights) take the plain synchronous path
-_FILL_CHUNK, _FILL_SLOTS = 32 << 20, 3   # fill_from_files: pinned chunk buffers (96 MiB while it runs)
 _ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -59,99 +54,6 @@ def gc_paused():
                 gc.enable()
 
 
-class _StageRing:
-    """Pinned host buffers for asynchronous host->device copies of small step inputs.
-
-    NOTE: a buffer is reused only after the event recorded behind its last copy
-    has completed: the host runs ahead of the GPU (a propose issues k substeps
-    before its one sync), and overwriting a buffer whose copy has not run yet
-    would feed a later step's inputs to an earlier one.
-    """
-
-    def __init__(self) -> None:
-        self.bufs = [torch.empty(_STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(_STAGE_SLOTS)]
-        self.events = [torch.cuda.Event() for _ in range(_STAGE_SLOTS)]   # re-recorded, never re-created
-        self.used = [False] * _STAGE_SLOTS
-        self.next = 0
-
-    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        i = self.next
-        self.next = (i + 1) % _STAGE_SLOTS
-        if self.used[i]:
-            self.events[i].synchronize()
-        stage = self.bufs[i][: src.numel() * src.element_size()].view(src.dtype).view(src.shape)
-        stage.copy_(src)
-        dst.copy_(stage, non_blocking=True)
-        self.events[i].record()
-        self.used[i] = True
-
-
-class _FileFill:
-    """Streams file bytes into device tensors through a few pinned chunk buffers.
-
-    Each chunk is read from the file into a pinned buffer, then copied to the device
-    asynchronously, so reading the next chunk overlaps the copy of this one (a
-    checkpoint's in-place update costs about its read time).
-    NOTE: a buffer is refilled only after the event behind its last copy completed
-    (the copy reads it asynchronously).
-    """
-
-    def __init__(self) -> None:
-        self.bufs = [torch.empty(_FILL_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(_FILL_SLOTS)]
-        self.views = [memoryview(b.numpy()) for b in self.bufs]
-        self.events = [torch.cuda.Event() for _ in range(_FILL_SLOTS)]
-        self.used = [False] * _FILL_SLOTS
-        self.next = 0
-
-    def fill(self, dst: torch.Tensor, f: Any, start: int, nbytes: int, name: str) -> None:
-        flat = dst.view(-1).view(torch.uint8)
-        f.seek(start)
-        off = 0
-        while off < nbytes:
-            i = self.next
-            self.next = (i + 1) % _FILL_SLOTS
-            if self.used[i]:
-                self.events[i].synchronize()
-            n = min(_FILL_CHUNK, nbytes - off)
-            if f.readinto(self.views[i][:n]) != n:
-                raise ValueError(f"{name}: tensor data truncated")
-            flat[off:off + n].copy_(self.bufs[i][:n], non_blocking=True)
-            self.events[i].record()
-            self.used[i] = True
-            off += n
-
-
-class _PinnedMirror:
-    """A pinned host twin of one device buffer, filled in place and uploaded asynchronously.
-
-    The caller writes the array ``array()`` returns, then ``upload()`` starts
-    its copy to the device buffer: no staging copy, two torch calls per upload.
-    NOTE: two host twins alternate, and one is handed out again only after the
-    event behind its last upload has completed (the host runs ahead of the GPU;
-    writing a twin whose copy has not run yet would change a queued step's inputs).
-    """
-
-    def __init__(self, dst: torch.Tensor) -> None:
-        self.dst = dst
-        self.hosts = [torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True) for _ in range(2)]
-        self.arrays = [h.numpy() for h in self.hosts]
-        self.events = [torch.cuda.Event() for _ in range(2)]
-        self.used = [False, False]
-        self.i = 0
-
-    def array(self) -> np.ndarray:
-        if self.used[self.i]:
-            self.events[self.i].synchronize()
-        return self.arrays[self.i]
-
-    def upload(self) -> None:
-        i = self.i
-        self.dst.copy_(self.hosts[i], non_blocking=True)
-        self.events[i].record()
-        self.used[i] = True
-        self.i = 1 - i
-
-
 def _triton_kernels():
     """The fused kernels when Triton is importable, else None (the model's plain ops)."""
     try:
@@ -174,7 +76,7 @@ class TorchOps:
         self.dtype = dtype
         self._dev = torch.device(device)
         self._dt = _DTYPES[dtype]
-        self._ring: _StageRing | None = None
+        self._ring: StageRing | None = None
         self._compile = compile_steps and self._dev.type == "cuda"
         # Batched sampling / acceptance on the device (numpy runtime.sampling is its oracle).
         self.sampler = TorchSampler(self._dev)
@@ -246,9 +148,9 @@ class TorchOps:
             src = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         else:
             src = torch.from_numpy(arr)
-        if self._dev.type == "cuda" and src.dtype == dst.dtype and arr.nbytes <= _STAGE_BYTES:
+        if self._dev.type == "cuda" and src.dtype == dst.dtype and arr.nbytes <= STAGE_BYTES:
             if self._ring is None:
-                self._ring = _StageRing()
+                self._ring = StageRing()
             self._ring.upload(dst, src)
             return
         dst.copy_(src.to(dst.dtype), non_blocking=False)
@@ -258,7 +160,7 @@ class TorchOps:
               and dst.numel() * dst.element_size() == end - start for dst, _, start, end, dt in items]
         if not any(ok):
             return ok
-        ring, files = _FileFill(), {}
+        ring, files = FileFill(), {}
         try:
             # NOTE: in file order, so the reads are sequential (the kernel's read-ahead works).
             for i in sorted((i for i, direct in enumerate(ok) if direct), key=lambda i: (items[i][1], items[i][2])):
@@ -274,43 +176,51 @@ class TorchOps:
 
     def host_mirror(self, dst):
         if self._dev.type == "cuda" and dst.dtype in (torch.int64, torch.float32):
-            return _PinnedMirror(dst)
+            return PinnedMirror(dst)
         return HostMirror(self, dst, np.int64 if dst.dtype == torch.int64 else np.float32)
 
-    def to_numpy_many(self, xs, bf16_bits=False):
+    def to_numpy_many(self, xs, bf16_bits=False, ring=None):
         """Several tensors to the host with one stream sync (pinned, non-blocking copies).
 
         Floating tensors come back as float32, except bf16 ones with ``bf16_bits``:
         those come back as their uint16 bit patterns (half the bytes, exact)."""
-        return self.to_numpy_many_async(xs, bf16_bits)()
+        return self.to_numpy_many_async(xs, bf16_bits, ring)()
 
-    def to_numpy_many_async(self, xs, bf16_bits=False):
+    def fetch_ring(self):
+        return FetchRing() if self._dev.type == "cuda" else None
+
+    def to_numpy_many_async(self, xs, bf16_bits=False, ring=None):
         """``to_numpy_many`` in two halves: the copies are queued now; the returned function
         waits for them (an event, not the whole stream: work queued after the copies may
-        still run) and returns the arrays."""
-        staged = []
+        still run) and returns the arrays. With ``ring`` (``fetch_ring``) the copies land in
+        its reused buffers: the arrays are valid until its next ``FetchRing.SLOTS`` fetches."""
+        staged, bits = [], []
         for x in xs:
             x = x.detach()
-            bits = bf16_bits and x.dtype == torch.bfloat16
-            if bits:
+            b = bf16_bits and x.dtype == torch.bfloat16
+            if b:
                 x = x.view(torch.int16)
             elif x.is_floating_point() and x.dtype != torch.float32:
                 x = x.float()
-            if self._dev.type == "cuda":
-                host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                host.copy_(x, non_blocking=True)
-                x = host
-            staged.append((x, bits))
+            staged.append(x)
+            bits.append(b)
         if self._dev.type != "cuda":
             # NOTE: copied now: a CPU tensor's numpy view would see later writes into it.
-            arrays = [x.numpy().copy().view(np.uint16) if bits else x.numpy().copy() for x, bits in staged]
+            arrays = [x.numpy().copy().view(np.uint16) if b else x.numpy().copy() for x, b in zip(staged, bits)]
             return lambda: arrays
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self._dev))
+        stream = torch.cuda.current_stream(self._dev)
+        if ring is not None:
+            hosts, done = ring.stage(staged, stream)
+        else:
+            hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in staged]
+            for host, x in zip(hosts, staged):
+                host.copy_(x, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
 
         def wait():
             done.synchronize()
-            return [x.numpy().view(np.uint16) if bits else x.numpy() for x, bits in staged]
+            return [h.numpy().view(np.uint16) if b else h.numpy() for h, b in zip(hosts, bits)]
         return wait
 
     def compile_step(self, fn):

@@ -14,7 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from runtime.backends.torch_ops import _FILL_CHUNK, TorchOps  # noqa: E402
+from runtime.backends.torch_host import FILL_CHUNK  # noqa: E402
+from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.checkpoint import index_checkpoint, load_tensors, save_safetensors  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.weights import CheckedCheckpoint, CheckpointArrays, copy_in_place  # noqa: E402
@@ -22,7 +23,7 @@ from runtime.weights import CheckedCheckpoint, CheckpointArrays, copy_in_place  
 
 def test_fill_from_files_streams_exact_bits_in_place(tmp_path):
     rng = np.random.default_rng(0)
-    big = rng.standard_normal((_FILL_CHUNK // 2 // 1024 * 3 + 7, 1024), dtype=np.float32)   # ~1.5 chunks of bf16
+    big = rng.standard_normal((FILL_CHUNK // 2 // 1024 * 3 + 7, 1024), dtype=np.float32)   # ~1.5 chunks of bf16
     small = rng.standard_normal((5, 1024), dtype=np.float32)
     f32 = rng.standard_normal((3, 4), dtype=np.float32)
     save_safetensors(tmp_path / "w.safetensors", {"big": big, "small": small}, "bfloat16")

@@ -1,0 +1,62 @@
+"""``torch_host.FetchRing``: the reused read-back buffers of a verify's outputs and a propose's
+drafts. Its reuse rule runs on CPU tensors here (the allocator and the event are injected);
+``tests/gpu`` runs it pinned under the engines."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime.backends.torch_host import FetchRing  # noqa: E402
+
+
+class _Event:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def record(self, stream) -> None:
+        self.log.append(("record", id(self), stream))
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", id(self)))
+
+
+def _ring(log: list, allocs: list) -> FetchRing:
+    def alloc(n: int) -> torch.Tensor:
+        allocs.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+    return FetchRing(alloc=alloc, event=lambda: _Event(log))
+
+
+def test_a_slot_is_reused_only_after_its_event_and_keeps_its_values_until_then():
+    log, allocs = [], []
+    ring = _ring(log, allocs)
+    a = [torch.arange(6, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 0.5)]
+    hosts1, ev1 = ring.stage(a, "s")
+    assert [h.tolist() for h in hosts1] == [x.tolist() for x in a] and hosts1[1].dtype == torch.float32
+    b = [torch.arange(6, 12, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 1.5)]
+    hosts2, ev2 = ring.stage(b, "s")
+    assert ev2 is not ev1 and hosts1[0].tolist() == a[0].tolist()     # the first fetch's values still there
+    assert hosts2[0].data_ptr() != hosts1[0].data_ptr()
+    c = [torch.arange(12, 18, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 2.5)]
+    hosts3, ev3 = ring.stage(c, "s")
+    # SLOTS = 2: the third fetch takes the first slot again, after its event, with its buffers
+    assert ev3 is ev1 and ("sync", id(ev1)) in log and log.index(("sync", id(ev1))) > 0
+    assert hosts3[0].data_ptr() == hosts1[0].data_ptr() and hosts3[0].tolist() == c[0].tolist()
+    assert len(allocs) == 4                                  # two slots x two tensors, nothing since
+    assert [e for e in log if e[0] == "record"] == [("record", id(ev1), "s"), ("record", id(ev2), "s"),
+                                                    ("record", id(ev1), "s")]
+
+
+def test_a_slot_grows_for_a_larger_tensor_and_takes_any_shape_that_fits():
+    log, allocs = [], []
+    ring = _ring(log, allocs)
+    ring.stage([torch.zeros(4, dtype=torch.int64)], None)
+    ring.stage([torch.zeros(4, dtype=torch.int64)], None)
+    big = torch.arange(40, dtype=torch.int64).view(8, 5)
+    hosts, _ = ring.stage([big], None)                    # slot 0 again: 32 bytes -> 320
+    assert hosts[0].tolist() == big.tolist() and allocs[-1] >= big.numel() * 8
+    small = torch.tensor([[7]], dtype=torch.int16)
+    hosts, _ = ring.stage([small, torch.zeros(0)], None)     # slot 1: a smaller dtype, an empty tensor
+    assert hosts[0].tolist() == [[7]] and hosts[1].shape == (0,)
