@@ -123,5 +123,5 @@ def _verify_and_commit(target: TargetPort, seqs: list[Sequence], ks: dict[str, i
         if p is None:
             ks[s.request_id] = 0
         reqs.append(VerifyRequest(s.request_id, p.drafts if p is not None else _EMPTY,
-                                  p.draft_probs if p is not None else None))
+                                  p.draft_probs if p is not None else None, hidden=s.drafting))
     return {s.request_id: commit_result(s, ks[s.request_id], res) for s, res in zip(seqs, target.verify(reqs))}

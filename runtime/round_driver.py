@@ -271,6 +271,8 @@ def commit_result(s: Sequence, k: int, res: VerifyResult) -> list[int]:
         judge_watch(s, res.tokens)
     out = s.emit(res.tokens)
     if s.drafting:
+        if res.hidden is None:
+            raise RuntimeError(f"verify result of {s.request_id!r} has no hidden rows for the draft")
         s.append_pending(np.asarray(res.tokens, dtype=np.int64), res.hidden)
     return out
 
@@ -388,8 +390,11 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     watching = [s for s in seqs if s.request_id in wks]
     collect_watch = _send(draft, propose_requests(watching, wks)) if watching else None
     empty = np.zeros(0, dtype=np.int64)
+    # Hidden rows only for the requests the draft holds (its next catch-up): a target-only
+    # request's (k = 0, no draft, the draft lost) are not fetched at all.
     vreqs = [VerifyRequest(s.request_id, proposals[s.request_id].drafts if s.request_id in proposals else empty,
-                           proposals[s.request_id].draft_probs if s.request_id in proposals else None)
+                           proposals[s.request_id].draft_probs if s.request_id in proposals else None,
+                           hidden=s.drafting)
              for s in seqs]
     results = target.verify(vreqs)
     ahead_out = _collect_ahead(collect, aheads)

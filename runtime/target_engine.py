@@ -339,15 +339,19 @@ class TargetEngine:
         if (sampled or coupled) and not on_device:
             extra = [logits]
         # NOTE: one synchronisation per verify, after everything is enqueued:
-        # hidden [B, k+1, d] (bf16 as bits), argmax [B, k+1], and the sampled
-        # rows' (a, token) and the coupled rows' choices [C, k+1] from the
-        # device sampler, or the logits for numpy. A target-only greedy batch
-        # queues its next step after these copies and before the wait.
-        fetch = self.ops.to_numpy_many_async([hidden, best, *extra], bf16_bits=True, ring=self._fetch_ring)
+        # hidden [B, k+1, d] (bf16 as bits; only when a request asks for its rows),
+        # argmax [B, k+1], and the sampled rows' (a, token) and the coupled rows'
+        # choices [C, k+1] from the device sampler, or the logits for numpy. A
+        # target-only greedy batch queues its next step after these copies and
+        # before the wait.
+        want_hidden = any(r.hidden for r in reqs)
+        fetch = self.ops.to_numpy_many_async([hidden, best, *extra] if want_hidden else [best, *extra],
+                                             bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
         if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
-        hidden_np, best_np, *rest = fetch()
+        got = fetch()
+        hidden_np, (best_np, *rest) = (got[0], got[1:]) if want_hidden else (None, got)
         if on_device:
             if sampled:
                 device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
@@ -383,7 +387,8 @@ class TargetEngine:
             # (all committed); rows past n+a are stale and get overwritten.
             state.length += a + 1
             req.last_token = acc.tokens[-1]
-            out.append(VerifyResult(r.request_id, a, tuple(acc.tokens), hidden_np[i, : a + 1].copy()))
+            out.append(VerifyResult(r.request_id, a, tuple(acc.tokens),
+                                    hidden_np[i, : a + 1].copy() if r.hidden else None))
         return out
 
     def _queue_next(self, reqs: list[VerifyRequest], rows: list[Row], best) -> PendingStep | None:

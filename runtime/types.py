@@ -52,6 +52,8 @@ class VerifyRequest:
     request_id: str
     drafts: np.ndarray                 # int64 [k] (k may be 0: target-only step)
     draft_probs: np.ndarray | None     # float [k, V] for a probabilistic draft, None for greedy (q one-hot)
+    hidden: bool = True                # the result carries the hidden rows (the draft's next catch-up);
+                                       # False where the draft holds nothing of the request
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class VerifyResult:
     request_id: str
     num_accepted: int                  # a
     tokens: tuple[int, ...]            # a accepted drafts + 1 bonus: t_{n+1}..t_{n+a+1}
-    hidden: np.ndarray                 # float32 (or uint16 bf16 bits) [a+1, d]: h_n..h_{n+a}
+    hidden: np.ndarray | None          # float32 (or uint16 bf16 bits) [a+1, d]: h_n..h_{n+a}; None when
+                                       # the request did not ask for them (VerifyRequest.hidden)
 
 
 @dataclass(frozen=True)

@@ -214,3 +214,37 @@ def test_the_worker_drops_a_queued_step_before_new_weights_and_before_clearing_g
     assert w.engine._pending is None
     w.release(["q"])
     w.release_weights()
+
+
+def test_a_verify_fetches_hidden_rows_only_for_the_requests_that_ask(engine):
+    """A request the draft holds nothing of (target-only) asks for no hidden rows: its result has
+    none, its tokens are the same, and a batch where nobody asks copies none to the host."""
+    tgt, prompts = engine.target, [p[:30] for p in _prompts(2)]
+    got, fetched = {}, []
+    fetch = tgt.ops.to_numpy_many_async
+
+    def counted(xs, *a, **kw):
+        fetched.append(len(xs))
+        return fetch(xs, *a, **kw)
+    tgt.ops.to_numpy_many_async = counted
+    try:
+        for want in (True, False):
+            for i, p in enumerate(prompts):
+                _prefill(tgt, f"h{want}{i}", p)
+            del fetched[len(fetched) - len(prompts):]          # the prefills' read-backs
+            rounds = []
+            for _ in range(3):
+                rounds.append(tgt.verify([VerifyRequest(f"h{want}0", np.zeros(0, dtype=np.int64), None,
+                                                        hidden=want),
+                                          VerifyRequest(f"h{want}1", np.asarray([7, 8], dtype=np.int64), None,
+                                                        hidden=False)]))
+            got[want] = rounds
+            for i in range(2):
+                tgt.release(f"h{want}{i}")
+    finally:
+        tgt.ops.to_numpy_many_async = fetch
+    assert fetched == [2, 2, 2, 1, 1, 1]                  # (hidden, argmax), then the argmax alone
+    for with_rows, without in zip(got[True], got[False]):
+        assert [(r.num_accepted, r.tokens) for r in with_rows] == [(r.num_accepted, r.tokens) for r in without]
+        assert with_rows[0].hidden.shape == (1, tgt.cfg.hidden_size) and with_rows[1].hidden is None
+        assert without[0].hidden is None and without[1].hidden is None
