@@ -12,6 +12,8 @@ Owns: timing, on the bundled tiny model (Torch), with graphs captured,
     ahead does not queue: the call has drafts),
   - on CUDA, the fused propose and the whole verify again without the engines' reused
     read-back buffers (``torch_host.FetchRing``): a pinned allocation per tensor per call,
+  - a target-only step (no drafts) at batch 1 and 8 with and without its hidden rows read
+    back (``VerifyRequest.hidden``: a request the draft holds nothing of asks for none),
   - the draft registry's capture time with and without the propose kinds,
   - a round's Propose message on the host at batch 1 and 8, its hidden rows a tensor per item
     and one for the round: the target's encode, the draft servicer's decode and answer, the
@@ -301,6 +303,26 @@ def main(args) -> int:
             wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
             rows.append({"what": f"verify k={k} (whole engine call){label}", "batch": b,
                          "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
+        # A target-only step (no drafts) with and without the hidden rows read back: a request
+        # the draft holds nothing of asks for none (VerifyRequest.hidden). Nothing queued ahead
+        # here (each call is rolled back, so a queued step would never be taken).
+        ahead, tgt.decode_ahead = tgt.decode_ahead, False
+        for want in (True, False):
+            steps = [VerifyRequest(r, np.zeros(0, dtype=np.int64), None, hidden=want) for r in ids]
+
+            def step(tgt=tgt, saved=saved, steps=steps):
+                tgt.verify(steps)
+                for st, req, length, last in saved:
+                    st.length, req.last_token = length, last
+
+            _stub(tgt.registry, True)
+            stubbed = _us(step, ops.synchronize)
+            _stub(tgt.registry, False)
+            wall = _us(step, ops.synchronize) if device.startswith("cuda") else None
+            rows.append({"what": "verify k=0 (target-only), hidden rows " + ("read" if want else "not read"),
+                         "batch": b, "host_us_stubbed": round(stubbed, 1),
+                         "wall_us": None if wall is None else round(wall, 1)})
+        tgt.decode_ahead = ahead
         for r in ids:
             tgt.release(r)
 
