@@ -30,10 +30,10 @@ if [ "$mode" = host ]; then
   [ "$(left)" -gt 60 ] && timeout "$(left)" python3 -m specsplit bench propose-host --backend torch --device cuda:0 \
     2>&1 | quiet | tee "$out/propose_host.txt" | tail -40
 elif [ "$mode" = check ]; then
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py tests/gpu/test_stack_gpu.py \
+  timeout 420 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py tests/gpu/test_stack_gpu.py \
     tests/gpu/test_decode_ahead_gpu.py tests/gpu/test_reload_gpu.py tests/gpu/test_propose_gpu.py \
     tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -16
-  [ "$(left)" -gt 120 ] && timeout "$(left)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 \
+  [ "$(left)" -gt 150 ] && timeout "$(left)" python3 -m specsplit bench peer --device cuda:0 --batch 1 --prompts 8 \
     --max-tokens 128 2>&1 | quiet | tee "$out/bench_peer.txt" | tail -14
 elif [ "$mode" = fix ]; then
   timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_propose_gpu.py \
