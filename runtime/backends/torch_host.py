@@ -123,9 +123,9 @@ class FetchRing:
 
     Why: ``torch.empty(..., pin_memory=True)`` goes through the caching host allocator every
     time (its lock, an event recorded when the block is freed and queried when it is handed
-    out again): on an H100 host two such calls a target-only round took ~23 µs of a round whose
-    host work sets its pace (0.32 ms a round against 0.21 ms of GPU work; docs/performance.md
-    § Session 24).
+    out again): on an H100 host two such calls a target-only round took ~23 µs under cProfile,
+    in a round whose host work sets its pace (0.32 ms a round against 0.21 ms of GPU work;
+    docs/performance.md § Session 24).
 
     NOTE: the host tensors ``stage`` returns (and the numpy arrays made from them) are the
     ring's buffers: valid until ``SLOTS`` more ``stage`` calls on the same ring. Callers copy

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+
 import numpy as np
 import torch
 import torch.nn.functional as F
