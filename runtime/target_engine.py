@@ -299,19 +299,30 @@ class TargetEngine:
 
     def verify(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
         """One forward over [t_n, d_1..d_k] per request, then accept (DESIGN step 3-5)."""
-        rows = []
+        rows, kvs, states, sampled, coupled = [], [], [], [], []
         need = 1                                   # cache rows the step reads: max position + 1
-        for r in reqs:
-            state = self.cache.get(r.request_id)
+        drafted = False
+        # One pass over the batch (this runs every round): each request's cache entry and state,
+        # its row, and whether it samples (device or numpy rejection) or couples its tokens.
+        for i, r in enumerate(reqs):
+            kv = self.cache.get(r.request_id)
+            req = self.requests[r.request_id]
             k = len(r.drafts)
             if k > self.max_k:
                 raise ValueError(f"drafts: {k} drafts exceed max_k={self.max_k}")
-            self.cache.check_fits(r.request_id, state.length + k + 1)
-            tokens = np.concatenate([[self.requests[r.request_id].last_token], np.asarray(r.drafts, dtype=np.int64)])
-            rows.append(Row(state.slot, state.length, tokens))
-            need = max(need, state.length + k + 1)
+            self.cache.check_fits(r.request_id, kv.length + k + 1)
+            tokens = (np.concatenate([[req.last_token], np.asarray(r.drafts, dtype=np.int64)]) if k
+                      else np.array([req.last_token], dtype=np.int64))
+            rows.append(Row(kv.slot, kv.length, tokens))
+            kvs.append(kv)
+            states.append(req)
+            need = max(need, kv.length + k + 1)
+            drafted = drafted or k > 0
+            if req.params.coupled:
+                coupled.append(i)
+            elif not req.params.greedy:
+                sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
-        drafted = any(len(r.drafts) for r in reqs)
         pending = self._pending
         if pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
             self._pending = None
@@ -326,10 +337,7 @@ class TargetEngine:
             (hidden, best, logits), replayed = self.registry.run(kind, {
                 "tokens": lay.tokens, "write_slots": lay.write_slots,
                 "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
-        states = [self.requests[r.request_id] for r in reqs]
-        starts = [self.cache.get(r.request_id).length + 1 for r in reqs]   # position decided by row 0
-        sampled = [i for i, st in enumerate(states) if not st.params.greedy and not st.params.coupled]
-        coupled = [i for i, st in enumerate(states) if st.params.coupled]
+        starts = [kv.length + 1 for kv in kvs]                # the position row 0 decides
         extra, device_acc, device_coupled, logits_np = [], None, None, None
         on_device = self.ops.sampler is not None
         if sampled and on_device:
@@ -382,10 +390,9 @@ class TargetEngine:
                         random_stream.uniforms(req.seed, pos[:k], random_stream.PURPOSE_ACCEPT),
                         random_stream.uniforms(req.seed, pos, random_stream.PURPOSE_SAMPLE))
             a = acc.num_accepted
-            state = self.cache.get(r.request_id)
             # NOTE: commit = length update. Rows n..n+a now hold t_n, d_1..d_a
             # (all committed); rows past n+a are stale and get overwritten.
-            state.length += a + 1
+            kvs[i].length += a + 1
             req.last_token = acc.tokens[-1]
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens),
                                     hidden_np[i, : a + 1].copy() if r.hidden else None))
