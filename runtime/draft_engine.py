@@ -278,7 +278,7 @@ class DraftEngine:
             return [by_id[r.request_id] for r in reqs]
         for r in reqs:
             self._tail_pos.pop(r.request_id, None)       # a new proposal: the old end is gone
-        slots = []
+        kvs, slots, starts, host_side = [], [], [], False
         for r in reqs:
             state = self.cache.get(r.request_id)
             if r.start_position != state.length:
@@ -290,21 +290,25 @@ class DraftEngine:
                 raise ValueError(f"hidden: shape {list(r.hidden.shape)} does not match {len(r.tokens)} new tokens "
                                  f"of width {self.cfg.hidden_size}")
             self.cache.check_fits(r.request_id, state.length + len(r.tokens) + r.k)
+            kvs.append(state)
             slots.append(state.slot)
-        starts = [self.cache.get(r.request_id).length for r in reqs]
+            starts.append(state.length)
+            host_side = host_side or self.requests[r.request_id].on_host
         reqs, starts = self._catch_up_head(reqs, starts, slots)
-        if self._fused is not None and not any(self.requests[r.request_id].on_host for r in reqs):
-            kind = propose_kind_name(max(r.k for r in reqs))
-            # Cache rows the propose reads: its last substep sits at position start + m + k - 2.
-            need = max(st + len(r.tokens) + r.k - 1 for st, r in zip(starts, reqs))
-            if (max(len(r.tokens) for r in reqs) <= self.catchup_width
-                    and self._fused.one_span(max(st + len(r.tokens) for st, r in zip(starts, reqs)), need)
+        if self._fused is not None and not host_side:
+            kmax, longest, end, need = 0, 0, 0, 0
+            for st, r in zip(starts, reqs):
+                m = len(r.tokens)
+                kmax, longest, end = max(kmax, r.k), max(longest, m), max(end, st + m)
+                need = max(need, st + m + r.k - 1)   # cache rows read: the last substep sits at start + m + k - 2
+            kind = propose_kind_name(kmax)
+            if (longest <= self.catchup_width and self._fused.one_span(end, need)
                     and self.registry.can_replay(kind, len(reqs), need)):
-                return self._propose_fused(reqs, slots, starts, kind, need)
+                return self._propose_fused(reqs, kvs, slots, starts, kind, need, kmax)
         g, logits = self._catch_up(reqs, starts, slots)
-        for r in reqs:
-            self.cache.get(r.request_id).length += len(r.tokens)
-        if not any(self.requests[r.request_id].on_host for r in reqs):
+        for r, state in zip(reqs, kvs):
+            state.length += len(r.tokens)
+        if not host_side:
             return self._propose_greedy(reqs, slots, g, logits)
         return self._propose_sampled(reqs, slots, g, logits)
 
@@ -371,10 +375,10 @@ class DraftEngine:
                                             ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
-    def _propose_fused(self, reqs: list[ProposeRequest], slots: list[int], starts: list[int], kind: str,
-                       need: int) -> list[Proposal]:
-        """Every row greedy, graphs live: one ``propose{kmax}`` replay, one host sync."""
-        kmax = max(r.k for r in reqs)
+    def _propose_fused(self, reqs: list[ProposeRequest], kvs: list, slots: list[int], starts: list[int], kind: str,
+                       need: int, kmax: int) -> list[Proposal]:
+        """Every row greedy, graphs live: one ``propose{kmax}`` replay, one host sync. ``kvs``:
+        each request's cache entry."""
         rows, hidden = self._catchup_rows(reqs, starts, slots, self.catchup_width)
         lay = layout_rows(rows, self.catchup_width, self.cache.scratch_slot, self.cache.max_len)
         pairs = [st + len(r.tokens) for st, r in zip(starts, reqs)]
@@ -385,8 +389,8 @@ class DraftEngine:
                 slots, pairs, [r.k for r in reqs], kmax, self.cache.scratch_slot)      # [B, kmax-1] each
         (drafts, g, tok), _ = self.registry.run(kind, inputs, need=need)            # [B, kmax], [B, d], [B]
         self.fused_proposes += 1
-        for r, p in zip(reqs, pairs):
-            self.cache.get(r.request_id).length = p
+        for state, p in zip(kvs, pairs):
+            state.length = p
         # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
         if keep:
