@@ -38,6 +38,8 @@ class Layout:
 def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) -> Layout:
     """Pack rows into [B, width]; every row must have 1 <= m <= width tokens."""
     b = len(rows)
+    if width == 1:
+        return _one_token_rows(rows)
     tokens = np.zeros((b, width), dtype=np.int64)
     # Padding: scratch slot, positions 0..width-1 (distinct, always in range).
     write_slots = np.full((b, width), scratch_slot, dtype=np.int64)
@@ -59,6 +61,20 @@ def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) ->
         lengths[i] = m
     last_index = np.arange(b, dtype=np.int64) * width + lengths - 1
     return Layout(tokens, write_slots, positions, read_slots, last_index, lengths)
+
+
+def _one_token_rows(rows: list[Row]) -> Layout:
+    """``layout_rows`` at width 1 (a decode step: every round of a target-only batch), the same
+    arrays without the per-row slicing: no padding to write, each row its one token."""
+    b = len(rows)
+    for i, r in enumerate(rows):
+        if len(r.tokens) != 1:
+            raise ValueError(f"row {i} has {len(r.tokens)} tokens; expected 1..1")
+    slots = np.fromiter((r.slot for r in rows), dtype=np.int64, count=b)
+    tokens = np.fromiter((r.tokens[0] for r in rows), dtype=np.int64, count=b).reshape(b, 1)
+    positions = np.fromiter((r.start for r in rows), dtype=np.int64, count=b).reshape(b, 1)
+    return Layout(tokens, slots.reshape(b, 1).copy(), positions, slots, np.arange(b, dtype=np.int64),
+                  np.ones(b, dtype=np.int64))
 
 
 def attend_span(positions: np.ndarray, max_len: int) -> int:

@@ -44,3 +44,27 @@ def test_list_tokens_and_an_empty_batch():
 def test_a_row_of_no_tokens_or_too_many_names_it(m):
     with pytest.raises(ValueError, match=f"row 1 has {m} tokens; expected 1..4"):
         layout_rows([Row(0, 0, np.array([1])), Row(1, 0, np.arange(m))], 4, 7, 64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_rows_pack_as_row_by_row(seed):
+    """Width 1 (a decode step) takes a path of its own: the same arrays as the reference."""
+    rng = np.random.default_rng(seed)
+    rows = [Row(int(rng.integers(0, 16)), int(rng.integers(0, 500)), rng.integers(0, 1000, 1))
+            for _ in range(int(rng.integers(1, 12)))]
+    lay = layout_rows(rows, 1, 99, 1024)
+    tokens, write, pos = reference(rows, 1, 99)
+    assert (lay.tokens == tokens).all() and (lay.write_slots == write).all() and (lay.positions == pos).all()
+    assert lay.read_slots.tolist() == [r.slot for r in rows] and lay.lengths.tolist() == [1] * len(rows)
+    assert lay.last_index.tolist() == list(range(len(rows)))
+    assert all(a.dtype == np.int64 and a.shape == (len(rows), 1) for a in (lay.tokens, lay.write_slots, lay.positions))
+    lay.write_slots[0, 0] = -1                                  # the arrays are the caller's: none shared
+    assert lay.read_slots[0] == rows[0].slot
+    assert layout_rows([Row(2, 9, [4])], 1, 7, 64).tokens.tolist() == [[4]]
+    assert layout_rows([], 1, 7, 64).tokens.shape == (0, 1)
+
+
+@pytest.mark.parametrize("m", [0, 2])
+def test_a_one_token_row_of_no_tokens_or_two_names_it(m):
+    with pytest.raises(ValueError, match=f"row 1 has {m} tokens; expected 1..1"):
+        layout_rows([Row(0, 0, np.array([1])), Row(1, 0, np.arange(m))], 1, 7, 64)
