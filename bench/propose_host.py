@@ -86,6 +86,15 @@ def _us(fn, sync) -> float:
     return min(runs)
 
 
+def _timed(fn, registry, ops, device: str) -> tuple[float, float | None]:
+    """(host µs of ``fn`` with every replay of ``registry`` stubbed, its wall µs with the replays
+    on CUDA, else None)."""
+    _stub(registry, True)
+    stubbed = _us(fn, ops.synchronize)
+    _stub(registry, False)
+    return stubbed, (_us(fn, ops.synchronize) if device.startswith("cuda") else None)
+
+
 def _ring_labels(engine, on: bool = True):
     """Yields the row labels of one timing with the engine's reused read-back buffers
     (``torch_host.FetchRing``) and, where it has them (CUDA), one without: a pinned allocation
@@ -245,10 +254,7 @@ def main(args) -> int:
             one()
             assert (dr.fused_proposes > before) if fused else True
             for label in _ring_labels(dr, fused):
-                _stub(dr.registry, True)
-                stubbed = _us(one, ops.synchronize)
-                _stub(dr.registry, False)
-                wall = _us(one, ops.synchronize) if device.startswith("cuda") else None
+                stubbed, wall = _timed(one, dr.registry, ops, device)
                 rows.append({"what": f"propose k={k} " + ("fused" if fused else "per-substep") + label, "batch": b,
                              "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
             for r in ids:
@@ -272,10 +278,7 @@ def main(args) -> int:
                 st.length = CONTEXT
 
         probe()
-        _stub(dr.registry, True)
-        stubbed = _us(probe, ops.synchronize)
-        _stub(dr.registry, False)
-        wall = _us(probe, ops.synchronize) if device.startswith("cuda") else None
+        stubbed, wall = _timed(probe, dr.registry, ops, device)
         rows.append({"what": f"propose k={k} probe ({PROBE_PAIRS} pairs)", "batch": b,
                      "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
         for r in ids:
@@ -297,10 +300,7 @@ def main(args) -> int:
                 st.length, req.last_token = length, last
 
         for label in _ring_labels(tgt):
-            _stub(tgt.registry, True)
-            stubbed = _us(check, ops.synchronize)
-            _stub(tgt.registry, False)
-            wall = _us(check, ops.synchronize) if device.startswith("cuda") else None
+            stubbed, wall = _timed(check, tgt.registry, ops, device)
             rows.append({"what": f"verify k={k} (whole engine call){label}", "batch": b,
                          "host_us_stubbed": round(stubbed, 1), "wall_us": None if wall is None else round(wall, 1)})
         # A target-only step (no drafts) with and without the hidden rows read back: a request
@@ -315,10 +315,7 @@ def main(args) -> int:
                 for st, req, length, last in saved:
                     st.length, req.last_token = length, last
 
-            _stub(tgt.registry, True)
-            stubbed = _us(step, ops.synchronize)
-            _stub(tgt.registry, False)
-            wall = _us(step, ops.synchronize) if device.startswith("cuda") else None
+            stubbed, wall = _timed(step, tgt.registry, ops, device)
             rows.append({"what": "verify k=0 (target-only), hidden rows " + ("read" if want else "not read"),
                          "batch": b, "host_us_stubbed": round(stubbed, 1),
                          "wall_us": None if wall is None else round(wall, 1)})
