@@ -431,15 +431,14 @@ def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
     if k > 0:
         return [min(k, p.max_k) for p in policies]
     follow = follow_ups(policies, costs)
-    probe_new = bool(new)
-    if not (follow or probe_new):
+    if not (follow or new):
         return [0] * len(policies)
     # NOTE: after choose_round_k, which has counted this round as a target-only one: the probe
     # restarts the probe clock, and a newcomer probe counts in the backoff like any probe (a
     # follow-up continues a probe that paid: it does not).
     costs.target_only_rounds = 0
-    costs.probes_in_a_row += 1 if probe_new else 0
-    probed = {id(p) for p in follow} | ({id(p) for p in new} if probe_new else set())
+    costs.probes_in_a_row += 1 if new else 0
+    probed = {id(p) for p in follow + new}
     return [p.max_k if id(p) in probed else 0 for p in policies]
 
 

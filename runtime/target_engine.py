@@ -301,9 +301,10 @@ class TargetEngine:
         """One forward over [t_n, d_1..d_k] per request, then accept (DESIGN step 3-5)."""
         rows, kvs, states, sampled, coupled = [], [], [], [], []
         need = 1                                   # cache rows the step reads: max position + 1
-        drafted = False
+        drafted = want_hidden = False
         # One pass over the batch (this runs every round): each request's cache entry and state,
-        # its row, and whether it samples (device or numpy rejection) or couples its tokens.
+        # its row, whether it samples (device or numpy rejection) or couples its tokens, and
+        # whether it wants its hidden rows.
         for i, r in enumerate(reqs):
             kv = self.cache.get(r.request_id)
             req = self.requests[r.request_id]
@@ -318,6 +319,7 @@ class TargetEngine:
             states.append(req)
             need = max(need, kv.length + k + 1)
             drafted = drafted or k > 0
+            want_hidden = want_hidden or r.hidden
             if req.params.coupled:
                 coupled.append(i)
             elif not req.params.greedy:
@@ -352,7 +354,6 @@ class TargetEngine:
         # choices [C, k+1] from the device sampler, or the logits for numpy. A
         # target-only greedy batch queues its next step after these copies and
         # before the wait.
-        want_hidden = any(r.hidden for r in reqs)
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra] if want_hidden else [best, *extra],
                                              bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)

@@ -14,8 +14,6 @@ Diagnostic only; nothing imports it.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import sys
 import threading
 import time
@@ -24,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core.params import SamplingParams  # noqa: E402
-from rounds import scheduler as scheduler_mod  # noqa: E402
+from round_host_probe import _profile_scheduler  # noqa: E402  (the same scheduler-thread cProfile)
 from rounds.scheduler import EventOutbox, FinalEvent, GenerationRequest, Scheduler  # noqa: E402
 from runtime.types import PrefillResult, VerifyResult  # noqa: E402
 
@@ -54,17 +53,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="print the scheduler thread's cProfile, top N")
     a = ap.parse_args()
     if a.profile:
-        loop = scheduler_mod.Scheduler._loop
-
-        def profiled(self):
-            prof = cProfile.Profile()
-            prof.enable()
-            try:
-                loop(self)
-            finally:
-                prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
-        scheduler_mod.Scheduler._loop = profiled
+        _profile_scheduler(a.profile)
     sched = Scheduler(InstantTarget(), None, max_batch=max(8, a.batch), max_queue=16, eos_token_id=257,
                       weights_version="v0").start()
     box, done, left = EventOutbox(), threading.Event(), [a.batch]
