@@ -197,7 +197,8 @@ class TorchOps:
         its reused buffers: the arrays are valid until its next ``FetchRing.SLOTS`` fetches."""
         staged, bits = [], []
         for x in xs:
-            x = x.detach()
+            if x.requires_grad:                 # a step's outputs never do (no_grad): no op a tensor
+                x = x.detach()
             b = bf16_bits and x.dtype == torch.bfloat16
             if b:
                 x = x.view(torch.int16)

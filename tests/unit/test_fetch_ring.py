@@ -44,6 +44,7 @@ def test_a_slot_is_reused_only_after_its_event_and_keeps_its_values_until_then()
     # SLOTS = 2: the third fetch takes the first slot again, after its event, with its buffers
     assert ev3 is ev1 and ("sync", id(ev1)) in log and log.index(("sync", id(ev1))) > 0
     assert hosts3[0].data_ptr() == hosts1[0].data_ptr() and hosts3[0].tolist() == c[0].tolist()
+    assert hosts3[1] is hosts1[1] and hosts3[1].tolist() == c[1].tolist()  # the same shape: its view kept
     assert len(allocs) == 4                                  # two slots x two tensors, nothing since
     assert [e for e in log if e[0] == "record"] == [("record", id(ev1), "s"), ("record", id(ev2), "s"),
                                                     ("record", id(ev1), "s")]
@@ -60,3 +61,16 @@ def test_a_slot_grows_for_a_larger_tensor_and_takes_any_shape_that_fits():
     small = torch.tensor([[7]], dtype=torch.int16)
     hosts, _ = ring.stage([small, torch.zeros(0)], None)     # slot 1: a smaller dtype, an empty tensor
     assert hosts[0].tolist() == [[7]] and hosts[1].shape == (0,)
+
+
+def test_a_kept_view_gives_way_to_another_shape_or_dtype_at_its_place():
+    ring = _ring([], [])
+    seen = []
+    for x in (torch.arange(6, dtype=torch.int64).view(2, 3), torch.arange(6, dtype=torch.int64).view(3, 2),
+              torch.arange(6, dtype=torch.int32).view(3, 2), torch.arange(8, dtype=torch.int32).view(4, 2),
+              torch.arange(8, dtype=torch.int32).view(4, 2) + 1):
+        hosts, _ = ring.stage([x], None)
+        ring.stage([torch.zeros(1)], None)             # the other slot: the next call comes back here
+        assert hosts[0].dtype == x.dtype and hosts[0].shape == x.shape and hosts[0].tolist() == x.tolist()
+        seen.append(hosts[0])
+    assert seen[4] is seen[3] and all(seen[i] is not seen[i + 1] for i in range(3))
