@@ -88,6 +88,26 @@ def accept_greedy_ids(draft_tokens: Sequence[int], target_argmax: np.ndarray) ->
     return Acceptance(num_accepted=a, tokens=tuple(int(t) for t in best[: a + 1]))
 
 
+def accepted_greedy_rows(drafts: np.ndarray, ks: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """``accept_greedy_ids``'s accepted count for a whole batch at once (no Python per row).
+
+    drafts int64 [B, K]: row i's k_i drafts first, anything after; ks [B] (k_i <= K);
+    best [B, W], W >= K + 1: the target's argmax ids. -> a [B] int64:
+
+        a_i = min({j < k_i : drafts[i, j] != best[i, j]} ∪ {k_i})
+
+    and row i emits best[i, : a_i + 1] (the accepted drafts equal the argmaxes before the
+    first mismatch). Positions at or past k_i are marked as mismatches, so a_i <= k_i; a row
+    with no mismatch in its K columns (k_i = K, all accepted) gets K.
+    """
+    k = drafts.shape[1]
+    if k == 0:                                                       # target-only rows: a = 0
+        return np.zeros(drafts.shape[0], dtype=np.int64)
+    miss = drafts != best[:, :k]                                     # [B, K]
+    miss |= np.arange(k) >= np.asarray(ks)[:, None]
+    return np.where(miss.any(axis=1), miss.argmax(axis=1), k).astype(np.int64)
+
+
 def accept_rejection(
     draft_tokens: Sequence[int],
     draft_probs: np.ndarray | None,

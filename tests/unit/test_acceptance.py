@@ -25,7 +25,8 @@ import pytest
 from scipy.stats import binomtest, chisquare
 
 from runtime import random_stream as rs
-from runtime.acceptance import Acceptance, accept_coupled, accept_greedy, accept_rejection, truncate_at_stop
+from runtime.acceptance import (Acceptance, accept_coupled, accept_greedy, accept_greedy_ids, accept_rejection,
+                                accepted_greedy_rows, truncate_at_stop)
 from runtime.sampling import coupled_token, process_logits, sample_token
 
 
@@ -117,6 +118,25 @@ def test_greedy_speculative_decoding_equals_target_only_decoding(k, draft_kind):
     assert out[: n + 1] == ref
     if draft_kind == "model":
         assert 0 < sum(accepted)  # some drafts were accepted, so the test exercises acceptance
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_rows_of_a_batch_accept_what_each_row_accepts_alone(seed):
+    """``accepted_greedy_rows`` (the target's batched rule) against ``accept_greedy_ids`` per row:
+    ragged k (0 included), drafts that mostly match, junk past each row's k."""
+    rng = np.random.default_rng(seed)
+    b, kmax, v = int(rng.integers(1, 10)), int(rng.integers(0, 5)), 6
+    best = rng.integers(0, v, (b, kmax + 1 + int(rng.integers(0, 2))))      # [B, W >= K+1]
+    ks = rng.integers(0, kmax + 1, b)
+    drafts = rng.integers(0, v, (b, kmax))
+    agree = rng.random((b, kmax)) < 0.7
+    drafts[agree] = best[:, :kmax][agree]                                  # mostly accepted prefixes
+    a = accepted_greedy_rows(drafts, ks, best)
+    for i in range(b):
+        want = accept_greedy_ids(drafts[i, : ks[i]].tolist(), best[i, : ks[i] + 1])
+        assert int(a[i]) == want.num_accepted
+        assert tuple(best[i, : a[i] + 1].tolist()) == want.tokens
+    assert a.dtype == np.int64 and a.shape == (b,)
 
 
 # ---------------------------------------------------------------- accept_rejection cases
