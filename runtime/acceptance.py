@@ -67,7 +67,7 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> Acc
     Ties go to the lowest index, as np.argmax (and torch/paddle argmax) break them.
     """
     logits = np.asarray(target_logits)  # [k+1, V]
-    k = _check_rows(draft_tokens, logits, "target_logits")
+    _check_rows(draft_tokens, logits, "target_logits")
     if np.isnan(logits).any():
         raise ValueError("target_logits contain NaN")
     return accept_greedy_ids(draft_tokens, logits.argmax(axis=-1))

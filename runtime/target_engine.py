@@ -326,10 +326,10 @@ class TargetEngine:
             elif not req.params.greedy:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
-        pending, lay = self._pending, None
+        pending = self._pending
         if pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
             self._pending = None
-            hidden, best, logits = pending.outputs         # queued by the previous verify (no drafts)
+            hidden, best, logits = pending.outputs         # queued by the previous verify (no drafts: matches)
             replayed = True
             self.ahead_stats.used += 1
             self._ahead_gate.record(True)
