@@ -129,8 +129,9 @@ class FetchRing:
 
     NOTE: the host tensors ``stage`` returns (and the numpy arrays made from them) are the
     ring's buffers: valid until ``SLOTS`` more ``stage`` calls on the same ring. Callers copy
-    what they keep. A slot is written again only after the event behind its last copies has
-    completed. ``alloc`` (bytes -> uint8 host tensor) and ``event`` (-> an event with
+    what they keep. A slot is written again only after the copies into it have completed:
+    known when a later fetch on the same stream was waited for (stream order), else by waiting
+    on the slot's event. ``alloc`` (bytes -> uint8 host tensor) and ``event`` (-> an event with
     ``record(stream)`` and ``synchronize()``) are injectable so the rule is tested on CPU.
     """
 
@@ -144,17 +145,28 @@ class FetchRing:
         self._views: list[list[tuple | None]] = [[] for _ in range(self.SLOTS)]
         self._events: list[Any] = [None] * self.SLOTS
         self._next = 0
+        self._fetches = 0                                  # stage calls so far
+        self._slot_fetch: list[tuple[Any, int]] = [(None, 0)] * self.SLOTS   # (stream, fetch) last staged
+        self._waited: tuple[Any, int] = (None, 0)          # the latest fetch waited for, and its stream
 
-    def stage(self, xs: list[torch.Tensor], stream: Any) -> tuple[list[torch.Tensor], Any]:
+    def stage(self, xs: list[torch.Tensor], stream: Any) -> tuple[list[torch.Tensor], Callable[[], None]]:
         """Queue each x's copy into a host buffer of this ring (non-blocking, on ``stream``'s
-        order); -> (the host tensors, the event recorded behind the copies)."""
+        order); -> (the host tensors, ``wait``: returns once the copies are done)."""
         i = self._next
         self._next = (i + 1) % self.SLOTS
+        self._fetches += 1
         done = self._events[i]
         if done is None:
             done = self._events[i] = self._event()
         else:
-            done.synchronize()               # the copies into this slot, SLOTS calls ago
+            # NOTE: the copies into this slot, SLOTS calls ago, must be done before new ones go
+            # in. A fetch after them on the same stream that was waited for proves it without
+            # another call into the driver (a verify waits for each of its fetches).
+            slot_stream, slot_fetch = self._slot_fetch[i]
+            waited_stream, waited = self._waited
+            if not (waited >= slot_fetch and waited_stream == slot_stream):
+                done.synchronize()
+        self._slot_fetch[i] = (stream, self._fetches)
         bufs, views, out = self._bufs[i], self._views[i], []
         for j, x in enumerate(xs):
             # NOTE: the view of the last call at this slot and place is kept while its dtype and
@@ -175,4 +187,10 @@ class FetchRing:
             host.copy_(x, non_blocking=True)
             out.append(host)
         done.record(stream)
-        return out, done
+        fetch = (stream, self._fetches)
+
+        def wait() -> None:
+            done.synchronize()
+            if fetch[1] > self._waited[1]:
+                self._waited = fetch
+        return out, wait

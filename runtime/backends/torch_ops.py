@@ -219,9 +219,10 @@ class TorchOps:
                 host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
+            done = done.synchronize
 
         def wait():
-            done.synchronize()
+            done()
             return [h.numpy().view(np.uint16) if b else h.numpy() for h, b in zip(hosts, bits)]
         return wait
 

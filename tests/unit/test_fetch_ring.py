@@ -29,25 +29,51 @@ def _ring(log: list, allocs: list) -> FetchRing:
     return FetchRing(alloc=alloc, event=lambda: _Event(log))
 
 
+def _records(log: list) -> list:
+    return [e[1] for e in log if e[0] == "record"]
+
+
 def test_a_slot_is_reused_only_after_its_event_and_keeps_its_values_until_then():
     log, allocs = [], []
     ring = _ring(log, allocs)
     a = [torch.arange(6, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 0.5)]
-    hosts1, ev1 = ring.stage(a, "s")
+    hosts1, _ = ring.stage(a, "s")
     assert [h.tolist() for h in hosts1] == [x.tolist() for x in a] and hosts1[1].dtype == torch.float32
     b = [torch.arange(6, 12, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 1.5)]
-    hosts2, ev2 = ring.stage(b, "s")
-    assert ev2 is not ev1 and hosts1[0].tolist() == a[0].tolist()     # the first fetch's values still there
+    hosts2, _ = ring.stage(b, "s")
+    ev1, ev2 = _records(log)
+    assert ev2 != ev1 and hosts1[0].tolist() == a[0].tolist()     # the first fetch's values still there
     assert hosts2[0].data_ptr() != hosts1[0].data_ptr()
     c = [torch.arange(12, 18, dtype=torch.int64).view(2, 3), torch.full((2, 3, 4), 2.5)]
-    hosts3, ev3 = ring.stage(c, "s")
-    # SLOTS = 2: the third fetch takes the first slot again, after its event, with its buffers
-    assert ev3 is ev1 and ("sync", id(ev1)) in log and log.index(("sync", id(ev1))) > 0
+    hosts3, _ = ring.stage(c, "s")
+    # SLOTS = 2: the third fetch takes the first slot again, after its event (nobody waited
+    # for a fetch since), with its buffers
+    assert ("sync", ev1) in log and log.index(("sync", ev1)) == 2
     assert hosts3[0].data_ptr() == hosts1[0].data_ptr() and hosts3[0].tolist() == c[0].tolist()
     assert hosts3[1] is hosts1[1] and hosts3[1].tolist() == c[1].tolist()  # the same shape: its view kept
     assert len(allocs) == 4                                  # two slots x two tensors, nothing since
-    assert [e for e in log if e[0] == "record"] == [("record", id(ev1), "s"), ("record", id(ev2), "s"),
-                                                    ("record", id(ev1), "s")]
+    assert [e for e in log if e[0] == "record"] == [("record", ev1, "s"), ("record", ev2, "s"), ("record", ev1, "s")]
+
+
+def test_a_slot_needs_no_wait_of_its_own_once_a_later_fetch_on_its_stream_was_waited_for():
+    log = []
+    ring = _ring(log, [])
+    x = torch.arange(4, dtype=torch.int64)
+    for _ in range(5):                       # a verify: each fetch waited for before the next
+        _, wait = ring.stage([x], "s")
+        wait()
+    syncs = [e for e in log if e[0] == "sync"]
+    assert len(syncs) == 5                   # the five waits, no slot sync before a reuse
+    ring.stage([x], "s")                     # not waited for ...
+    ring.stage([x], "s")
+    before = len([e for e in log if e[0] == "sync"])
+    ring.stage([x], "s")                     # ... so reusing its slot waits on its event
+    assert len([e for e in log if e[0] == "sync"]) == before + 1
+    _, wait = ring.stage([x], "other")       # a fetch waited for on another stream proves nothing here
+    wait()
+    n = len([e for e in log if e[0] == "sync"])
+    ring.stage([x], "s")
+    assert len([e for e in log if e[0] == "sync"]) == n + 1
 
 
 def test_a_slot_grows_for_a_larger_tensor_and_takes_any_shape_that_fits():
