@@ -9,7 +9,9 @@ their events reach them:
                round boundary (as a DecodeStream is);
   --late       nobody is woken before a request ends (a floor: no reader work during rounds).
 With ``--draft DEVICE``: a draft service process on that device (as the launcher starts it) and
-k=3 requests, the target's round loop exchanging with it as in serving.
+k=3 requests, the target's round loop exchanging with it as in serving; ``--draft-profile N`` also
+prints the draft process's cProfile of its round messages (top N by own time, the whole run:
+scripts/draft_profile).
 With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
 prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
 then runs mostly target-only rounds with the draft holding the request).
@@ -20,7 +22,7 @@ per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
-                                          [--verify-split]
+                                          [--verify-split] [--draft-profile N]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -31,6 +33,7 @@ import contextlib
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -187,16 +190,36 @@ def main() -> int:
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N")
     ap.add_argument("--verify-split", action="store_true",
                     help="time each target verify in parts: before the host copy's wait, the wait, after")
+    ap.add_argument("--draft-profile", type=int, default=0, metavar="N",
+                    help="with --draft: the draft process's cProfile of its round messages, top N")
     a = ap.parse_args()
     if not a.draft:
         return probe(a, None)
     opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
-    draft = Child("draft", worker_argv("draft", opts, a.draft), dict(os.environ))
+    env, out = dict(os.environ), None
+    if a.draft_profile:
+        out = Path(tempfile.mkdtemp()) / "draft-profile.txt"
+        here = str(Path(__file__).resolve().parent / "draft_profile")
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p),
+                   DRAFT_PROFILE_OUT=str(out), DRAFT_PROFILE_TOP=str(a.draft_profile))
+    draft = Child("draft", worker_argv("draft", opts, a.draft), env)
     try:
         draft.wait_listening()
-        return probe(a, draft)
+        rc = probe(a, draft)
+        if out is not None:
+            _print_draft_profile(out, time.time())
+        return rc
     finally:
         draft.stop()
+
+
+def _print_draft_profile(path: Path, since: float) -> None:
+    """The draft's profile file once it was written after ``since`` (it is rewritten every second)."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and not (path.exists() and path.stat().st_mtime > since):
+        time.sleep(0.1)
+    print("draft process, its round messages (scripts/draft_profile):")
+    print(path.read_text() if path.exists() else "  (no profile written)")
 
 
 def probe(a: argparse.Namespace, draft: Child | None) -> int:
