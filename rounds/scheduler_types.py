@@ -68,7 +68,7 @@ class GenerationRequest:
     fixed_k: bool = False            # draft k every round even where the loop adapts k (no policy)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # per request per round, not frozen: runtime/types.py's module doc
 class TokensEvent:
     tokens: tuple[int, ...]
     round: int

@@ -41,7 +41,7 @@ import numpy as np
 from runtime.sampling import coupled_token, sample_token
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # per request per round, not frozen: runtime/types.py's module doc
 class Acceptance:
     num_accepted: int  # a in [0, k]: drafts accepted
     tokens: tuple[int, ...]  # emitted tokens: the a accepted drafts then 1 bonus/correction token (length a+1)

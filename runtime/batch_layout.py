@@ -18,7 +18,7 @@ ATTEND_ALIGN = 64  # eager attention spans are rounded up to this (fewer distinc
 SPAN_MIN = 256     # smallest context bucket captured as a graph
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # per request per round, not frozen: runtime/types.py's module doc
 class Row:
     slot: int
     start: int              # position of the row's first token

@@ -12,6 +12,13 @@ are float32, or — when the target computes in bf16 — uint16 arrays holding
 the bf16 bit patterns (exact, half the bytes; the wire layer sends a uint16
 array as ``bfloat16``). ``DraftEngine`` accepts both; ``hidden_float32``
 widens bits on the host where a float array is needed.
+
+NOTE: the records a round builds for every request (``VerifyRequest``, ``VerifyResult``,
+``ProposeRequest``, ``Proposal``; likewise ``batch_layout.Row``, ``acceptance.Acceptance`` and
+the scheduler's ``TokensEvent``) are slotted dataclasses, not frozen ones: a frozen dataclass's
+``__init__`` sets each field through ``object.__setattr__``, ~0.6 µs more per record on the
+2-core CPU (7 fields: 0.84 against 0.25 µs), and a round builds about ten per request. They are
+still never changed once built: a changed one is a new record (``dataclasses.replace``).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ class PrefillResult:
     hidden: np.ndarray                 # float32 (or uint16 bf16 bits) [n, d]: h_0..h_{n-1}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # built per request per round: see the module doc
 class VerifyRequest:
     request_id: str
     drafts: np.ndarray                 # int64 [k] (k may be 0: target-only step)
@@ -56,7 +63,7 @@ class VerifyRequest:
                                        # False where the draft holds nothing of the request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # built per request per round: see the module doc
 class VerifyResult:
     request_id: str
     num_accepted: int                  # a
@@ -73,7 +80,7 @@ class DraftPrefillRequest:
     params: SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # built per request per round: see the module doc
 class ProposeRequest:
     request_id: str
     start_position: int                # draft position of the first new pair (must equal the draft's count)
@@ -84,7 +91,7 @@ class ProposeRequest:
     keep_tail: bool = False            # keep this proposal's end so that an ahead request can continue it
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)                 # built per request per round: see the module doc
 class Proposal:
     request_id: str
     drafts: np.ndarray                 # int64 [k]
