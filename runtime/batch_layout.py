@@ -35,11 +35,16 @@ class Layout:
     lengths: np.ndarray      # int64 [B]      m_b
 
 
+VECTOR_ROWS = 4     # from this many rows a layout is built with whole-array numpy calls
+
+
 def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) -> Layout:
     """Pack rows into [B, width]; every row must have 1 <= m <= width tokens."""
     b = len(rows)
     if width == 1:
         return _one_token_rows(rows)
+    if b >= VECTOR_ROWS:
+        return _many_rows(rows, width, scratch_slot)
     tokens = np.zeros((b, width), dtype=np.int64)
     # Padding: scratch slot, positions 0..width-1 (distinct, always in range).
     write_slots = np.full((b, width), scratch_slot, dtype=np.int64)
@@ -61,6 +66,29 @@ def layout_rows(rows: list[Row], width: int, scratch_slot: int, max_len: int) ->
         lengths[i] = m
     last_index = np.arange(b, dtype=np.int64) * width + lengths - 1
     return Layout(tokens, write_slots, positions, read_slots, last_index, lengths)
+
+
+def _many_rows(rows: list[Row], width: int, scratch_slot: int) -> Layout:
+    """``layout_rows`` with a fixed number of numpy calls, whatever the batch: cheaper than the
+    row loop from ``VECTOR_ROWS`` rows on (2-core CPU, width 4: 18.5 against 15.1 µs at 8 rows,
+    53 against 20 µs at 32; at one row 6.3 against 12.6). Same arrays."""
+    b = len(rows)
+    lengths = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=b)
+    bad = (lengths < 1) | (lengths > width)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"row {i} has {lengths[i]} tokens; expected 1..{width}")
+    slots = np.fromiter((r.slot for r in rows), dtype=np.int64, count=b)
+    starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=b)
+    ramp = np.arange(width, dtype=np.int64)
+    real = ramp < lengths[:, None]                                    # [B, W]: the rows' own tokens
+    tokens = np.zeros((b, width), dtype=np.int64)
+    tokens[real] = np.concatenate([r.tokens for r in rows])          # row-major: each row's in order
+    write_slots = np.where(real, slots[:, None], scratch_slot)
+    # Padding queries of a live row sit at its last position (as in the row loop).
+    positions = np.minimum(ramp + starts[:, None], (starts + lengths - 1)[:, None])
+    last_index = np.arange(b, dtype=np.int64) * width + lengths - 1
+    return Layout(tokens, write_slots, positions, slots, last_index, lengths)
 
 
 def _one_token_rows(rows: list[Row]) -> Layout:

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from runtime.backends.base import Ops
-from runtime.batch_layout import attend_need, attend_span
+from runtime.batch_layout import VECTOR_ROWS, attend_need, attend_span
 from runtime.graphs import InputSpec, StepKind
 
 PROPOSE_PREFIX = "propose"
@@ -55,6 +55,11 @@ def substep_places(slots: list[int], pairs: list[int], ks: list[int], kmax: int,
     when ks[i] > s; a row with its drafts complete writes the scratch slot at position 0.
     -> write_slots, positions int64 [B, kmax-1]."""
     b = len(slots)
+    if b >= VECTOR_ROWS:                 # whole-array calls: cheaper from this many rows on
+        ramp = np.arange(kmax - 1, dtype=np.int64)
+        live = ramp < (np.asarray(ks, dtype=np.int64) - 1)[:, None]        # [B, kmax-1]: substep s = j+1 runs
+        return (np.where(live, np.asarray(slots, dtype=np.int64)[:, None], scratch_slot),
+                np.where(live, np.asarray(pairs, dtype=np.int64)[:, None] + ramp, 0))
     write = np.empty((b, kmax - 1), dtype=np.int64)
     pos = np.empty((b, kmax - 1), dtype=np.int64)
     ramp = np.arange(kmax - 1, dtype=np.int64)

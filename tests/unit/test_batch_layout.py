@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.batch_layout import Row, layout_rows
+from runtime.batch_layout import VECTOR_ROWS, Row, layout_rows
 
 
 def reference(rows, width, scratch):
@@ -41,9 +41,25 @@ def test_list_tokens_and_an_empty_batch():
 
 
 @pytest.mark.parametrize("m", [0, 5])
-def test_a_row_of_no_tokens_or_too_many_names_it(m):
+@pytest.mark.parametrize("others", [0, VECTOR_ROWS])          # the row loop, and the whole-array path
+def test_a_row_of_no_tokens_or_too_many_names_it(m, others):
+    rows = [Row(0, 0, np.array([1])), Row(1, 0, np.arange(m))] + [Row(2, 0, np.array([3, 4]))] * others
     with pytest.raises(ValueError, match=f"row 1 has {m} tokens; expected 1..4"):
-        layout_rows([Row(0, 0, np.array([1])), Row(1, 0, np.arange(m))], 4, 7, 64)
+        layout_rows(rows, 4, 7, 64)
+
+
+@pytest.mark.parametrize("b", [VECTOR_ROWS, 9, 33])
+def test_a_batch_of_many_rows_packs_as_row_by_row(b):
+    """From VECTOR_ROWS rows on the layout takes whole-array numpy calls: the same arrays."""
+    rng = np.random.default_rng(b)
+    rows = [Row(int(rng.integers(0, 40)), int(rng.integers(0, 500)),
+                list(rng.integers(0, 1000, int(rng.integers(1, 6))))) for _ in range(b)]
+    lay = layout_rows(rows, 5, 99, 1024)
+    tokens, write, pos = reference(rows, 5, 99)
+    assert (lay.tokens == tokens).all() and (lay.write_slots == write).all() and (lay.positions == pos).all()
+    assert lay.read_slots.tolist() == [r.slot for r in rows] and lay.lengths.tolist() == [len(r.tokens) for r in rows]
+    assert lay.last_index.tolist() == [i * 5 + len(r.tokens) - 1 for i, r in enumerate(rows)]
+    assert all(a.dtype == np.int64 for a in (lay.tokens, lay.write_slots, lay.positions, lay.read_slots))
 
 
 @pytest.mark.parametrize("seed", range(4))

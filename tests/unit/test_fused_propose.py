@@ -15,6 +15,7 @@ import pytest
 from core.params import SamplingParams
 from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.engine import SpecEngine
+from runtime.batch_layout import VECTOR_ROWS
 from runtime.fused_propose import substep_places
 from runtime.types import DraftPrefillRequest, ProposeRequest
 from tests.unit.test_engine_bundled import TINY
@@ -178,3 +179,17 @@ def test_substep_places_scratch_for_finished_rows():
     write, pos = substep_places([0, 5, 2], [10, 20, 30], [3, 1, 2], 3, scratch_slot=8)
     assert write.tolist() == [[0, 0], [8, 8], [2, 8]]
     assert pos.tolist() == [[10, 11], [0, 0], [30, 0]]
+
+
+def test_substep_places_of_many_rows_equal_the_row_loop():
+    """From VECTOR_ROWS rows on the places come from whole-array calls: the same as row by row."""
+    rng = np.random.default_rng(5)
+    for b in (VECTOR_ROWS, 11):
+        slots, pairs = list(range(b)), [int(x) for x in rng.integers(5, 90, b)]
+        ks = [int(x) for x in rng.integers(1, 5, b)]
+        write, pos = substep_places(slots, pairs, ks, 4, scratch_slot=50)
+        for i in range(b):
+            live = [s for s in range(1, 4) if ks[i] > s]          # substep s writes (slot, pairs + s - 1)
+            assert write[i].tolist() == [slots[i] if s in live else 50 for s in range(1, 4)]
+            assert pos[i].tolist() == [pairs[i] + s - 1 if s in live else 0 for s in range(1, 4)]
+        assert write.dtype == pos.dtype == np.int64 and write.shape == (b, 3)
