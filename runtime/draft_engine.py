@@ -8,7 +8,8 @@ catch-up (``HEAD_PASS_WIDTHS`` x (k+1), ``_catch_up_head``), ``substep`` (1) and
 whole greedy propose in one graph, ``propose{k}`` (runtime/fused_propose.py),
 and ``prefill{W}`` per prompt width W (a prefill's pairs from position 0);
 what each of its requests must satisfy (``check_prefill`` / ``check_propose``,
-run by the worker before a batch; one bad item never fails the others).
+run by the worker before a batch; one bad item never fails the others). Ahead
+items (continuing a proposal's kept end) run through runtime/draft_ahead.py.
 
 Must not know: gRPC, lifecycle states, scheduling, the target's layers.
 
@@ -51,6 +52,7 @@ from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, 
                                   prefill_width, single_token_places)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
+from runtime.draft_ahead import KeptEnds
 from runtime.fused_propose import FusedPropose, propose_kind_name, substep_places
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
@@ -119,11 +121,8 @@ class DraftEngine:
                        if fused_propose and max_k >= 1 else None)
         for kind in self._fused.kinds() if self._fused is not None else ():
             registry.register(kind)
-        # Ahead drafting: the end (MTP hidden g, last draft) of each request's last proposal,
-        # by cache slot (row max_slots = scratch), and the draft position it continues at.
-        self._tail_g = ops.zeros((cache_cfg.max_slots + 1, cfg.hidden_size))          # [S+1, d]
-        self._tail_tok = ops.zeros((cache_cfg.max_slots + 1,), "int64")                 # [S+1]
-        self._tail_pos: dict[str, int] = {}
+        # Ahead drafting: the end of each request's last proposal (runtime/draft_ahead.py).
+        self._ends = KeptEnds(ops, cache_cfg.max_slots, cfg.hidden_size)
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
     def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
@@ -277,7 +276,7 @@ class DraftEngine:
             by_id = {p.request_id: p for p in (self.propose(normal) if normal else []) + self._ahead(ahead)}
             return [by_id[r.request_id] for r in reqs]
         for r in reqs:
-            self._tail_pos.pop(r.request_id, None)       # a new proposal: the old end is gone
+            self._ends.forget(r.request_id)              # a new proposal: the old end is gone
         kvs, slots, starts, host_side = [], [], [], False
         for r in reqs:
             state = self.cache.get(r.request_id)
@@ -368,7 +367,7 @@ class DraftEngine:
         # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
         if keep:
-            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
+            self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                              [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
         (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
@@ -394,64 +393,26 @@ class DraftEngine:
         # Rows that ran all kmax substeps end here; their end is kept for ahead drafting.
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
         if keep:
-            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
+            self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                              [pairs[i] + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a fused propose.
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
-    # --- ahead drafting ------------------------------------------------------------
-    def _keep_tails(self, rids: list[str], slots: list[int], g, tok, rows: list[int], positions: list[int]) -> None:
-        """Store rows ``rows`` of g [B, d] / tok [B] as the ends of ``rids`` (by slot)."""
-        idx = self.ops.from_numpy(np.asarray(rows, dtype=np.int64), "int64")
-        at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
-        self.ops.scatter_rows_(self._tail_g, at, self.ops.index_select(g, idx, 0))
-        self.ops.scatter_rows_(self._tail_tok, at, self.ops.index_select(tok, idx, 0))
-        for rid, pos in zip(rids, positions):
-            self._tail_pos[rid] = pos
-
+    # --- ahead drafting (runtime/draft_ahead.py) ------------------------------------
     def check_ahead(self, request_id: str, k: int, field: str) -> None:
         """ValueError unless ``request_id`` can continue its last proposal by ``k`` greedy drafts."""
-        if not 1 <= k <= self.max_k + 1:
-            raise ValueError(f"{field}.k: {k} is out of range [1, {self.max_k + 1}] for an ahead item")
-        if request_id not in self._tail_pos:
-            raise ValueError(f"{field}.ahead: request {request_id!r} has no kept proposal end to continue "
-                             "(keep_tail on its last proposal, greedy drafts only)")
-        req = self.requests[request_id]
-        if req.on_host:
-            raise ValueError(f"{field}.ahead: request {request_id!r} samples its drafts; ahead drafting is greedy only")
-        self.cache.check_fits(request_id, self._tail_pos[request_id] + k)
+        req = self.requests.get(request_id)
+        pos = self._ends.check(request_id, k, self.max_k, field, req is not None and req.on_host)
+        self.cache.check_fits(request_id, pos + k)
 
     def _ahead(self, reqs: list[ProposeRequest]) -> list[Proposal]:
-        """Continue each request's last proposal by k greedy substeps on its own hidden states.
-
-        Substep j writes (g, d) at the kept position + j; these rows hold guesses
-        and are overwritten by the next catch-up, exactly like ordinary substeps.
-        """
+        """Continue each request's last proposal by k greedy substeps on its own hidden states."""
         for r in reqs:
             self.check_ahead(r.request_id, r.k, "ahead")
-        kmax = max(r.k for r in reqs)
-        b = len(reqs)
-        slots = [self.cache.get(r.request_id).slot for r in reqs]
-        at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
-        g = self.ops.index_select(self._tail_g, at, 0)                        # [B, d]
-        tok = self.ops.index_select(self._tail_tok, at, 0)                    # [B]
-        start = [self._tail_pos[r.request_id] for r in reqs]
-        drafts = []
-        for j in range(kmax):
-            g, tok = self._greedy_substep(g, tok, [(slots[i], start[i] + j) if r.k > j else None
-                                                   for i, r in enumerate(reqs)])
-            drafts.append(tok)
-        keep = [i for i, r in enumerate(reqs) if r.k == kmax]
-        for r in reqs:
-            self._tail_pos.pop(r.request_id, None)
-        if keep:
-            self._keep_tails([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
-                             [start[i] + kmax for i in keep])
-        # NOTE: the only host synchronisation of an ahead call.
-        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
-                                            ring=self._fetch_ring)
-        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+        # NOTE: the only host synchronisation of an ahead call is its read-back.
+        return self._ends.continue_(reqs, [self.cache.get(r.request_id).slot for r in reqs], self._greedy_substep,
+                                    lambda drafts: self.ops.to_numpy_many([drafts], ring=self._fetch_ring)[0])
 
     def _greedy_substep(self, g, tok, places: list[tuple[int, int] | None]):
         """One greedy substep for a batch: pair (g, tok) of row i at (slot, position) = places[i]
@@ -519,5 +480,5 @@ class DraftEngine:
 
     def release(self, request_id: str) -> bool:
         self.requests.pop(request_id, None)
-        self._tail_pos.pop(request_id, None)
+        self._ends.forget(request_id)
         return self.cache.free(request_id)

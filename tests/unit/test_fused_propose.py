@@ -118,10 +118,11 @@ def test_keep_tail_and_ahead_after_a_fused_propose():
     rng = np.random.default_rng(11)
     lens = _prefill([fused, plain], rng, 3)
     _propose_both(fused, plain, _round(rng, lens, {"r0": 3, "r1": 2, "r2": 3}, keep_tail=True))
-    assert set(fused._tail_pos) == set(plain._tail_pos) == {"r0", "r2"}      # only rows with k == kmax
-    assert fused._tail_pos == plain._tail_pos
-    assert np.array_equal(fused.ops.to_numpy(fused._tail_g), plain.ops.to_numpy(plain._tail_g))
-    assert np.array_equal(fused.ops.to_numpy(fused._tail_tok), plain.ops.to_numpy(plain._tail_tok))
+    ends, plain_ends = fused._ends, plain._ends
+    assert set(ends.positions) == set(plain_ends.positions) == {"r0", "r2"}      # only rows with k == kmax
+    assert ends.positions == plain_ends.positions
+    assert np.array_equal(fused.ops.to_numpy(ends._g), plain.ops.to_numpy(plain_ends._g))
+    assert np.array_equal(fused.ops.to_numpy(ends._tok), plain.ops.to_numpy(plain_ends._tok))
     ahead = [ProposeRequest(rid, 0, np.zeros(0, np.int64), np.zeros((0, D), np.float32), MAX_K + 1, ahead=True,
                             keep_tail=True) for rid in ("r0", "r2")]
     got, want = fused.propose(ahead), plain.propose(ahead)
