@@ -11,13 +11,19 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 # What the session scripts share: NCCL with NVLink multicast off (KINDS.md), the seconds a call has left, a filter for the
-# services' log lines, bench services on the bundled model, and the run's date, GPUs and commit in $out/env.txt.
+# services' log lines, bench services and the round host probe on the bundled model, and the run's date, GPUs and
+# commit in $out/env.txt.
 left() { echo $(( ${1:-585} - SECONDS )); }   # seconds left of a call's $1 (default 585)
 quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
 svc() {  # bench services on the bundled model: $1 the output's name, $2 the seconds it may take, then extra flags
   local name="$1" limit="$2"; shift 2
   timeout "$limit" python3 -m specsplit bench services --backend torch --prompts 16 --max-tokens 128 "$@" 2>&1 \
     | quiet | tee "$out/$name.txt" | tail -14
+}
+probe() {  # scripts/round_host_probe.py on the bundled model, cuda:0: $1 the output's name, $2 its seconds, then its args
+  local name="$1" limit="$2"; shift 2
+  timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \
+    | head -"${HEAD:-70}"
 }
 gpu_prologue() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -20,9 +20,6 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-host}"
 gpu_prologue
-probe() { local name="$1" limit="$2"; shift 2
-  timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \
-    | head -"${HEAD:-70}"; }
 if [ "$mode" = host ]; then
   probe b1_target_only_cprofile 100 1 128 --outbox --random-prompt --profile 45
   probe b1_target_only_torch 100 1 128 --outbox --random-prompt --torch-profile 30

@@ -12,11 +12,9 @@
 # The modes of bench/gpu_session24.sh (ring, check, fix, rest) still hold for this code.
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
+HEAD=${HEAD:-90}
 mode="${2:-b8}"
 gpu_prologue
-probe() { local name="$1" limit="$2"; shift 2
-  timeout "$limit" python3 scripts/round_host_probe.py models/tiny cuda:0 "$@" 2>&1 | quiet | tee "$out/$name.txt" \
-    | head -"${HEAD:-90}"; }
 if [ "$mode" = b8 ]; then
   probe b8_k3_profiles 150 8 128 --outbox --draft cuda:0 --k 3 --profile 35 --draft-profile 35
   probe b8_k3 100 8 128 --outbox --draft cuda:0 --k 3
