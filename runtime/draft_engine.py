@@ -368,7 +368,7 @@ class DraftEngine:
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
         if keep:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
-                             [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
+                           [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
         (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
                                             ring=self._fetch_ring)
@@ -394,7 +394,7 @@ class DraftEngine:
         keep = [i for i, r in enumerate(reqs) if r.keep_tail and r.k == kmax]
         if keep:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
-                             [pairs[i] + kmax - 1 for i in keep])
+                           [pairs[i] + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a fused propose.
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
