@@ -355,7 +355,10 @@ def test_watch_probes_over_grpc_change_no_token(adaptive_stack):
 
 def test_fixed_k_requests_draft_every_round_where_the_loop_adapts(adaptive_stack):
     """A request with fixed_k (DecodeRequest.fixed_k) on a loop that adapts k drafts its k every
-    round, beside adaptive requests on the same prompts that soon stop drafting; same tokens."""
+    round; same tokens as an adaptive request on the same prompt. Whether that adaptive request
+    stops drafting here depends on this CPU's timing and on what the loop learned from the tests
+    before (run alone, or on a loaded machine, it kept drafting): the contrast is
+    tests/unit/test_scheduler.py's, with drafts that never pass."""
     rounds, draft_address = adaptive_stack
     rng = np.random.default_rng(7)
     prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(2)]
@@ -368,5 +371,4 @@ def test_fixed_k_requests_draft_every_round_where_the_loop_adapts(adaptive_stack
         stats = fixed[1].stats
         # Every round drafts but a last one with a single token left (k is capped by what remains).
         assert stats.spec_rounds >= stats.rounds - 1 and stats.watch_probes == 0, stats
-        assert adaptive[1].stats.spec_rounds < adaptive[1].stats.rounds, adaptive[1].stats
     assert rounds.status().active_requests == 0

@@ -7,6 +7,7 @@ failures the way the gRPC clients report them.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -503,4 +504,38 @@ def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, 
     # In process a watch's draft runs inside its round: once one was timed it costs a whole draft,
     # and the loop's later probes draft instead (AdaptiveLoop.watching_pays).
     assert (watched[0] > 0) == watch and (sum(watched) == 0) == (not watch)
+    assert slots_free(engines)
+
+
+class _OffByOneDrafts:
+    """The draft engine with every draft moved off what it proposed ((d + 1) mod 256): the target
+    rejects nearly all of them, so on an adaptive loop drafting never pays, whatever the timing."""
+
+    def __init__(self, draft) -> None:
+        self.draft = draft
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, reqs):
+        return [dataclasses.replace(p, drafts=(p.drafts + 1) % 256) for p in self.draft.propose(reqs)]
+
+
+def test_fixed_k_drafts_every_round_where_the_adaptive_loop_stops_drafting(engines, reference):
+    """GenerationRequest.fixed_k takes a request out of adaptive k: it drafts its k every round (but a
+    last one with a single token left), where an adaptive request on the same prompt soon drafts only
+    in probes; both give the target-only tokens."""
+    sched = Scheduler(engines.target, _OffByOneDrafts(engines.draft), max_batch=3, max_queue=16,
+                      eos_token_id=257, weights_version="v0", adaptive_k=True, watch_probes=False).start()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    try:
+        adaptive = drain(sched.submit(GenerationRequest("ad", prompt_of(50, 9), params, 3)))
+        fixed = drain(sched.submit(GenerationRequest("fx", prompt_of(50, 9), params, 3, fixed_k=True)))
+    finally:
+        sched.stop()
+    want = reference(prompt_of(50, 9), params)
+    assert tuple(adaptive[0]) == tuple(fixed[0]) == want
+    a, f = adaptive[1].stats, fixed[1].stats
+    assert f.spec_rounds >= f.rounds - 1 and f.rounds >= 30, f           # nearly every draft rejected
+    assert a.spec_rounds <= a.rounds // 2, a
     assert slots_free(engines)
