@@ -8,7 +8,7 @@ the continuation itself (``continue_``): k greedy substeps from the kept end, as
 of the proposal had been accepted (runtime/round_driver.py ``run_round``, post-verify drafting).
 
 Must not know: gRPC, scheduling, the cache's layout, how a substep runs (the engine passes its
-substep and its read-back in).
+substep in), the host side of the drafts (the engine reads them back).
 
 Substep j of a continuation writes (g, d) at the kept position + j: rows that hold guesses and
 are overwritten by the next catch-up, exactly like a proposal's own substeps.
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from runtime.backends.base import Ops
-from runtime.types import Proposal, ProposeRequest
+from runtime.types import ProposeRequest
 
 Substep = Callable[[Any, Any, list], tuple]      # (g [B, d], tok [B], places) -> (g', argmax) on the device
 
@@ -59,11 +59,10 @@ class KeptEnds:
             raise ValueError(f"{field}.ahead: request {request_id!r} samples its drafts; ahead drafting is greedy only")
         return self.positions[request_id]
 
-    def continue_(self, reqs: list[ProposeRequest], slots: list[int], substep: Substep,
-                  read: Callable[[Any], np.ndarray]) -> list[Proposal]:
+    def continue_(self, reqs: list[ProposeRequest], slots: list[int], substep: Substep) -> Any:
         """Continue each request's kept end by its k greedy substeps (``slots``: their cache slots,
-        checked by the caller); the new ends are kept for the batch's longest rows. ``read``: the
-        drafts [B, kmax] (device) to the host, the call's one synchronisation."""
+        checked by the caller); the new ends are kept for the batch's longest rows. -> the drafts
+        [B, kmax] on the device (row i's first k are request i's)."""
         kmax = max(r.k for r in reqs)
         b = len(reqs)
         at = self.ops.from_numpy(np.asarray(slots, dtype=np.int64), "int64")
@@ -80,5 +79,4 @@ class KeptEnds:
         if keep:
             self.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                       [start[i] + kmax for i in keep])
-        all_np = read(self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1))
-        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+        return self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)

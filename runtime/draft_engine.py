@@ -370,9 +370,7 @@ class DraftEngine:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                            [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a greedy propose.
-        (all_np,) = self.ops.to_numpy_many([self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1)],
-                                            ring=self._fetch_ring)
-        return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
+        return self._proposals(reqs, self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1))
 
     def _propose_fused(self, reqs: list[ProposeRequest], kvs: list, slots: list[int], starts: list[int], kind: str,
                        need: int, kmax: int) -> list[Proposal]:
@@ -396,6 +394,11 @@ class DraftEngine:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                            [pairs[i] + kmax - 1 for i in keep])
         # NOTE: the only host synchronisation of a fused propose.
+        return self._proposals(reqs, drafts)
+
+    def _proposals(self, reqs: list[ProposeRequest], drafts) -> list[Proposal]:
+        """Greedy drafts [B, kmax] (device) to the host in the engine's read-back ring, each
+        request's first k as its proposal (copied: the ring's arrays are reused)."""
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 
@@ -410,9 +413,9 @@ class DraftEngine:
         """Continue each request's last proposal by k greedy substeps on its own hidden states."""
         for r in reqs:
             self.check_ahead(r.request_id, r.k, "ahead")
-        # NOTE: the only host synchronisation of an ahead call is its read-back.
-        return self._ends.continue_(reqs, [self.cache.get(r.request_id).slot for r in reqs], self._greedy_substep,
-                                    lambda drafts: self.ops.to_numpy_many([drafts], ring=self._fetch_ring)[0])
+        # NOTE: the only host synchronisation of an ahead call.
+        return self._proposals(reqs, self._ends.continue_(reqs, [self.cache.get(r.request_id).slot for r in reqs],
+                                                          self._greedy_substep))
 
     def _greedy_substep(self, g, tok, places: list[tuple[int, int] | None]):
         """One greedy substep for a batch: pair (g, tok) of row i at (slot, position) = places[i]

@@ -212,17 +212,17 @@ class TorchOps:
             return lambda: arrays
         stream = torch.cuda.current_stream(self._dev)
         if ring is not None:
-            hosts, done = ring.stage(staged, stream)
+            hosts, copied = ring.stage(staged, stream)
         else:
             hosts = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in staged]
             for host, x in zip(hosts, staged):
                 host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-            done = done.synchronize
+            copied = done.synchronize
 
         def wait():
-            done()
+            copied()
             return [h.numpy().view(np.uint16) if b else h.numpy() for h, b in zip(hosts, bits)]
         return wait
 
