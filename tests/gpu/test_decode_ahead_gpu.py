@@ -8,9 +8,7 @@ the same process (printed, not asserted: a timing is a benchmark's business).
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,21 +16,14 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from core.params import SamplingParams  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig  # noqa: E402
-from runtime.engine import GenRequest, SpecEngine  # noqa: E402
-from runtime.tokenizer import ByteTokenizer  # noqa: E402
-
-TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+from runtime.engine import GenRequest  # noqa: E402
+from tests.gpu.bundled import captured_engine, heldout_prompts  # noqa: E402
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_queued_ahead_target_only_equals_plain(batch):
-    tok = ByteTokenizer()
-    prompts = [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:4]]
-    engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device="cuda:0"),
-                                     spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
-                                     graphs=GraphConfig(batch_buckets=(1, 4, 8))))
-    engine.capture_graphs()
+    prompts = heldout_prompts(4)
+    engine = captured_engine()
     assert engine.target.decode_ahead                      # on by default on CUDA
 
     def run(ahead):

@@ -10,9 +10,6 @@ the same rules with injected events: ``tests/unit/test_fetch_ring.py``.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,11 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from core.params import SamplingParams  # noqa: E402
 from runtime.backends.torch_host import FetchRing  # noqa: E402
-from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig  # noqa: E402
-from runtime.engine import GenRequest, SpecEngine  # noqa: E402
-from runtime.tokenizer import ByteTokenizer  # noqa: E402
-
-TINY = Path(__file__).resolve().parents[2] / "models" / "tiny"
+from runtime.engine import GenRequest  # noqa: E402
+from tests.gpu.bundled import captured_engine, heldout_prompts  # noqa: E402
 SPIN = 2_000_000          # GPU clock cycles of torch.cuda._sleep before each copy (~1 ms): copies in flight
 
 
@@ -49,12 +43,8 @@ def test_fetches_are_right_with_the_gpu_busy_and_waits_out_of_order():
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_speculative_engine_decodes_the_same_with_and_without_its_read_back_rings(batch):
-    tok = ByteTokenizer()
-    prompts = [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:4]]
-    engine = SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend="torch", device="cuda:0"),
-                                     spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
-                                     graphs=GraphConfig(batch_buckets=(1, 4, 8))))
-    engine.capture_graphs()
+    prompts = heldout_prompts(4)
+    engine = captured_engine()
     rings = (engine.target._fetch_ring, engine.draft._fetch_ring)
     assert all(r is not None for r in rings)
 
