@@ -75,7 +75,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="services bench: the workers' data_plane_poll_us values, side by side (default: theirs, -1 = auto)")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
-                        "micro, micro+adaptive")
+                        "micro, micro+adaptive; colocated (the draft in the target's process), colocated+ahead, "
+                        "colocated+adaptive, colocated+micro")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 Owns: for each variant of the target's round loop (``fixed``: k drafts every
 round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``;
-``micro``: two micro-batches overlapped; ``micro+adaptive``), each target
+``micro``: two micro-batches overlapped; ``micro+adaptive``; ``colocated``: the draft in the
+target's process, alone or with ``ahead``, ``adaptive`` or ``micro``), each target
 TP size (``--tp``), each orchestrator ``stream_interval`` (``--stream-interval``) and
 each workers' ``data_plane_poll_us`` (``--poll-us``)
 one stack (draft, target, orchestrator as separate processes on loopback,
@@ -33,7 +34,8 @@ from core.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
 _POSITION = re.compile(r'^specsplit_position_drafted_total\{position="(\d+)"\} ([0-9.e+-]+)$')
-VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive")
+VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive", "colocated", "colocated+ahead",
+            "colocated+adaptive", "colocated+micro")
 
 
 def round_split(metrics_port: int) -> dict[str, float]:
@@ -102,7 +104,8 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
-                        micro_batches="micro" in variant, worker_args=extra, target_tp=tp,
+                        micro_batches="micro" in variant, colocated_draft="colocated" in variant,
+                        worker_args=extra, target_tp=tp,
                         draft_args=("--runtime-dtype", draft_dtype) if draft_dtype else (),
                         stream_interval=stream_interval)
 

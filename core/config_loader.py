@@ -63,6 +63,10 @@ HELP: dict[str, str] = {
     "draft_client_cert": "target: client certificate shown to an mTLS draft (default with mTLS serving: "
                          "security.tls_cert)",
     "draft_client_key": "target: key of draft_client_cert",
+    "colocated_draft": "target: host the draft worker in this process and serve its DraftService on this port "
+                       "(point the orchestrator's draft_address here): rounds call it directly, no exchange over "
+                       "the network; one GPU for both, or draft_device",
+    "draft_device": "target, with colocated_draft: the draft's device (empty = runtime.device)",
     "data_plane_port": "draft: TCP port of the per-round data plane beside gRPC, on server.host, with gRPC's TLS "
                        "settings (0 = pick a free one, advertised in GetStatus; -1 = off: rounds use the gRPC "
                        "stream)",

@@ -27,7 +27,7 @@ from draft_service.worker import DraftWorker
 from worker.config import WorkerConfig
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
 from core import wire
-from worker.service import (WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
+from worker.service import (Hosted, WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
                             start_worker_service)
 from specsplit.v1 import draft_pb2 as dpb
 from specsplit.v1 import draft_pb2_grpc
@@ -186,6 +186,14 @@ def start(cfg: WorkerConfig) -> WorkerService:
     servicer = DraftServicer(worker, log)
     return start_worker_service(cfg, worker, servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server,
                                 SERVICE_NAME, log, data_plane=servicer.propose_frame)
+
+
+def colocated(target_cfg: WorkerConfig) -> Hosted:
+    """The draft a ``colocated_draft`` target hosts: its worker (``WorkerConfig.colocated_draft_config``)
+    and its servicer, for the target's server (``worker.service.Hosted``). Loads nothing yet."""
+    cfg = target_cfg.colocated_draft_config()
+    worker, log = new_worker(cfg, "draft", DraftWorker)
+    return Hosted(worker, DraftServicer(worker, log), draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
 
 
 def create_server(cfg: WorkerConfig) -> tuple[grpc.Server, int]:

@@ -48,7 +48,8 @@ class DraftWorker(Worker):
                            prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
-    def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0) -> list[Proposal | ItemError]:
+    def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0,
+                inline: bool | None = None) -> list[Proposal | ItemError]:
         """Catch-up over each request's new pairs, then k-1 substeps; one batch for all valid items.
-        Raises LifecycleError (whole batch) when no weights are loaded."""
-        return self.run(PROPOSE, items, round_)
+        Raises LifecycleError (whole batch) when no weights are loaded. ``inline``: ``Worker.run``'s."""
+        return self.run(PROPOSE, items, round_, inline=inline)

@@ -229,7 +229,8 @@ class Orchestrator:
             active_requests=active, queued_requests=queued,
             speculation_available=self.speculation_available,
             weights_version=facts.weights_version if facts else "", default_k=self.cfg.default_k,
-            max_k=self.cfg.max_k, reloading=self.reloader.active))
+            max_k=self.cfg.max_k, reloading=self.reloader.active,
+            draft_in_process=self.speculation_available and r is not None and r.draft_in_process))
         t, t_err = self._status(self.target)
         if t is not None:
             out.target.CopyFrom(t)

@@ -57,6 +57,16 @@ def error_of(exc: BaseException) -> RequestError:
     return RequestError(wire.status_code_for(exc).name, wire.error_message(exc))
 
 
+def local_results(role: str, reqs: list[Any], results: list[Any]) -> list[Any]:
+    """A worker in this process answered ``results`` (an ``ItemError`` for a refused item) to
+    ``reqs``: as they are, or ``ItemFailures`` naming each refused item (a remote answer's rule)."""
+    errors = {q.request_id: RequestError(r.code.name, f"{role}: {r.message}")
+              for q, r in zip(reqs, results) if isinstance(r, wire.ItemError)}
+    if errors:
+        raise ItemFailures([None if isinstance(r, wire.ItemError) else r for r in results], errors)
+    return results
+
+
 # --- what a request sees ---------------------------------------------------------
 @dataclass(frozen=True)
 class GenerationRequest:

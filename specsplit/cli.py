@@ -100,7 +100,12 @@ def cmd_worker(role: str, args: argparse.Namespace) -> int:
         # NOTE: `start` (not `create_server`) returns the service with its bound metrics port,
         # so the listening line reports the port actually served.
         heap.enable()
-        service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
+        if cfg.colocated_draft:
+            from draft_service.server import colocated
+
+            service = start(cfg, draft=colocated(cfg))      # the draft in this process (worker/config.py)
+        else:
+            service = start(cfg, rendezvous) if rendezvous is not None else start(cfg)
         heap.settle()          # loaded, captured: the long-lived heap out of the collector's walks
     except Exception as exc:  # noqa: BLE001 - every start-up failure becomes one line (main)
         raise StartFailed() from exc
@@ -188,7 +193,8 @@ def cmd_up(args: argparse.Namespace, then=None) -> int:
                         target_device=args.target_device, port=args.port, k=args.k, max_batch=args.max_batch,
                         no_draft=args.no_draft, capture_graphs=args.capture_graphs, metrics=args.metrics,
                         log_level=args.log_level, extra_env={}, admin_token=args.admin_token, host=args.host,
-                        allow_insecure=args.allow_insecure, http_port=args.http_port)
+                        allow_insecure=args.allow_insecure, http_port=args.http_port,
+                        colocated_draft=args.colocated_draft)
     from core.startup import StartupError
 
     stack = Stack(opts)
@@ -259,6 +265,9 @@ def _stack_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--k", type=int, default=3, help="default drafts per round")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--no-draft", action="store_true", help="run target-only (no draft service)")
+    p.add_argument("--colocated-draft", action="store_true",
+                   help="run the draft in the target's process (on --draft-device): two processes, rounds call "
+                        "the draft directly; for one GPU")
     p.add_argument("--capture-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture CUDA graphs at start (default: on for cuda devices)")
     p.add_argument("--metrics", action="store_true", help="serve Prometheus metrics (ports printed)")

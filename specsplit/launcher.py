@@ -63,6 +63,7 @@ class StackOptions:
     k: int = 3
     max_batch: int = 16
     no_draft: bool = False
+    colocated_draft: bool = False            # the draft in the target's process (target --colocated-draft)
     capture_graphs: bool | None = None       # None: capture on cuda devices
     capture_draft: bool | None = None        # per-role overrides of capture_graphs
     capture_target: bool | None = None
@@ -178,6 +179,17 @@ def worker_argv(role: str, opts: StackOptions, device: str) -> list[str]:
     return argv + list(opts.worker_args) + (list(opts.draft_args) if role == "draft" else [])
 
 
+def target_argv(opts: StackOptions) -> list[str]:
+    """The target's command line; with ``colocated_draft``, the draft in its process on ``draft_device``
+    (the draft then takes the target's settings: ``draft_args`` have no process to go to)."""
+    argv = worker_argv("target", opts, opts.target_device)
+    if not opts.colocated_draft or opts.no_draft:
+        return argv
+    if opts.draft_args:
+        raise ValueError(f"draft_args {list(opts.draft_args)}: a colocated draft takes the target's settings")
+    return argv + ["--colocated-draft", "--draft-device", opts.draft_device]
+
+
 class Stack:
     """Context manager running the three services; ``addresses()`` says where."""
 
@@ -196,8 +208,8 @@ class Stack:
         env["SPECSPLIT_SECURITY_ADMIN_TOKEN"] = self.admin_token
         try:
             # NOTE: workers first: the orchestrator needs both addresses.
-            self.children["target"] = Child("target", worker_argv("target", self.opts, self.opts.target_device), env)
-            if not self.opts.no_draft:
+            self.children["target"] = Child("target", target_argv(self.opts), env)
+            if not self.opts.no_draft and not self.opts.colocated_draft:
                 self.children["draft"] = Child("draft", worker_argv("draft", self.opts, self.opts.draft_device), env)
             for c in self.children.values():
                 c.wait_listening()
@@ -206,7 +218,7 @@ class Stack:
                     "--server-host", self.opts.host, "--server-port", str(self.opts.port), "--default-k", str(self.opts.k),
                     "--max-k", str(max(self.opts.k, 1)), "--max-batch", str(self.opts.max_batch)]
             if not self.opts.no_draft:
-                argv += ["--draft-address", self.children["draft"].address]
+                argv += ["--draft-address", self.draft_address]
             if self.opts.allow_insecure:
                 argv += ["--allow-insecure"]
             if (Path(self.opts.model) / "tokenizer.json").is_file():   # the model's own tokenizer, else bytes
@@ -238,8 +250,15 @@ class Stack:
     def orchestrator_address(self) -> str:
         return self.children["orchestrator"].address
 
+    @property
+    def draft_address(self) -> str:
+        """Where the draft serves: its own process, or the target's with ``colocated_draft``."""
+        return self.children["target" if self.opts.colocated_draft else "draft"].address
+
     def addresses(self) -> dict[str, object]:
         out: dict[str, object] = {name: c.address for name, c in self.children.items()}
+        if self.opts.colocated_draft and not self.opts.no_draft:
+            out["draft"] = self.draft_address
         orch = self.children.get("orchestrator")
         if orch is not None and orch.http_port is not None:
             out["http"] = f"http://{orch.address.rpartition(':')[0]}:{orch.http_port}/v1"

@@ -30,13 +30,14 @@ from typing import Any, Callable
 import structlog
 
 from rounds.draft_health import DraftLink
-from rounds.scheduler import (EventOutbox, GenerationRequest, ItemFailures, NullObserver, RequestError, RequestHandle,
+from rounds.scheduler import (EventOutbox, GenerationRequest, NullObserver, RequestError, RequestHandle,
                                     Scheduler)
 from rounds.draft_client import DraftClient
+from rounds.local_draft import LocalDraft
+from rounds.scheduler_types import local_results
 from worker.config import WorkerConfig, poll_seconds
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core.errors import FailedPrecondition
-from core.wire import ItemError
 from target_service.worker import TargetWorker
 
 log = structlog.get_logger("target.rounds")
@@ -58,21 +59,13 @@ class LocalTarget:
         self.last_compute_seconds: float | None = None
         self._round = 0
 
-    @staticmethod
-    def _collect(reqs: list[Any], results: list[Any]) -> list[Any]:
-        errors = {q.request_id: RequestError(r.code.name, f"target: {r.message}")
-                  for q, r in zip(reqs, results) if isinstance(r, ItemError)}
-        if errors:
-            raise ItemFailures([None if isinstance(r, ItemError) else r for r in results], errors)
-        return results
-
     # NOTE: the round loop's thread runs prefill, verify and release inline when the device
     # thread is idle (``DeviceThread.run``): each hop to the device thread and back is two
     # thread wake-ups, ~0.3 ms a request on a 2-core host (bench services' per-request cost).
     def prefill(self, reqs: list[PrefillRequest]) -> list[PrefillResult]:
         t0 = time.perf_counter()
         try:
-            return self._collect(reqs, self.worker.prefill(list(reqs), inline=True))
+            return local_results("target", reqs, self.worker.prefill(list(reqs), inline=True))
         finally:
             self.last_compute_seconds = time.perf_counter() - t0
 
@@ -80,7 +73,7 @@ class LocalTarget:
         self._round += 1
         t0 = time.perf_counter()
         try:
-            return self._collect(reqs, self.worker.verify(list(reqs), self._round))
+            return local_results("target", reqs, self.worker.verify(list(reqs), self._round))
         finally:
             self.last_compute_seconds = time.perf_counter() - t0
 
@@ -104,13 +97,15 @@ class RoundsState:
     round: int
     configured: bool
     admission_paused: bool
+    draft_in_process: bool = False
 
 
 class RoundHost:
     """The target process's round loop: a scheduler over the local target and the remote draft."""
 
-    def __init__(self, worker: TargetWorker, cfg: WorkerConfig, observer: Any = None) -> None:
-        self.worker, self.cfg = worker, cfg
+    def __init__(self, worker: TargetWorker, cfg: WorkerConfig, observer: Any = None,
+                 local_draft: LocalDraft | None = None) -> None:
+        self.worker, self.cfg, self.local_draft = worker, cfg, local_draft
         self.target = LocalTarget(worker)
         self.scheduler = Scheduler(self.target, None, max_batch=DEFAULT_MAX_BATCH, max_queue=DEFAULT_MAX_QUEUE,
                                    eos_token_id=None, observer=observer or NullObserver(),
@@ -273,7 +268,25 @@ class RoundHost:
             except RequestError as exc:
                 log.warning("draft_stale_release_failed", error=exc.message)
 
-    def _draft_client(self, address: str) -> DraftClient:
+    def _draft_client(self, address: str) -> DraftClient | LocalDraft:
+        """The client of the draft at ``address``: the in-process draft when the address answers
+        with its instance id (however the address is spelled: loopback, a service name), else
+        the draft across the network."""
+        remote = self._remote_draft(address)
+        local = self.local_draft
+        if local is not None:
+            try:
+                same = remote.get_status(timeout=min(self.draft_timeout_s, 5.0)).instance_id == \
+                    local.get_status().instance_id
+            except RequestError as exc:
+                same = False
+                log.warning("colocated_draft_probe_failed", address=address, error=exc.message)
+            if same:
+                remote.close()
+                return local
+        return remote
+
+    def _remote_draft(self, address: str) -> DraftClient:
         c, sec = self.cfg, self.cfg.security
         ca, cert, key = c.draft_tls_ca, c.draft_client_cert, c.draft_client_key
         if ca is None and sec.tls_cert and sec.tls_client_ca:
@@ -295,7 +308,8 @@ class RoundHost:
                            link.address or "" if link is not None else "",
                            "" if link is None or link.available else link.last_error,
                            link.reconnects if link is not None else 0, self.scheduler.round, self.configured,
-                           self.paused)
+                           self.paused, link is not None and link.available and link.client is not None
+                           and link.client is self.local_draft)
 
     @property
     def closed(self) -> bool:

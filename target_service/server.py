@@ -18,12 +18,13 @@ from typing import Any, Iterator
 
 import grpc
 
+from rounds.local_draft import LocalDraft
 from rounds.scheduler import GenerationRequest, QueueFull, RequestError
 from worker.config import WorkerConfig
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core import wire
-from worker.service import (WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
-                            start_worker_service)
+from worker.service import (Hosted, WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
+                            start_worker_service, status_to_proto)
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
 from target_service.rounds import (ABORT, CONFIGURE, DRAIN, DRAIN_ABORT, DRAIN_PARK, DRAIN_WAIT, PARK, PAUSE, RESUME,
@@ -149,24 +150,33 @@ class TargetServicer(WorkerServicerMixin, target_pb2_grpc.TargetServiceServicer)
             tpb.VerifyResponse))
 
 
-def start(cfg: WorkerConfig, rendezvous: Any = None) -> WorkerService:
+def start(cfg: WorkerConfig, rendezvous: Any = None, draft: Hosted | None = None) -> WorkerService:
     """Build the worker (loading weights at start if ``cfg.target_path`` is set), start serving.
     With ``cfg.tp`` > 1 this process is rank 0 of a tensor-parallel group (``target_service/tp_launch.py``;
-    ``rendezvous``: where torchrun's ranks meet, None: spawn the other ranks here)."""
+    ``rendezvous``: where torchrun's ranks meet, None: spawn the other ranks here). ``draft``: the
+    draft this process hosts (``cfg.colocated_draft``; built by the caller: services do not import
+    each other), served on this port and called in process by the round loop."""
+    if cfg.colocated_draft and draft is None:
+        raise ValueError("colocated_draft: the target was started without the draft it should host")
     if cfg.tp > 1:
         from target_service.tp_launch import leader_worker
 
         worker, log = new_worker(cfg, "target", leader_worker(rendezvous))
     else:
         worker, log = new_worker(cfg, "target", TargetWorker)
-    rounds = RoundHost(worker, cfg)
+    local = None
+    if draft is not None:
+        # NOTE: inline only on the target's device: the round loop's thread keeps one current device.
+        local = LocalDraft(draft.worker, lambda: status_to_proto(draft.worker.status()), "in-process",
+                           inline=draft.worker.cfg.runtime.device == cfg.runtime.device)
+    rounds = RoundHost(worker, cfg, local_draft=local)
     # NOTE: every Decode call (and every DecodeStream) holds a handler thread for its whole
     # life: the orchestrator keeps one DecodeStream, but callers of Decode hold one per
     # request (the running batch plus the waiting queue), so the pool is sized for that.
     cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, max_workers=max(cfg.server.max_workers,
                                                                                         256)))
     svc = start_worker_service(cfg, worker, TargetServicer(worker, log, rounds),
-                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, log)
+                               target_pb2_grpc.add_TargetServiceServicer_to_server, SERVICE_NAME, log, hosted=draft)
     # NOTE: the round loop stops before the worker tears down (its requests end with
     # UNAVAILABLE and their slots are released while the weights are still there).
     svc.before_close.append(rounds.close)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,7 @@ class WorkerStatus:
     lifecycle_events: tuple[str, ...]
     max_position_embeddings: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    instance_id: str = ""
 
 
 class Worker:
@@ -100,6 +102,7 @@ class Worker:
 
     def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
         self.cfg = cfg
+        self.instance_id = uuid.uuid4().hex     # GetStatus: tells this worker object from any other
         self.metrics = self.metrics_cls() if self.metrics_cls is not None else None
         self.log = (log or structlog.get_logger()).bind(role=self.role)
         self.ops, self.graphs_mode = self._make_ops(cfg.runtime)
@@ -415,4 +418,4 @@ class Worker:
             eos_token_id=mc.eos_token_id if mc is not None else None,
             lifecycle_events=tuple(self.lifecycle.event_names()),
             max_position_embeddings=mc.max_position_embeddings if mc is not None else 0,
-            eos_token_ids=mc.eos_token_ids if mc is not None else ())
+            eos_token_ids=mc.eos_token_ids if mc is not None else (), instance_id=self.instance_id)

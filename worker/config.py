@@ -7,6 +7,7 @@ Must not know: how values are read (``core.config_loader``) or the orchestrator'
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -70,6 +71,9 @@ class WorkerConfig:
                                          # mTLS serving: security.tls_client_ca, showing security.tls_cert
     draft_client_cert: str | None = None  # client certificate shown to an mTLS draft
     draft_client_key: str | None = None
+    # --- target only: host the draft worker in this process (one GPU, or two GPUs of one host) ---
+    colocated_draft: bool = False        # the draft worker lives here and serves DraftService on this port
+    draft_device: str = ""               # the colocated draft's device ("" = runtime.device)
 
     def __post_init__(self) -> None:
         _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)
@@ -91,5 +95,22 @@ class WorkerConfig:
                (self.draft_client_cert, self.draft_client_key))
         _check(self.draft_client_cert is None or self.draft_tls_ca is not None, "draft_client_cert",
                "used only together with draft_tls_ca", self.draft_client_cert)
+        _check(not self.colocated_draft or self.role == "target", "colocated_draft",
+               "false for the draft (the target hosts a colocated draft)", self.colocated_draft)
+        _check(not self.colocated_draft or self.tp == 1, "colocated_draft",
+               "false with tp > 1 (a tensor-parallel target's ranks do not host a draft)", self.colocated_draft)
+        _check(not self.draft_device or self.colocated_draft, "draft_device",
+               "empty unless colocated_draft is on (a draft service names its own runtime.device)", self.draft_device)
+        _check(not self.draft_device or self.draft_device == "cpu" or (
+               self.draft_device.startswith("cuda:") and self.draft_device[5:].isdigit()), "draft_device",
+               "'cpu', 'cuda:N' or empty (= runtime.device)", self.draft_device)
+
+    def colocated_draft_config(self) -> "WorkerConfig":
+        """The settings of the draft worker a ``colocated_draft`` target hosts: the target's (weights,
+        spec, cache, graphs, security), on ``draft_device``, serving no data plane of its own (its
+        rounds are calls in this process; the gRPC server is the target's)."""
+        rt = dataclasses.replace(self.runtime, device=self.draft_device or self.runtime.device)
+        return dataclasses.replace(self, role="draft", runtime=rt, data_plane_port=-1, colocated_draft=False,
+                                   draft_device="")
 
 

@@ -42,14 +42,16 @@ from worker.swap import IN_PLACE, RECAPTURE
 # --- health follows the lifecycle ---------------------------------------------------
 
 
-def bind_health(worker: Worker, health_servicer: health.HealthServicer, service_name: str) -> None:
-    """SERVING when LOADED/READY, NOT_SERVING when EMPTY, for "" and ``service_name``; kept
-    current on every transition."""
+def bind_health(worker: Worker, health_servicer: health.HealthServicer, service_name: str,
+                overall: bool = True) -> None:
+    """SERVING when LOADED/READY, NOT_SERVING when EMPTY, for ``service_name`` (and "", the
+    server's, with ``overall``); kept current on every transition."""
+    names = ("", service_name) if overall else (service_name,)
 
     def publish(*_args: Any) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if worker.lifecycle.state != State.EMPTY
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", service_name):
+        for name in names:
             health_servicer.set(name, status)
 
     publish()
@@ -266,6 +268,18 @@ def _resume_answer(request_iterator: Iterator[pb.CommitWeightsRequest]) -> bool:
 # --- starting a worker service ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Hosted:
+    """A second worker served from a worker service's gRPC server (a target's colocated draft):
+    its servicer beside the service's own, its health under its service name, its start-up
+    load with the service's, its teardown after the service's hosted loops end."""
+
+    worker: Worker
+    servicer: Any
+    add_servicer: Callable[[Any, grpc.Server], None]
+    service_name: str
+
+
 @dataclass
 class WorkerService:
     """A started worker service. ``stop`` ends the server, then tears the worker down in order."""
@@ -277,6 +291,7 @@ class WorkerService:
     metrics_port: int | None = None
     before_close: list[Callable[[], None]] = field(default_factory=list)   # run after the server stops
     data_plane: DataPlaneServer | None = None
+    hosted: Hosted | None = None
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -293,6 +308,8 @@ class WorkerService:
         for fn in self.before_close:
             fn()
         stopped.wait()
+        if self.hosted is not None:
+            self.hosted.worker.close()
         self.worker.close()
 
 
@@ -307,23 +324,25 @@ def new_worker(cfg: WorkerConfig, role: str, worker_cls: Callable[..., Worker]) 
 
 def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
                          add_servicer: Callable[[Any, grpc.Server], None], service_name: str,
-                         log: Any, data_plane: Callable[[bytes], bytes] | None = None) -> WorkerService:
+                         log: Any, data_plane: Callable[[bytes], bytes] | None = None,
+                         hosted: Hosted | None = None) -> WorkerService:
     """Load at start if configured (and capture if asked), bind, start, serve metrics. With
     ``data_plane`` (a round frame -> its answer) and ``cfg.data_plane_port`` >= 0, also listen on
-    the data plane (``worker.data_plane``); its port is in the status (``servicer.data_plane``)."""
+    the data plane (``worker.data_plane``); its port is in the status (``servicer.data_plane``).
+    ``hosted``: a second worker served from the same server (loaded and captured the same way)."""
     # NOTE: the bind policy is checked before the (slow) start-up load, so a refused start is quick.
     refuse_insecure_bind(cfg.server, cfg.security, service_name)
-    if cfg.target_path:
-        try:
-            worker.load_weights(cfg.target_path, cfg.draft_path or "", cfg.weights_version)
-        except (ValueError, OSError) as exc:
-            raise StartupError("start-up weights", str(exc)) from exc
-        if cfg.capture_on_start:
-            worker.capture_graphs()
+    for w in (worker, hosted.worker if hosted is not None else None):
+        if w is not None and w.cfg.target_path:
+            _load_at_start(w)
     health_servicer = health.HealthServicer()
     bind_health(worker, health_servicer, service_name)
-    server, port = build_server(cfg.server, cfg.security, [lambda s: add_servicer(servicer, s)],
-                                [service_name], health_servicer)
+    adders, names = [lambda s: add_servicer(servicer, s)], [service_name]
+    if hosted is not None:
+        bind_health(hosted.worker, health_servicer, hosted.service_name, overall=False)
+        adders.append(lambda s: hosted.add_servicer(hosted.servicer, s))
+        names.append(hosted.service_name)
+    server, port = build_server(cfg.server, cfg.security, adders, names, health_servicer)
     dp = _start_data_plane(cfg, data_plane, log) if data_plane is not None and cfg.data_plane_port >= 0 else None
     # NOTE: the data plane is up before the server: the first GetStatus already advertises it.
     servicer.data_plane = dp
@@ -334,7 +353,18 @@ def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
              backend=worker.ops.name, device=worker.ops.device, graphs_mode=worker.graphs_mode,
              tls=bool(cfg.security.tls_cert), mtls=bool(cfg.security.tls_client_ca),
              admin_token=bool(cfg.security.admin_token), data_plane_port=dp.port if dp is not None else None)
-    return WorkerService(server, port, worker, health_servicer, metrics_port, data_plane=dp)
+    return WorkerService(server, port, worker, health_servicer, metrics_port, data_plane=dp, hosted=hosted)
+
+
+def _load_at_start(worker: Worker) -> None:
+    """The configured weights (and graphs, with ``capture_on_start``) before the server starts."""
+    cfg = worker.cfg
+    try:
+        worker.load_weights(cfg.target_path, cfg.draft_path or "", cfg.weights_version)
+    except (ValueError, OSError) as exc:
+        raise StartupError("start-up weights", str(exc)) from exc
+    if cfg.capture_on_start:
+        worker.capture_graphs()
 
 
 def _start_data_plane(cfg: WorkerConfig, handle: Callable[[bytes], bytes], log: Any) -> DataPlaneServer:
@@ -370,7 +400,8 @@ def status_to_proto(s: WorkerStatus, data_plane: Any = None, propose_hidden_rows
         graph_replays=s.graph_replays, eager_runs=s.eager_runs, device_memory_bytes=s.device_memory_bytes,
         active_request_ids=list(s.active_request_ids), vocab_size=s.vocab_size, hidden_size=s.hidden_size,
         max_len=s.max_len, lifecycle_events=list(s.lifecycle_events),
-        max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids))
+        max_position_embeddings=s.max_position_embeddings, eos_token_ids=list(s.eos_token_ids),
+        instance_id=s.instance_id)
     if s.eos_token_id is not None:
         out.eos_token_id = s.eos_token_id
     if data_plane is not None:

@@ -284,6 +284,7 @@ class WorkerStatus(_message.Message):
     DATA_PLANE_PORT_FIELD_NUMBER: _builtins.int
     DATA_PLANE_FRAMES_FIELD_NUMBER: _builtins.int
     PROPOSE_HIDDEN_ROWS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"draft" or "target"."""
     state: Global___LifecycleState.ValueType
@@ -324,6 +325,11 @@ class WorkerStatus(_message.Message):
     propose_hidden_rows: _builtins.bool
     """Draft: it reads ProposeRequest.hidden_rows (every item's hidden rows in one
     tensor); false from drafts that predate it (each item's hidden is sent).
+    """
+    instance_id: _builtins.str
+    """A random id of the worker object behind this status, new at every start. A target that hosts
+    its draft in process (colocated_draft) attaches it without the network when the draft address
+    it is configured with answers with the id of its own in-process draft.
     """
     @_builtins.property
     def graph_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -371,10 +377,11 @@ class WorkerStatus(_message.Message):
         data_plane_port: _builtins.int = ...,
         data_plane_frames: _builtins.int = ...,
         propose_hidden_rows: _builtins.bool = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "active_request_ids", b"active_request_ids", "backend", b"backend", "data_plane_frames", b"data_plane_frames", "data_plane_port", b"data_plane_port", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "eos_token_id", b"eos_token_id", "eos_token_ids", b"eos_token_ids", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "hidden_size", b"hidden_size", "lifecycle_events", b"lifecycle_events", "max_k", b"max_k", "max_len", b"max_len", "max_position_embeddings", b"max_position_embeddings", "propose_hidden_rows", b"propose_hidden_rows", "role", b"role", "state", b"state", "used_slots", b"used_slots", "vocab_size", b"vocab_size", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "active_request_ids", b"active_request_ids", "backend", b"backend", "data_plane_frames", b"data_plane_frames", "data_plane_port", b"data_plane_port", "device", b"device", "device_memory_bytes", b"device_memory_bytes", "eager_runs", b"eager_runs", "eos_token_id", b"eos_token_id", "eos_token_ids", b"eos_token_ids", "free_slots", b"free_slots", "graph_keys", b"graph_keys", "graph_pool_bytes", b"graph_pool_bytes", "graph_replays", b"graph_replays", "graphs_mode", b"graphs_mode", "hidden_size", b"hidden_size", "instance_id", b"instance_id", "lifecycle_events", b"lifecycle_events", "max_k", b"max_k", "max_len", b"max_len", "max_position_embeddings", b"max_position_embeddings", "propose_hidden_rows", b"propose_hidden_rows", "role", b"role", "state", b"state", "used_slots", b"used_slots", "vocab_size", b"vocab_size", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015

@@ -392,6 +392,7 @@ class OrchestratorStatus(_message.Message):
     DEFAULT_K_FIELD_NUMBER: _builtins.int
     MAX_K_FIELD_NUMBER: _builtins.int
     RELOADING_FIELD_NUMBER: _builtins.int
+    DRAFT_IN_PROCESS_FIELD_NUMBER: _builtins.int
     active_requests: _builtins.int
     queued_requests: _builtins.int
     speculation_available: _builtins.bool
@@ -401,6 +402,10 @@ class OrchestratorStatus(_message.Message):
     max_k: _builtins.int
     reloading: _builtins.bool
     """true while a reload is in progress."""
+    draft_in_process: _builtins.bool
+    """The attached draft runs in the target's process (the target's colocated_draft): rounds call
+    it directly, with no exchange over the network.
+    """
     def __init__(
         self,
         *,
@@ -411,10 +416,11 @@ class OrchestratorStatus(_message.Message):
         default_k: _builtins.int = ...,
         max_k: _builtins.int = ...,
         reloading: _builtins.bool = ...,
+        draft_in_process: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "default_k", b"default_k", "max_k", b"max_k", "queued_requests", b"queued_requests", "reloading", b"reloading", "speculation_available", b"speculation_available", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "default_k", b"default_k", "draft_in_process", b"draft_in_process", "max_k", b"max_k", "queued_requests", b"queued_requests", "reloading", b"reloading", "speculation_available", b"speculation_available", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -593,6 +593,7 @@ class RoundsStatus(_message.Message):
     ROUND_FIELD_NUMBER: _builtins.int
     CONFIGURED_FIELD_NUMBER: _builtins.int
     ADMISSION_PAUSED_FIELD_NUMBER: _builtins.int
+    DRAFT_IN_PROCESS_FIELD_NUMBER: _builtins.int
     active_requests: _builtins.int
     queued_requests: _builtins.int
     speculation_available: _builtins.bool
@@ -605,6 +606,10 @@ class RoundsStatus(_message.Message):
     configured: _builtins.bool
     """CONFIGURE has been received since this process started."""
     admission_paused: _builtins.bool
+    draft_in_process: _builtins.bool
+    """The attached draft runs in this target's process (colocated_draft): rounds call it directly,
+    with no exchange over the network.
+    """
     def __init__(
         self,
         *,
@@ -617,10 +622,11 @@ class RoundsStatus(_message.Message):
         round: _builtins.int = ...,
         configured: _builtins.bool = ...,
         admission_paused: _builtins.bool = ...,
+        draft_in_process: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "admission_paused", b"admission_paused", "configured", b"configured", "draft_address", b"draft_address", "draft_error", b"draft_error", "draft_reconnects", b"draft_reconnects", "queued_requests", b"queued_requests", "round", b"round", "speculation_available", b"speculation_available"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "admission_paused", b"admission_paused", "configured", b"configured", "draft_address", b"draft_address", "draft_error", b"draft_error", "draft_in_process", b"draft_in_process", "draft_reconnects", b"draft_reconnects", "queued_requests", b"queued_requests", "round", b"round", "speculation_available", b"speculation_available"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

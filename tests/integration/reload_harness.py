@@ -6,15 +6,18 @@ and the helpers that run generations next to a reload and check what they produc
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from core.config import SecurityConfig, ServerConfig
 from core.params import SamplingParams
+from draft_service.server import colocated as colocated_draft
 from draft_service.server import start as start_draft
 from orchestrator.client import SpecsplitClient, SpecsplitError
 from orchestrator.config import OrchestratorConfig
@@ -78,15 +81,34 @@ def wcfg(role: str, model: Path, version: str, graphs: bool = True, port: int = 
                         server=ServerConfig(port=port, max_workers=8))
 
 
+@dataclasses.dataclass
+class HostedDraft:
+    """A target's colocated draft, as the tests see a draft service (its port is the target's)."""
+
+    worker: Any
+    port: int
+
+    def stop(self, grace: float | None = None) -> None:
+        """Nothing: the target's stop tears its hosted draft down."""
+
+
 class Stack:
-    """In-process target + draft (Paddle) + orchestrator + client; ``close`` stops everything."""
+    """In-process target + draft (Paddle) + orchestrator + client; ``close`` stops everything.
+    ``colocated``: the draft in the target's service (``colocated_draft``; its graphs follow the
+    target's), the orchestrator's draft address the target's."""
 
     def __init__(self, model: Path, version: str, *, draft_graphs: bool = True, target_graphs: bool = True,
                  target_port: int | None = None, draft_port: int | None = None, draft_model: Path | None = None,
-                 **orch) -> None:
+                 colocated: bool = False, **orch) -> None:
         # target_port / draft_port: a worker started by the caller (which also stops it).
-        self.target = None if target_port else start_target(wcfg("target", model, version, target_graphs))
-        self.draft = None if draft_port else start_draft(wcfg("draft", draft_model or model, version, draft_graphs))
+        if colocated:
+            cfg = dataclasses.replace(wcfg("target", model, version, target_graphs), colocated_draft=True)
+            self.target = start_target(cfg, draft=colocated_draft(cfg))
+            self.draft = HostedDraft(self.target.hosted.worker, self.target.port)
+        else:
+            self.target = None if target_port else start_target(wcfg("target", model, version, target_graphs))
+            self.draft = None if draft_port else start_draft(wcfg("draft", draft_model or model, version,
+                                                                  draft_graphs))
         kw = dict(draft_address=f"127.0.0.1:{draft_port or self.draft.port}",
                   target_address=f"127.0.0.1:{target_port or self.target.port}", max_batch=8, max_queue=32,
                   max_tokens_limit=MAX_LEN, worker_timeout_s=TIMEOUT, reload_call_timeout_s=TIMEOUT,

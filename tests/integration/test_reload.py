@@ -39,18 +39,23 @@ pytestmark = pytest.mark.integration
 
 
 # --- after a reload: same outputs as a fresh stack with the new weights ---------------------------------
+@pytest.mark.parametrize("colocated", [False, True], ids=["draft_service", "colocated_draft"])
 @pytest.mark.parametrize("mode", ["recapture", "in_place"])
-def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, mode):
-    """Regression for "draft keeps the old embedding/head": acceptance and draft tensors must be B's."""
-    s = stacks(models["A"], "A")
+def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, mode, colocated):
+    """Regression for "draft keeps the old embedding/head": acceptance and draft tensors must be B's.
+    ``colocated``: the draft in the target's process, reloaded through the target's port."""
+    s = stacks(models["A"], "A", colocated=colocated)
     for p in PROMPTS:
         assert s.client.generate_text(p, 40, k=3, ignore_eos=True).tokens == ref(models["A"], p, 40)
+    assert s.status()["orchestrator"].get("draft_in_process", False) == colocated
     events = s.client.reload(str(models["B"]), "B", mode=mode, inflight="wait")
     assert events[-1].done and events[-1].weights_version == "B" and not any(e.error_code for e in events)
     phases = [e.phase for e in events]
     want = (["clear_graphs", "release", "load", "capture"] if mode == "recapture" else ["load"])
     assert [p for p in dict.fromkeys(phases) if p in ("clear_graphs", "release", "load", "capture")] == want
     assert_serving(s, "B")
+    wait_until(lambda: s.status()["orchestrator"].get("draft_in_process", False) == colocated,
+               "the draft attached again (in the target's process when colocated)")
     fresh = stacks(models["B"], "B")
     stale = stacks(models["B"], "B", draft_model=models["A"])     # what a stale embed/head copy would look like
     for p in PROMPTS:
@@ -71,7 +76,17 @@ def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, m
 @pytest.mark.parametrize("target_graphs", [True, False])
 def test_recapture_clears_every_graph_before_any_release(stacks, models, ref, draft_graphs, target_graphs):
     s = stacks(models["A"], "A", draft_graphs=draft_graphs, target_graphs=target_graphs)
-    graphs = {"draft": draft_graphs, "target": target_graphs}
+    _check_recapture_order(s, {"draft": draft_graphs, "target": target_graphs}, models, ref)
+
+
+def test_recapture_with_a_colocated_draft_clears_both_workers_graphs_before_any_release(stacks, models, ref):
+    """One process, two workers: no weight of either is released while a graph of either is live."""
+    s = stacks(models["A"], "A", colocated=True)
+    assert s.draft.worker is not s.target.worker and s.status()["draft"]["role"] == "draft"
+    _check_recapture_order(s, {"draft": True, "target": True}, models, ref)
+
+
+def _check_recapture_order(s, graphs: dict[str, bool], models, ref) -> None:
     start = {r: len(w.lifecycle.events()) for r, w in s.workers().items()}
     s.client.reload(str(models["B"]), "B", mode="recapture", inflight="abort")
     events = {r: w.lifecycle.events()[start[r]:] for r, w in s.workers().items()}

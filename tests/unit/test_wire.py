@@ -185,7 +185,7 @@ def test_status_to_proto_fills_every_field():
                      used_slots=2, graph_replays=11, eager_runs=12, device_memory_bytes=13,
                      active_request_ids=("a", "b"), vocab_size=64, hidden_size=32, max_len=128, eos_token_id=0,
                      lifecycle_events=("load_weights", "capture_graphs"), max_position_embeddings=2048,
-                     eos_token_ids=(0, 7))
+                     eos_token_ids=(0, 7), instance_id="0f3a")
     data_plane = type("DataPlane", (), {"port": 4321, "frames": 17})()     # what a draft's DataPlaneServer shows
     p = status_to_proto(s, data_plane, propose_hidden_rows=True)
     assert (p.data_plane_port, p.data_plane_frames) == (4321, 17)

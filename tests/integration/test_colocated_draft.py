@@ -1,0 +1,129 @@
+"""A target that hosts its draft (``colocated_draft``) over real gRPC, bundled model, Torch on the CPU.
+
+What is shown: the round loop calls the in-process draft (no exchange) when the draft address it
+is configured with reaches this very process, however the address is spelled, and a draft
+service elsewhere when it names one; greedy output is target-only's token for token, ahead
+drafting included; the draft's lifecycle RPCs and health answer on the target's port, and a
+draft released there sends the rounds target-only (same tokens) until it is loaded again, when
+it re-attaches in process. The orchestrator-level reload with a colocated draft is in
+``test_reload.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from core.admin_token import process_token
+from draft_service.server import SERVICE_NAME as DRAFT_SERVICE
+from draft_service.server import colocated
+from orchestrator.round_client import RemoteRounds
+from rounds.scheduler_types import FinalEvent
+from rounds.worker_clients import TargetClient
+from specsplit.v1 import common_pb2, draft_pb2_grpc
+from tests.integration.test_round_loop import TIMEOUT, _cfg, _generate, _prompts
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def colocated_stack():
+    """(rounds, the target's port, the target's service): a target hosting its draft, driven as
+    the orchestrator drives it."""
+    from target_service import server as target_server
+
+    cfg = dataclasses.replace(_cfg("target", ahead_drafting=True), colocated_draft=True)
+    target = target_server.start(cfg, draft=colocated(cfg))
+    client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
+                          admin_token=process_token())
+    rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
+    yield rounds, target.port, target
+    rounds.stop()
+    client.close()
+    target.stop(grace=None)
+
+
+def _tokens(results) -> list[list[int]]:
+    assert all(isinstance(f, FinalEvent) for _, f in results), results
+    return [t for t, _ in results]
+
+
+def test_the_colocated_draft_is_called_in_process_and_exact(colocated_stack):
+    rounds, port, _ = colocated_stack
+    prompts = _prompts(4)
+    rounds.configure("", 4, 8, TIMEOUT)                                # no draft: target-only
+    ref = _generate(rounds, prompts, 3)
+    assert all(f.stats.drafted == 0 for _, f in ref)
+    for address in (f"127.0.0.1:{port}", f"localhost:{port}"):        # however the address is spelled
+        st = rounds.configure(address, 4, 8, TIMEOUT)
+        assert st.speculation_available and st.draft_in_process and st.draft_address == address
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref)
+        assert sum(f.stats.drafted for _, f in got) > 0 and sum(f.stats.accepted for _, f in got) > 0
+        # Ahead drafting (on in this stack) goes through the in-process draft too.
+        assert sum(f.stats.ahead_used for _, f in got) > 0
+    rounds.configure("", 4, 8, TIMEOUT)
+
+
+def test_a_draft_service_elsewhere_is_not_taken_for_the_colocated_one(colocated_stack):
+    from draft_service import server as draft_server
+
+    rounds, _, _ = colocated_stack
+    draft = draft_server.start(_cfg("draft"))
+    try:
+        prompts = _prompts(2)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        st = rounds.configure(f"127.0.0.1:{draft.port}", 4, 8, TIMEOUT)
+        assert st.speculation_available and not st.draft_in_process
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref) and sum(f.stats.drafted for _, f in got) > 0
+        assert draft.worker.status().graph_replays + draft.worker.status().eager_runs > 0   # it drafted
+    finally:
+        rounds.configure("", 4, 8, TIMEOUT)
+        draft.stop(grace=None)
+
+
+def test_the_colocated_drafts_lifecycle_answers_on_the_targets_port(colocated_stack):
+    rounds, port, target = colocated_stack
+    prompts = _prompts(2)
+    rounds.configure("", 4, 8, TIMEOUT)
+    ref = _generate(rounds, prompts, 3)
+    address = f"127.0.0.1:{port}"
+    assert rounds.configure(address, 4, 8, TIMEOUT).draft_in_process
+    channel = grpc.insecure_channel(address)
+    try:
+        draft = draft_pb2_grpc.DraftServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        meta = (("authorization", f"Bearer {process_token()}"),)
+
+        def draft_health() -> int:
+            return health.Check(health_pb2.HealthCheckRequest(service=DRAFT_SERVICE), timeout=TIMEOUT).status
+
+        st = draft.GetStatus(common_pb2.GetStatusRequest(), timeout=TIMEOUT).status
+        assert st.role == "draft" and st.instance_id == target.hosted.worker.instance_id
+        assert st.instance_id != target.worker.instance_id and st.data_plane_port == 0
+        assert draft_health() == health_pb2.HealthCheckResponse.SERVING
+        draft.ClearGraphs(common_pb2.ClearGraphsRequest(), timeout=TIMEOUT, metadata=meta)
+        draft.ReleaseWeights(common_pb2.ReleaseWeightsRequest(), timeout=TIMEOUT, metadata=meta)
+        assert draft_health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The server's own health follows the target: it still serves, target-only.
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref)
+        status = rounds.status()
+        assert not status.speculation_available and not status.draft_in_process and status.draft_error
+        draft.LoadWeights(common_pb2.LoadWeightsRequest(target_path=target.worker.cfg.target_path,
+                                                        version="v1"), timeout=TIMEOUT, metadata=meta)
+        wait_until(lambda: rounds.status().speculation_available, "the colocated draft to re-attach")
+        assert rounds.status().draft_in_process
+        again = _generate(rounds, prompts, 3)
+        assert _tokens(again) == _tokens(ref) and sum(f.stats.drafted for _, f in again) > 0
+    finally:
+        channel.close()
+        rounds.configure("", 4, 8, TIMEOUT)
