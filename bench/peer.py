@@ -9,7 +9,8 @@ prompts (equal length, no padding) by
   - the in-process engine (graphs captured): target-only and k drafts,
   - the services (draft, target, orchestrator as processes on loopback,
     through the public client): target-only and k drafts, with the round
-    split (draft / target / overhead) from the orchestrator's metrics,
+    split (draft / target / overhead) from the orchestrator's metrics; with
+    ``--colocated-draft`` also k drafts with the draft in the target's process,
   - the memory-bandwidth floor: weight bytes / measured device copy rate
     (bytes read + written), times the batch (one weight pass per step),
 and prints tokens/s and ratios to the peer. ``ident``: speculative output
@@ -173,19 +174,21 @@ def run_engine(model_dir: Path, dtype: str, device: str, prompts, max_new: int, 
 
 
 def run_services(model_dir: Path, dtype: str, device: str, draft_device: str, prompts, max_new: int, batch: int,
-                 k: int, compile_steps: bool = False):
-    """The three services on loopback through the public client: {k_value: (outputs, seconds, split)}."""
+                 k: int, compile_steps: bool = False, colocated: bool = False, ks: tuple[int, ...] | None = None):
+    """The three services on loopback through the public client (``colocated``: two, the draft in the
+    target's process): {k_value: (outputs, seconds, split, acceptance)} for ``ks`` (default 0 and k)."""
     from bench.services import _decode, _per_round_ms, round_split
     from specsplit.launcher import Stack, StackOptions
 
     opts = StackOptions(model=str(model_dir), backend="torch", draft_device=draft_device, target_device=device, k=k,
                         max_batch=batch, metrics=True, log_level="WARNING", max_slots=batch,
                         max_len=PROMPT_LEN + max_new + k + 8, extra_env={"SPECSPLIT_RUNTIME_DTYPE": dtype,
-                                               "SPECSPLIT_RUNTIME_COMPILE": "1" if compile_steps else "0"})
+                                               "SPECSPLIT_RUNTIME_COMPILE": "1" if compile_steps else "0"},
+                        colocated_draft=colocated)
     res = {}
     with Stack(opts) as stack:
         address, mport = stack.orchestrator_address, stack.children["orchestrator"].metrics_port
-        for kk in (0, k):
+        for kk in ks or (0, k):
             _decode(address, prompts[:batch], 8, kk, batch)                              # warm-up
             m0 = round_split(mport)
             got, seconds = _decode(address, prompts, max_new, kk, batch)
@@ -195,7 +198,8 @@ def run_services(model_dir: Path, dtype: str, device: str, draft_device: str, pr
 
 
 def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_device: str, batches, n_prompts: int,
-                max_new: int, k: int, skip_peer: bool, compile_steps: bool = False) -> list[dict]:
+                max_new: int, k: int, skip_peer: bool, compile_steps: bool = False,
+                colocated: bool = False) -> list[dict]:
     import torch
     from bench.services import in_rounds
 
@@ -229,6 +233,12 @@ def bench_model(name: str, model_dir: Path, dtype: str, device: str, draft_devic
         row["round_ms_spec"] = svc[k][2]
         row["services_spec_in_rounds"] = in_rounds(svc[k][2], svc[k][1])     # the rest: between rounds
         row["round_ms_target_only"] = svc[0][2]
+        if colocated:                   # the same services, the draft in the target's process
+            col = run_services(model_dir, dtype, device, draft_device, prompts, max_new, batch, k, compile_steps,
+                               colocated=True, ks=(k,))
+            row["colocated_spec_tok_s"] = round(n_tokens / col[k][1], 1)
+            row["colocated_identical"] = col[k][0] == svc[0][0]
+            row["round_ms_colocated"] = col[k][2]
         if not skip_peer:
             outs, seconds = run_peer(model_dir, cfg, dtype, device, prompts, max_new, batch)
             row["peer_tok_s"] = round(n_tokens / seconds, 1)
@@ -258,7 +268,8 @@ def main(args) -> int:
             if path is None:
                 path = write_random_1b(Path(tmp) / "1b")
             rows += bench_model(name, path, dtype, device, draft_device, batches, args.prompts, args.max_tokens,
-                                args.k, skip_peer=False, compile_steps=args.compile)
+                                args.k, skip_peer=False, compile_steps=args.compile,
+                                colocated=getattr(args, "colocated_draft", False))
     if args.json:
         print(json.dumps({"device": device, "draft_device": draft_device, "rows": rows}))
         return 0
@@ -277,4 +288,10 @@ def main(args) -> int:
               f"{str(r['engine_identical'] and r['services_identical']):>5s}  "
               f"{s.get('draft', 0):.2f}/{s.get('target', 0):.2f}/{s.get('overhead', 0):.2f}, "
               f"{r['services_spec_in_rounds']:.2f}")
+        if "colocated_spec_tok_s" in r:
+            c, colo = r["round_ms_colocated"], r["colocated_spec_tok_s"]
+            print(f"{'':5s} {'':2s} {'':8s} svc k, draft in the target's process: {colo:8.1f} {_ratio(colo, p):>6s} "
+                  f"({_ratio(colo, r['services_spec_tok_s'])} the draft service), "
+                  f"identical {r['colocated_identical']}, round ms "
+                  f"{c.get('draft', 0):.2f}/{c.get('target', 0):.2f}/{c.get('overhead', 0):.2f}")
     return 0

@@ -49,6 +49,11 @@ def _side_by_side(opts: StackOptions, concurrencies: tuple[int, ...], label: str
     with Stack(opts) as stack:
         address = stack.orchestrator_address
         _run(address, prompts[:2], 3, 2, 8)                                          # warm-up
+        if opts.colocated_draft:
+            with SpecsplitClient(address, timeout=60) as c:
+                st = c.status()
+            assert st["orchestrator"].get("draft_in_process"), st["orchestrator"]
+            assert st["draft"]["state"] == st["target"]["state"] == "LIFECYCLE_STATE_READY"
         for conc in concurrencies:
             ref, t_ref = _run(address, prompts, 0, conc)
             spec, t_spec = _run(address, prompts, 3, conc)
@@ -88,6 +93,20 @@ def test_micro_batches_are_exact_on_gpus(adaptive):
                         adaptive_k=adaptive)
     for _ in _side_by_side(opts, (4, 8), f"micro adaptive={adaptive}"):
         pass
+
+
+@pytest.mark.parametrize("ahead,micro", [(False, False), (True, False), (False, True)])
+def test_a_colocated_draft_is_exact_on_gpus(ahead, micro):
+    """The draft in the target's process (``colocated_draft``; on the draft's device): graphs of
+    both workers captured in one process, the rounds call the draft directly; identical to
+    target-only at concurrency 1 and 4 (micro-batches: 4 and 8)."""
+    opts = StackOptions(model=str(TINY), backend="torch", draft_device=DRAFT, target_device=TARGET, k=3,
+                        max_batch=8, capture_graphs=True, log_level="WARNING", ahead_drafting=ahead,
+                        micro_batches=micro, colocated_draft=True)
+    for conc, spec in _side_by_side(opts, (4, 8) if micro else (1, 4), f"colocated ahead={ahead} micro={micro}"):
+        assert sum(r.drafted for r in spec) > 0
+        if ahead:
+            assert sum(r.ahead_used for r in spec) > 0, "ahead drafts were never used"
 
 
 def test_recompute_reload_under_traffic_is_exact_on_gpus():

@@ -1,9 +1,10 @@
 """Weight reload on a real GPU (Torch, cuda:0). Skipped without CUDA.
 
 Run on an H200 host: ``python3 -m pytest -m gpu tests/gpu/test_reload_gpu.py -s`` (docs/gpu.md records
-the output; < 1 minute). Draft and target services run in this process on
-cuda:0 (so ``torch.cuda.memory_allocated`` sees both), with an orchestrator on
-loopback; every reload goes through ``ReloadWeights``. What is shown:
+the output; < 1 minute each). Draft and target workers run in this process on
+cuda:0 (so ``torch.cuda.memory_allocated`` sees both): as two services, and as a target service
+hosting its draft (``colocated_draft``), with an orchestrator on loopback; every reload goes
+through ``ReloadWeights``. What is shown:
 - 20 RECAPTURE cycles alternating two checkpoints, CUDA graphs live before and
   after each. At the point in each cycle where both workers have released
   (graphs cleared first, then weights), device memory is back at the empty
@@ -28,6 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+from draft_service.server import colocated as colocated_draft  # noqa: E402
 from draft_service.server import start as start_draft  # noqa: E402
 from orchestrator.client import SpecsplitClient  # noqa: E402
 from orchestrator.server import create_server  # noqa: E402
@@ -92,7 +94,10 @@ def quiet_logs():
     structlog.configure(**saved)
 
 
-def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(tmp_path, quiet_logs):
+@pytest.mark.parametrize("colocated", [False, True], ids=["draft_service", "colocated_draft"])
+def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(tmp_path, quiet_logs, colocated):
+    """``colocated``: the draft hosted by the target service (``colocated_draft``), reloaded through
+    the target's port; without it, a draft service of its own (both in this process either way)."""
     models = {"A": _write(tmp_path / "A", 0), "B": _write(tmp_path / "B", 1)}
     weights_mib = sum(f.stat().st_size for f in models["A"].glob("*.safetensors")) / MIB
 
@@ -100,16 +105,22 @@ def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(t
         return WorkerConfig(role=role, target_path=str(models["A"]), weights_version="A-0", capture_on_start=True,
                             runtime=RuntimeConfig(backend="torch", device="cuda:0", dtype="bfloat16"),
                             spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512),
-                            graphs=GraphConfig(batch_buckets=(1, 4, 8)), server=ServerConfig(port=0, max_workers=6))
-    target, draft = start_target(wcfg("target")), start_draft(wcfg("draft"))
+                            graphs=GraphConfig(batch_buckets=(1, 4, 8)), server=ServerConfig(port=0, max_workers=6),
+                            colocated_draft=colocated and role == "target")
+    if colocated:
+        target = start_target(wcfg("target"), draft=colocated_draft(wcfg("target")))
+        draft, draft_worker = None, target.hosted.worker
+    else:
+        target, draft = start_target(wcfg("target")), start_draft(wcfg("draft"))
+        draft_worker = draft.worker
     released: list[int] = []
-    for w in (target.worker, draft.worker):
+    for w in (target.worker, draft_worker):
         # Memory right after each release; the later of the two sees both workers EMPTY (the
         # release phase starts only after every graph is cleared, so no graph is live here).
         drop = type(w)._drop_engine.__get__(w)
         w._drop_engine = lambda drop=drop: (drop(), released.append(_allocated_without_workspaces()))
     server, port = create_server(OrchestratorConfig(
-        draft_address=f"127.0.0.1:{draft.port}", target_address=f"127.0.0.1:{target.port}",
+        draft_address=f"127.0.0.1:{(draft or target).port}", target_address=f"127.0.0.1:{target.port}",
         worker_timeout_s=120, reload_call_timeout_s=600, server=ServerConfig(port=0)))
     client = SpecsplitClient(f"127.0.0.1:{port}", timeout=600)
     rows, in_place, in_place_after = [], [], []
@@ -117,6 +128,7 @@ def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(t
         def tokens():
             return client.generate_text(PROMPT, 32, k=3, ignore_eos=True).tokens
         seen = {"A": tokens()}
+        assert client.status()["orchestrator"].get("draft_in_process", False) == colocated
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
         assert client.status()["target"]["state"] == "LIFECYCLE_STATE_READY"
@@ -142,10 +154,12 @@ def test_20_recapture_cycles_memory_back_to_baseline_and_in_place_vs_recapture(t
         client.close()
         server.stop(0).wait(10)
         target.stop(grace=None)
-        draft.stop(grace=None)
+        if draft is not None:
+            draft.stop(grace=None)
 
     empty = rows[0][3]
-    print(f"\nreload on {torch.cuda.get_device_name(0)}: d={CFG.hidden_size} L={CFG.num_hidden_layers} "
+    where = " (colocated draft)" if colocated else ""
+    print(f"\nreload on {torch.cuda.get_device_name(0)}{where}: d={CFG.hidden_size} L={CFG.num_hidden_layers} "
           f"vocab={CFG.vocab_size} bf16, checkpoint {weights_mib:.0f} MiB; both EMPTY {empty / MIB:.1f} MiB, "
           f"loaded baseline {baseline / MIB:.1f} MiB")
     print(f"{'cycle':>5s} {'ver':>3s} {'total s':>8s} {'validate':>9s} {'clear':>7s} {'release':>8s} {'load':>7s} "

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Session 26 on one GPU (issue 10): the draft in the target's process (colocated_draft). On one GPU the two worker
+# processes take turns on the device (their contexts time-slice: the batch-8 target step took 1.47 ms beside a draft
+# process against 0.48 ms alone, § Session 22) and every round pays the exchange between them. Built and measured on
+# the 2-core CPU only (docs/performance.md § Session 26); nothing of it has run on a GPU yet.
+#
+#   bash bench/gpu_session26.sh OUT_DIR colo   # tests/gpu/test_loop_gpu.py -k colocated (graphs of both workers in
+#                                              # one process; fixed, ahead, micro-batches identical to target-only),
+#                                              # then bench services: fixed against colocated (and colocated+ahead),
+#                                              # batch 1 and 8, both workers on cuda:0
+#   bash bench/gpu_session26.sh OUT_DIR peer   # bench peer --small --colocated-draft --batch 1 8: the peer, the engine,
+#                                              # the services and the services with the draft in the target's process
+#   bash bench/gpu_session26.sh OUT_DIR reload # tests/gpu/test_reload_gpu.py, both parametrizations, 6 cycles each:
+#                                              # memory back to the empty baseline with a colocated draft too
+#
+# Then the modes of bench/gpu_session25.sh (b8) and bench/gpu_session24.sh (ring, check, fix, rest), which still
+# hold for this code. Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-colo}"
+gpu_prologue
+if [ "$mode" = colo ]; then
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py -k colocated 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert|\[gpu loop" | tail -12
+  [ "$(left)" -gt 120 ] && svc services_colocated "$(left)" --device cuda:0 --batch 1 8 \
+    --variants fixed colocated colocated+ahead
+elif [ "$mode" = peer ]; then
+  timeout "$(left)" python3 -m specsplit bench peer --small --device cuda:0 --colocated-draft --batch 1 8 2>&1 \
+    | quiet | tee "$out/peer.txt" | tail -12
+elif [ "$mode" = reload ]; then
+  SPECSPLIT_RELOAD_CYCLES=6 timeout "$(left)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+    tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload.log" | grep -v -E "^20[0-9][0-9]-" | tail -40
+else
+  echo "unknown mode $mode"; exit 2
+fi
