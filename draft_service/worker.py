@@ -16,7 +16,7 @@ for an item the servicer could not decode); outputs are records or
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from core.wire import ItemError
 from draft_service.metrics import DraftMetrics
@@ -53,3 +53,8 @@ class DraftWorker(Worker):
         """Catch-up over each request's new pairs, then k-1 substeps; one batch for all valid items.
         Raises LifecycleError (whole batch) when no weights are loaded. ``inline``: ``Worker.run``'s."""
         return self.run(PROPOSE, items, round_, inline=inline)
+
+    def propose_async(self, items: list[ProposeRequest | ItemError], round_: int = 0) -> Callable[[], list[Any]]:
+        """``propose`` queued on the device thread; the returned function waits for its answers
+        (a target that hosts this draft verifies meanwhile: ``rounds.local_draft``)."""
+        return self.run_async(PROPOSE, items, round_)

@@ -85,6 +85,16 @@ class LocalDraft:
         finally:
             self.last_compute_seconds = time.perf_counter() - t0
 
+    def propose_async(self, reqs: list[ProposeRequest]) -> Callable[[], list[Proposal]]:
+        """The Propose queued on the draft's device thread; the returned function waits for the
+        proposals. What the round does meanwhile (the target's verify: ahead drafting, the other
+        micro-batch, a watch probe's step) runs beside it, on this thread."""
+        self.flush_releases()
+        self._round += 1
+        self.last_compute_seconds = None                     # an overlapped call is not a round part
+        wait = self._whole("Propose", lambda: self.worker.propose_async(list(reqs), self._round))
+        return lambda: local_results("draft", reqs, self._whole("Propose", wait))
+
     # --- errors ----------------------------------------------------------------------------------
     @staticmethod
     def _whole(what: str, call: Callable[[], Any]) -> Any:

@@ -70,6 +70,14 @@ def _serve(jobs: queue.SimpleQueue, busy: threading.Lock, setup: Callable[[], No
         call.done.release()
 
 
+def _answer(call: _Call) -> Any:
+    """Wait for ``call`` to have run; its result, or its exception raised here."""
+    call.done.acquire()
+    if call.error is not None:
+        raise call.error
+    return call.result
+
+
 def _stop(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
     jobs.put(None)
     if threading.current_thread() is not thread:
@@ -114,14 +122,26 @@ class DeviceThread:
             if self._pending[0] == 0:
                 return self._run_inline(me, fn)     # releases _busy
             self._busy.release()                    # jobs are queued: they go first, this one after them
+        return self.submit(fn)()
+
+    def submit(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """Queue ``fn`` on the device thread and return at once; the returned function waits for
+        it and returns its result (or raises its exception). Call that function exactly once.
+        Jobs run in submission order, after every job submitted before (inline runs included).
+        From the device thread itself ``fn`` runs now (a nested submit would wait on itself)."""
         call = _Call(fn)
+        me = threading.get_ident()
+        if me == self._ident or me == self._inline_owner:
+            try:
+                call.result = fn()
+            except BaseException as exc:  # noqa: BLE001 - raised by the waiter, as a queued job's
+                call.error = exc
+            call.done.release()
+            return lambda: _answer(call)
         with self._count_lock:
             self._pending[0] += 1
         self._jobs.put(call)
-        call.done.acquire()
-        if call.error is not None:
-            raise call.error
-        return call.result  # type: ignore[return-value]
+        return lambda: _answer(call)
 
     def _may_inline(self) -> bool:
         allowed = getattr(self._local, "inline", None)

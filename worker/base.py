@@ -354,7 +354,19 @@ class Worker:
         ``inline_steps`` decide.
         """
         t0 = time.perf_counter()
+        may = self.allow_inline and (step in self.inline_steps if inline is None else inline)
+        return self._answered(step, items, round_, t0, self.device.run(self._step_work(step, items, round_), may))
 
+    def run_async(self, step: str, items: list[Any], round_: int | None = None) -> Callable[[], list[Any]]:
+        """``run`` queued on the device thread without waiting (``DeviceThread.submit``): the caller
+        goes on (e.g. verifies on another worker) and calls the returned function once for the
+        answers (LifecycleError, as ``run`` raises it, comes from that call)."""
+        t0 = time.perf_counter()
+        wait = self.device.submit(self._step_work(step, items, round_))
+        return lambda: self._answered(step, items, round_, t0, wait())
+
+    def _step_work(self, step: str, items: list[Any], round_: int | None) -> Callable[[], list[Any]]:
+        """The device work of one batched step (``run``'s doc): the answers, in order."""
         def work() -> list[Any]:
             engine = self._serving_engine(step.capitalize())
             out: list[Any] = list(items)
@@ -382,8 +394,10 @@ class Worker:
                 self.metrics.graphs(stats.replays, stats.eager_runs)
                 self.metrics.slots(engine.cache.used_slots, engine.cache.free_slots)
             return out
+        return work
 
-        out = self.device.run(work, inline=self.allow_inline and (step in self.inline_steps if inline is None else inline))
+    def _answered(self, step: str, items: list[Any], round_: int | None, t0: float, out: list[Any]) -> list[Any]:
+        """A step's answers, after its metrics and a log line per refused item."""
         errors = [(i, e) for i, e in enumerate(out) if isinstance(e, ItemError)]
         if self.metrics is not None:
             self.metrics.step(step, time.perf_counter() - t0, len(items), [e.code.name for _, e in errors])

@@ -11,6 +11,7 @@ it re-attaches in process. The orchestrator-level reload with a colocated draft 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import grpc
@@ -30,21 +31,29 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def colocated_stack():
-    """(rounds, the target's port, the target's service): a target hosting its draft, driven as
-    the orchestrator drives it."""
+@contextlib.contextmanager
+def _colocated(**spec):
+    """(rounds, the target's port, the target's service): a target hosting its draft (target spec
+    settings ``spec``), driven as the orchestrator drives it."""
     from target_service import server as target_server
 
-    cfg = dataclasses.replace(_cfg("target", ahead_drafting=True), colocated_draft=True)
+    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True)
     target = target_server.start(cfg, draft=colocated(cfg))
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
                           admin_token=process_token())
     rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
-    yield rounds, target.port, target
-    rounds.stop()
-    client.close()
-    target.stop(grace=None)
+    try:
+        yield rounds, target.port, target
+    finally:
+        rounds.stop()
+        client.close()
+        target.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def colocated_stack():
+    with _colocated(ahead_drafting=True) as stack:
+        yield stack
 
 
 def _tokens(results) -> list[list[int]]:
@@ -67,6 +76,19 @@ def test_the_colocated_draft_is_called_in_process_and_exact(colocated_stack):
         # Ahead drafting (on in this stack) goes through the in-process draft too.
         assert sum(f.stats.ahead_used for _, f in got) > 0
     rounds.configure("", 4, 8, TIMEOUT)
+
+
+def test_micro_batches_overlap_the_colocated_draft_exactly():
+    """Two micro-batches: the draft's Propose of one is queued on its device thread
+    (``LocalDraft.propose_async``) while the round loop verifies the other."""
+    with _colocated(micro_batches=True) as (rounds, port, target):
+        prompts = _prompts(4)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref) and sum(f.stats.drafted for _, f in got) > 0
+        assert target.hosted.worker.status().eager_runs > 0
 
 
 def test_a_draft_service_elsewhere_is_not_taken_for_the_colocated_one(colocated_stack):

@@ -66,6 +66,35 @@ def test_inline_never_overtakes_a_queued_or_running_job():
     assert order == ["first", "second"] and out == ["dev_0"]       # hopped: the device was busy
 
 
+def test_submit_returns_at_once_and_its_waiter_answers_in_order():
+    d = DeviceThread("dev")
+    release = threading.Event()
+    order: list[str] = []
+    first = d.submit(lambda: (release.wait(10), order.append("first"), _name())[2])
+    second = d.submit(lambda: order.append("second"))
+    failing = d.submit(lambda: 1 / 0)
+    assert order == []                                   # nothing waited for yet: the caller went on
+    release.set()
+    d.run(lambda: order.append("inline"), inline=True)   # queued jobs go first: this one hops behind them
+    assert first() == "dev_0"
+    second()
+    with pytest.raises(ZeroDivisionError):               # the job's exception, raised by its waiter
+        failing()
+    assert order == ["first", "second", "inline"]
+
+
+def test_a_submit_from_the_device_thread_runs_at_once():
+    d = DeviceThread("dev")
+
+    def nested():
+        inner = d.submit(lambda: _name())
+        bad = d.submit(lambda: 1 / 0)                    # raised by its waiter, not here
+        with pytest.raises(ZeroDivisionError):
+            bad()
+        return inner()
+    assert d.run(nested) == "dev_0"
+
+
 def test_inline_threads_are_capped(monkeypatch):
     monkeypatch.setattr(device_thread, "MAX_INLINE_THREADS", 2)
     d = DeviceThread("dev")

@@ -45,6 +45,10 @@ class _Worker:
         self.calls.append(("propose", tuple(q.request_id for q in items), inline))
         return self._answer(items, lambda q: Proposal(q.request_id, np.arange(q.k, dtype=np.int64), None))
 
+    def propose_async(self, items: list, round_: int = 0):
+        self.calls.append(("propose_async", tuple(q.request_id for q in items)))
+        return lambda: self.propose(items, round_, inline=False)
+
 
 def _prefill(rid: str) -> DraftPrefillRequest:
     return DraftPrefillRequest(rid, np.array([5], dtype=np.int64), np.zeros((1, 8), np.float32), SamplingParams())
@@ -68,6 +72,21 @@ def test_releases_go_before_the_next_prefill_and_propose_and_the_rest_on_flush()
     d.flush_releases()
     d.flush_releases()                                       # nothing left: no call
     assert w.calls[4:] == [("release", ("a",), True)]
+
+
+def test_an_overlapped_propose_flushes_releases_first_and_answers_when_collected():
+    w = _Worker()
+    d = LocalDraft(w, lambda: None, "in-process")
+    d.release("old")
+    collect = d.propose_async([_propose("a"), _propose("b")])
+    assert w.calls == [("release", ("old",), True), ("propose_async", ("a", "b"))]
+    w.refuse = {"b"}                                         # decided when the queued job runs
+    with pytest.raises(ItemFailures) as failures:
+        collect()
+    assert set(failures.value.errors) == {"b"}
+    w.refuse, w.fail = set(), LifecycleError("Propose needs loaded weights (state EMPTY)")
+    with pytest.raises(RequestError, match="state EMPTY"):
+        d.propose_async([_propose("a")])()
 
 
 def test_another_device_is_never_run_on_the_round_loops_thread():
