@@ -88,7 +88,16 @@ class LocalDraft:
     def propose_async(self, reqs: list[ProposeRequest]) -> Callable[[], list[Proposal]]:
         """The Propose queued on the draft's device thread; the returned function waits for the
         proposals. What the round does meanwhile (the target's verify: ahead drafting, the other
-        micro-batch, a watch probe's step) runs beside it, on this thread."""
+        micro-batch, a watch probe's step) runs beside it, on this thread.
+
+        With the draft on the target's device (``inline``) it runs now instead, and the function
+        returns its proposals: one device runs the two steps' kernels in turn anyway, and two
+        threads of one process overlapping their host work contend for the interpreter (2-core
+        CPU: the verify beside a queued ahead Propose took 8.7 ms against 6.1 alone,
+        docs/performance.md § Session 26)."""
+        if self.inline:
+            proposals = self.propose(reqs)
+            return lambda: proposals
         self.flush_releases()
         self._round += 1
         self.last_compute_seconds = None                     # an overlapped call is not a round part

@@ -308,6 +308,8 @@ class WorkerService:
         for fn in self.before_close:
             fn()
         stopped.wait()
+        # NOTE: each worker's teardown is graphs, then weights; the two share no tensor, so the
+        # hosted one (which no round calls any more) may go first.
         if self.hosted is not None:
             self.hosted.worker.close()
         self.worker.close()

@@ -15,18 +15,23 @@ import contextlib
 import dataclasses
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.admin_token import process_token
+from core.params import SamplingParams
 from draft_service.server import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.server import colocated
 from orchestrator.round_client import RemoteRounds
+from rounds.local_draft import LocalDraft
 from rounds.scheduler_types import FinalEvent
+from runtime.types import DraftPrefillRequest, ProposeRequest
 from rounds.worker_clients import TargetClient
 from specsplit.v1 import common_pb2, draft_pb2_grpc
 from tests.integration.test_round_loop import TIMEOUT, _cfg, _generate, _prompts
 from tests.waiting import wait_until
+from worker.service import status_to_proto
 
 pytestmark = pytest.mark.integration
 
@@ -78,9 +83,9 @@ def test_the_colocated_draft_is_called_in_process_and_exact(colocated_stack):
     rounds.configure("", 4, 8, TIMEOUT)
 
 
-def test_micro_batches_overlap_the_colocated_draft_exactly():
-    """Two micro-batches: the draft's Propose of one is queued on its device thread
-    (``LocalDraft.propose_async``) while the round loop verifies the other."""
+def test_micro_batches_with_the_colocated_draft_are_exact():
+    """Two micro-batches: on the target's device the draft's Propose of one runs before the
+    verify of the other (``LocalDraft.propose_async`` with ``inline``)."""
     with _colocated(micro_batches=True) as (rounds, port, target):
         prompts = _prompts(4)
         rounds.configure("", 4, 8, TIMEOUT)
@@ -89,6 +94,32 @@ def test_micro_batches_overlap_the_colocated_draft_exactly():
         got = _generate(rounds, prompts, 3)
         assert _tokens(got) == _tokens(ref) and sum(f.stats.drafted for _, f in got) > 0
         assert target.hosted.worker.status().eager_runs > 0
+
+
+def test_a_queued_propose_drafts_what_a_direct_one_does(colocated_stack):
+    """The overlapped path of a draft on another device (``inline`` off: the Propose queued on the
+    draft's device thread, ``Worker.run_async``), on the real draft worker: the same drafts as a
+    direct call, for two requests with the same pairs."""
+    _, _, target = colocated_stack
+    worker = target.hosted.worker
+    status = lambda: status_to_proto(worker.status())                     # noqa: E731
+    direct, queued = LocalDraft(worker, status, "x", inline=True), LocalDraft(worker, status, "x", inline=False)
+    d = worker.model_cfg.hidden_size
+    rng = np.random.default_rng(5)
+    h0, toks0 = rng.standard_normal((5, d)).astype(np.float32), rng.integers(0, 256, 5)
+    try:
+        for port, rid in ((direct, "direct"), (queued, "queued")):
+            port.prefill([DraftPrefillRequest(rid, toks0, h0, SamplingParams())])
+        start = 5
+        for m in (1, 2, 4):
+            h, toks = rng.standard_normal((m, d)).astype(np.float32), rng.integers(0, 256, m)
+            (want,) = direct.propose([ProposeRequest("direct", start, toks, h, 3)])
+            collect = queued.propose_async([ProposeRequest("queued", start, toks, h, 3)])
+            (got,) = collect()
+            assert got.drafts.tolist() == want.drafts.tolist() and len(got.drafts) == 3
+            start += m
+    finally:
+        worker.release(["direct", "queued"])
 
 
 def test_a_draft_service_elsewhere_is_not_taken_for_the_colocated_one(colocated_stack):

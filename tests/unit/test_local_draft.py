@@ -76,10 +76,10 @@ def test_releases_go_before_the_next_prefill_and_propose_and_the_rest_on_flush()
 
 def test_an_overlapped_propose_flushes_releases_first_and_answers_when_collected():
     w = _Worker()
-    d = LocalDraft(w, lambda: None, "in-process")
+    d = LocalDraft(w, lambda: None, "in-process", inline=False)           # the draft on another device
     d.release("old")
     collect = d.propose_async([_propose("a"), _propose("b")])
-    assert w.calls == [("release", ("old",), True), ("propose_async", ("a", "b"))]
+    assert w.calls == [("release", ("old",), False), ("propose_async", ("a", "b"))]
     w.refuse = {"b"}                                         # decided when the queued job runs
     with pytest.raises(ItemFailures) as failures:
         collect()
@@ -87,6 +87,14 @@ def test_an_overlapped_propose_flushes_releases_first_and_answers_when_collected
     w.refuse, w.fail = set(), LifecycleError("Propose needs loaded weights (state EMPTY)")
     with pytest.raises(RequestError, match="state EMPTY"):
         d.propose_async([_propose("a")])()
+
+
+def test_on_the_targets_device_an_overlapped_propose_runs_at_once():
+    w = _Worker()
+    d = LocalDraft(w, lambda: None, "in-process", inline=True)
+    collect = d.propose_async([_propose("a")])
+    assert w.calls == [("propose", ("a",), True)]                         # already ran, on this thread
+    assert [list(p.drafts) for p in collect()] == [[0, 1]] and len(w.calls) == 1
 
 
 def test_another_device_is_never_run_on_the_round_loops_thread():
