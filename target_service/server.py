@@ -169,6 +169,12 @@ def start(cfg: WorkerConfig, rendezvous: Any = None, draft: Hosted | None = None
         # NOTE: inline only on the target's device: the round loop's thread keeps one current device.
         local = LocalDraft(draft.worker, lambda: status_to_proto(draft.worker.status()), "in-process",
                            inline=draft.worker.cfg.runtime.device == cfg.runtime.device)
+        if local.inline and (cfg.spec.ahead_drafting or cfg.spec.micro_batches):
+            # Exact either way; on one device there is nothing for them to overlap (§ Session 26).
+            log.warning("colocated_draft_nothing_to_overlap", device=cfg.runtime.device,
+                        ahead_drafting=cfg.spec.ahead_drafting, micro_batches=cfg.spec.micro_batches,
+                        detail="with the draft on the target's device these cost time: turn them off, or put "
+                               "the draft on a device of its own (draft_device)")
     rounds = RoundHost(worker, cfg, local_draft=local)
     # NOTE: every Decode call (and every DecodeStream) holds a handler thread for its whole
     # life: the orchestrator keeps one DecodeStream, but callers of Decode hold one per
