@@ -33,9 +33,6 @@ class LocalDraft:
     target (the loop's thread has one current device, the target's).
     """
 
-    in_process = True
-    uses_data_plane = False
-
     def __init__(self, worker: Any, status: Callable[[], Any], address: str, *, inline: bool = True) -> None:
         self.worker, self._status, self.address, self.inline = worker, status, address, inline
         self.last_compute_seconds: float | None = None
