@@ -3,7 +3,8 @@
 What is shown: the round loop calls the in-process draft (no exchange) when the draft address it
 is configured with reaches this very process, however the address is spelled, and a draft
 service elsewhere when it names one; greedy output is target-only's token for token, ahead
-drafting included; the draft's lifecycle RPCs and health answer on the target's port, and a
+drafting included, under mutual TLS too; the draft's lifecycle RPCs and health answer on the
+target's port, and a
 draft released there sends the rounds target-only (same tokens) until it is loaded again, when
 it re-attaches in process. The orchestrator-level reload with a colocated draft is in
 ``test_reload.py``.
@@ -20,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.admin_token import process_token
+from core.config import SecurityConfig
 from core.params import SamplingParams
 from draft_service.server import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.server import colocated
@@ -29,6 +31,7 @@ from rounds.scheduler_types import FinalEvent
 from runtime.types import DraftPrefillRequest, ProposeRequest
 from rounds.worker_clients import TargetClient
 from specsplit.v1 import common_pb2, draft_pb2_grpc
+from tests.integration.hardening_utils import make_certs
 from tests.integration.test_round_loop import TIMEOUT, _cfg, _generate, _prompts
 from tests.waiting import wait_until
 from worker.service import status_to_proto
@@ -37,15 +40,16 @@ pytestmark = pytest.mark.integration
 
 
 @contextlib.contextmanager
-def _colocated(**spec):
+def _colocated(security: SecurityConfig | None = None, client_tls: dict | None = None, **spec):
     """(rounds, the target's port, the target's service): a target hosting its draft (target spec
-    settings ``spec``), driven as the orchestrator drives it."""
+    settings ``spec``, ``security``), driven as the orchestrator drives it (``client_tls``: the
+    rounds client's TLS arguments; the admin token is the process's, or ``security``'s)."""
     from target_service import server as target_server
 
-    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True)
+    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True, security=security or SecurityConfig())
     target = target_server.start(cfg, draft=colocated(cfg))
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
-                          admin_token=process_token())
+                          admin_token=cfg.security.admin_token or process_token(), **(client_tls or {}))
     rounds = RemoteRounds(client, control_timeout_s=TIMEOUT)
     try:
         yield rounds, target.port, target
@@ -53,6 +57,23 @@ def _colocated(**spec):
         rounds.stop()
         client.close()
         target.stop(grace=None)
+
+
+def test_under_mtls_the_target_finds_its_own_draft(tmp_path):
+    """The probe that recognizes the in-process draft goes to the configured address like any
+    draft client: under mutual TLS with the target's own certificate (its default towards a draft)."""
+    certs = make_certs(tmp_path, names=("server", "orchestrator"), rogue=False)
+    security = SecurityConfig(tls_cert=certs["server.pem"], tls_key=certs["server.key"], tls_client_ca=certs["ca"],
+                              admin_token="colocated-mtls-token")
+    tls = dict(tls_ca=certs["ca"], client_cert=certs["orchestrator.pem"], client_key=certs["orchestrator.key"])
+    with _colocated(security, tls) as (rounds, port, _):
+        prompts = _prompts(2)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        st = rounds.configure(f"localhost:{port}", 4, 8, TIMEOUT)
+        assert st.speculation_available and st.draft_in_process, st
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref) and sum(f.stats.drafted for _, f in got) > 0
 
 
 @pytest.fixture(scope="module")
