@@ -1,13 +1,12 @@
 """A target that hosts its draft (``colocated_draft``) over real gRPC, bundled model, Torch on the CPU.
 
 What is shown: the round loop calls the in-process draft (no exchange) when the draft address it
-is configured with reaches this very process, however the address is spelled, and a draft
-service elsewhere when it names one; greedy output is target-only's token for token, ahead
-drafting included, under mutual TLS too; the draft's lifecycle RPCs and health answer on the
-target's port, and a
-draft released there sends the rounds target-only (same tokens) until it is loaded again, when
-it re-attaches in process. The orchestrator-level reload with a colocated draft is in
-``test_reload.py``.
+is configured with reaches this very process, however the address is spelled and under mutual
+TLS too, and a draft service elsewhere when it names one; greedy output is target-only's token
+for token, ahead drafting and micro-batches included; the draft's lifecycle RPCs and health
+answer on the target's port, and a draft released there sends the rounds target-only (same
+tokens) until it is loaded again, when it re-attaches in process. The orchestrator-level reload
+with a colocated draft is in ``test_reload.py``.
 """
 
 from __future__ import annotations
