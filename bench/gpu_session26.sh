@@ -12,6 +12,10 @@
 #                                              # the services and the services with the draft in the target's process
 #   bash bench/gpu_session26.sh OUT_DIR reload # tests/gpu/test_reload_gpu.py, both parametrizations, 6 cycles each:
 #                                              # memory back to the empty baseline with a colocated draft too
+#   bash bench/gpu_session26.sh OUT_DIR host   # the round host with the draft in this process (round_host_probe
+#                                              # --colocated), batch 1 and 8, k=3: round split, then a Torch
+#                                              # profiler pass (GPU busy and host gap a round, both workers' kernels);
+#                                              # then batch 1 against a draft process (--draft cuda:0)
 #
 # Then the modes of bench/gpu_session25.sh (b8) and bench/gpu_session24.sh (ring, check, fix, rest), which still
 # hold for this code. Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
@@ -29,6 +33,10 @@ elif [ "$mode" = peer ]; then
 elif [ "$mode" = reload ]; then
   SPECSPLIT_RELOAD_CYCLES=6 timeout "$(left)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
     tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload.log" | grep -v -E "^20[0-9][0-9]-" | tail -40
+elif [ "$mode" = host ]; then
+  probe colocated_b1 120 1 128 --outbox --colocated --torch-profile 15
+  probe colocated_b8 120 8 128 --outbox --colocated --torch-profile 15
+  probe draft_process_b1 100 1 128 --outbox --draft cuda:0
 else
   echo "unknown mode $mode"; exit 2
 fi

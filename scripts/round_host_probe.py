@@ -12,6 +12,9 @@ With ``--draft DEVICE``: a draft service process on that device (as the launcher
 k=3 requests, the target's round loop exchanging with it as in serving; ``--draft-profile N`` also
 prints the draft process's cProfile of its round messages (top N by own time, the whole run:
 scripts/draft_profile).
+With ``--colocated``: the draft worker in this process on DEVICE (``colocated_draft``: the round loop
+calls it directly; graphs of both captured) and k=3 requests; the Torch profiler pass then sees the
+draft's kernels too.
 With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
 prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
 then runs mostly target-only rounds with the draft holding the request).
@@ -22,7 +25,7 @@ per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
-                                          [--verify-split] [--draft-profile N]
+                                          [--verify-split] [--draft-profile N] [--colocated]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -44,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import SecurityConfig, ServerConfig  # noqa: E402
 from core.params import SamplingParams  # noqa: E402
+from draft_service.worker import DraftWorker  # noqa: E402
+from rounds.local_draft import LocalDraft  # noqa: E402
 from rounds import scheduler as scheduler_mod  # noqa: E402
 from rounds import scheduler_types  # noqa: E402
 from rounds.scheduler_types import ErrorEvent, EventOutbox, FinalEvent, GenerationRequest  # noqa: E402
@@ -52,6 +57,7 @@ from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig  
 from target_service.rounds import RoundHost  # noqa: E402
 from target_service.worker import TargetWorker  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
+from worker.service import status_to_proto  # noqa: E402
 
 PROMPT = tuple(range(1, 33))
 RANDOM_PROMPT = tuple(int(x) for x in np.random.default_rng(0).integers(32, 256, 48))
@@ -192,7 +198,11 @@ def main() -> int:
                     help="time each target verify in parts: before the host copy's wait, the wait, after")
     ap.add_argument("--draft-profile", type=int, default=0, metavar="N",
                     help="with --draft: the draft process's cProfile of its round messages, top N")
+    ap.add_argument("--colocated", action="store_true",
+                    help="the draft worker in this process, on DEVICE (colocated_draft); not with --draft")
     a = ap.parse_args()
+    if a.colocated and a.draft:
+        ap.error("--colocated and --draft: one draft or the other")
     if not a.draft:
         return probe(a, None)
     opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
@@ -232,18 +242,23 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                        spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive),
                        cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
                        graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
-                       server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig())
+                       server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig(),
+                       colocated_draft=a.colocated)
     worker = TargetWorker(cfg)
     worker.load_weights(a.model, "", "v1")
     worker.capture_graphs()
     split = _split_verify(worker.engine) if a.verify_split else None
-    host = RoundHost(worker, cfg)
-    host.configure(draft.address if draft else "", a.batch, 64, 30.0)
+    local = _colocated_draft(cfg) if a.colocated else None
+    host = RoundHost(worker, cfg, local_draft=local)
+    if local is not None:
+        # No server here to ask for the draft's instance id: the probe hands its draft over as is.
+        host._draft_client = lambda _address: local
+    host.configure("in-process" if local is not None else draft.address if draft else "", a.batch, 64, 30.0)
     box = EventOutbox() if a.outbox else None
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     prompt = RANDOM_PROMPT if a.random_prompt else PROMPT
-    k = a.k if a.k is not None else (3 if draft else 0)
+    k = a.k if a.k is not None else (3 if draft or local else 0)
 
     def one(rid: str) -> int:
         done = reader.expect(rid) if reader is not None else None
@@ -299,8 +314,19 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
     if reader is not None:
         reader.stop()
     host.close()
+    if local is not None:
+        local.worker.close()
     worker.close()
     return 0
+
+
+def _colocated_draft(cfg: WorkerConfig) -> LocalDraft:
+    """The draft worker of a ``colocated_draft`` target (loaded, graphs captured) as the round
+    loop's draft port, as ``target_service.server.start`` wires it."""
+    dw = DraftWorker(cfg.colocated_draft_config())
+    dw.load_weights(cfg.target_path, "", "v1")
+    dw.capture_graphs()
+    return LocalDraft(dw, lambda: status_to_proto(dw.status()), "in-process")
 
 
 if __name__ == "__main__":
