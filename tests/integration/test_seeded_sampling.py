@@ -6,6 +6,8 @@
 - Coupled mode: speculative (k=3) == target-only (k=0), and == a request
   whose draft is killed (kill -9) mid-request, so that it finishes
   target-only.
+- Both modes: a seed gives the same tokens (and acceptance) with the draft in the target's
+  process (``colocated_draft``) as with a draft service.
 - The orchestrator's default_sampling_mode applies to requests that leave the
   mode unset; an unknown mode is INVALID_ARGUMENT.
 Every stub call has a deadline; every wait is bounded.
@@ -58,6 +60,20 @@ def test_recompute_reload_with_the_same_weights_keeps_a_seeds_tokens(stacks, mod
         _, unset = run_gen(s.client, p, n, **{k: v for k, v in kw.items() if k != "sampling_mode"})
         _, alone = run_gen(s.client, p, n, **{**kw, "k": 0})
         assert unset.tokens == alone.tokens == plain.tokens and alone.drafted == 0
+
+
+@pytest.mark.parametrize("mode", ["rejection", "coupled"])
+def test_a_seed_gives_the_same_tokens_with_the_draft_in_the_targets_process(stacks, models, mode):
+    """The colocated draft (``colocated_draft``) proposes and the target accepts exactly as with a
+    draft service: a seeded sampled request's tokens and acceptance are the same both ways."""
+    remote, colocated = stacks(models["A"], "A"), stacks(models["A"], "A", colocated=True)
+    for i in range(3):
+        kw = dict(k=3, seed=700 + i, sampling_mode=mode, **SAMPLED)
+        _, a = run_gen(remote.client, prompt_of(i, 9), 64, **kw)
+        _, b = run_gen(colocated.client, prompt_of(i, 9), 64, **kw)
+        assert a.tokens == b.tokens and (a.drafted, a.accepted) == (b.drafted, b.accepted) and b.drafted > 0
+    assert colocated.status()["orchestrator"].get("draft_in_process")
+    assert not remote.status()["orchestrator"].get("draft_in_process")
 
 
 def test_unknown_sampling_mode_is_invalid_argument(stacks, models):
