@@ -269,7 +269,17 @@ class WorkerClient:
 
     # --- status and lifecycle ----------------------------------------------------
     def get_status(self, timeout: float | None = None) -> common_pb2.WorkerStatus:
-        return self._unary("GetStatus", common_pb2.GetStatusRequest(), timeout=timeout).status
+        try:
+            return self._unary("GetStatus", common_pb2.GetStatusRequest(), timeout=timeout).status
+        except RequestError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            # A server that answers but has no such service: most often a draft address that names
+            # a target started without --colocated-draft.
+            hint = (" (a target serves the draft only when started with --colocated-draft)"
+                    if self.role == "draft" else "")
+            raise RequestError(exc.code, f"{exc.message}: the server at {self.address} has no {self.role} "
+                                         f"service{hint}") from None
 
     def load_weights(self, target_path: str, draft_path: str = "", version: str = "", in_place: bool = False,
                      validate_only: bool = False, timeout: float | None = None) -> common_pb2.WorkerStatus:

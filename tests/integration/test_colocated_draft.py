@@ -26,7 +26,7 @@ from draft_service.server import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.server import colocated
 from orchestrator.round_client import RemoteRounds
 from rounds.local_draft import LocalDraft
-from rounds.scheduler_types import FinalEvent
+from rounds.scheduler_types import FinalEvent, RequestError
 from runtime.types import DraftPrefillRequest, ProposeRequest
 from rounds.worker_clients import TargetClient
 from specsplit.v1 import common_pb2, draft_pb2_grpc
@@ -54,6 +54,21 @@ def _colocated(security: SecurityConfig | None = None, client_tls: dict | None =
         yield rounds, target.port, target
     finally:
         rounds.stop()
+        client.close()
+        target.stop(grace=None)
+
+
+def test_a_draft_address_naming_a_plain_target_says_what_is_missing():
+    from rounds.draft_client import DraftClient
+    from target_service import server as target_server
+
+    target = target_server.start(_cfg("target"))
+    client = DraftClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26)
+    try:
+        with pytest.raises(RequestError, match="has no draft service .*--colocated-draft") as err:
+            client.get_status(timeout=TIMEOUT)
+        assert err.value.code == "UNIMPLEMENTED"
+    finally:
         client.close()
         target.stop(grace=None)
 
