@@ -74,7 +74,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-us", type=int, nargs="+", default=None,
                    help="services bench: the workers' data_plane_poll_us values, side by side (default: theirs, -1 = auto)")
     p.add_argument("--colocated-draft", action="store_true",
-                   help="peer: also the services with the draft in the target's process (colocated_draft)")
+                   help="peer: also the services with the draft in the target's process (colocated_draft); "
+                        "adaptive: every stack so")
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive; colocated (the draft in the target's process), colocated+ahead, "

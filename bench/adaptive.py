@@ -52,7 +52,8 @@ def _options(args, model: Path, adaptive: bool, watch_probes: bool = True) -> St
     extra = ("--runtime-dtype", args.dtype) if getattr(args, "dtype", None) else ()
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=max(FIXED_KS), max_batch=1, log_level="WARNING", adaptive_k=adaptive, worker_args=extra,
-                        metrics=True, watch_probes=watch_probes)
+                        metrics=True, watch_probes=watch_probes,
+                        colocated_draft=bool(getattr(args, "colocated_draft", False)))
 
 
 # The stacks a run starts: fixed k (k = 0..3 are its columns), adaptive k with watch probes (the

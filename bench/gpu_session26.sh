@@ -12,6 +12,9 @@
 #                                              # the services and the services with the draft in the target's process
 #   bash bench/gpu_session26.sh OUT_DIR reload # tests/gpu/test_reload_gpu.py, both parametrizations, 6 cycles each:
 #                                              # memory back to the empty baseline with a colocated draft too
+#   bash bench/gpu_session26.sh OUT_DIR adaptive  # bench adaptive --same-stack --repeats 2 --colocated-draft: adaptive k
+#                                              # against fixed k with the draft in the target's process (issue 10's
+#                                              # adaptive goal was 0.87-0.96 with a draft process, session 24)
 #   bash bench/gpu_session26.sh OUT_DIR host   # the round host with the draft in this process (round_host_probe
 #                                              # --colocated), batch 1 and 8, k=3: round split, then a Torch
 #                                              # profiler pass (GPU busy and host gap a round, both workers' kernels);
@@ -33,6 +36,9 @@ elif [ "$mode" = peer ]; then
 elif [ "$mode" = reload ]; then
   SPECSPLIT_RELOAD_CYCLES=6 timeout "$(left)" python3 -m pytest -q -s -p no:cacheprovider -m gpu \
     tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/reload.log" | grep -v -E "^20[0-9][0-9]-" | tail -40
+elif [ "$mode" = adaptive ]; then
+  timeout "$(left)" python3 -m specsplit bench adaptive --backend torch --device cuda:0 --prompts 8 --max-tokens 128 \
+    --same-stack --repeats 2 --colocated-draft 2>&1 | quiet | tee "$out/adaptive.txt" | tail -14
 elif [ "$mode" = host ]; then
   probe colocated_b1 120 1 128 --outbox --colocated --torch-profile 15
   probe colocated_b8 120 8 128 --outbox --colocated --torch-profile 15
