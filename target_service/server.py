@@ -156,8 +156,9 @@ def start(cfg: WorkerConfig, rendezvous: Any = None, draft: Hosted | None = None
     ``rendezvous``: where torchrun's ranks meet, None: spawn the other ranks here). ``draft``: the
     draft this process hosts (``cfg.colocated_draft``; built by the caller: services do not import
     each other), served on this port and called in process by the round loop."""
-    if cfg.colocated_draft and draft is None:
-        raise ValueError("colocated_draft: the target was started without the draft it should host")
+    if cfg.colocated_draft != (draft is not None):
+        raise ValueError(f"colocated_draft={cfg.colocated_draft}, but the target was started "
+                         f"{'without' if draft is None else 'with'} a draft to host")
     if cfg.tp > 1:
         from target_service.tp_launch import leader_worker
 
