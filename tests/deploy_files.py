@@ -26,7 +26,9 @@ from specsplit import cli, configs
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"                    # two GPUs: a draft service on each its own
+ONE_GPU_COMPOSE_FILE = DEPLOY / "docker-compose.one-gpu.yml"    # one GPU: the target hosts the draft
+COMPOSE_FILES = (COMPOSE_FILE, ONE_GPU_COMPOSE_FILE)
 K8S_DIR = DEPLOY / "k8s"
 # SPECSPLIT_* variables read outside the config dataclasses (documented in the CLI / loader).
 EXTRA_ENV = frozenset({"SPECSPLIT_CONFIG", "SPECSPLIT_ADDRESS", "SPECSPLIT_TOKEN", "SPECSPLIT_LOG_LEVEL",
@@ -98,8 +100,8 @@ def dockerfile_healthcheck(path: Path) -> list[str]:
     return [interpolate(t) for t in shlex.split(cmd)]
 
 
-def load_compose() -> dict[str, Any]:
-    return yaml.safe_load(COMPOSE_FILE.read_text())
+def load_compose(path: Path = COMPOSE_FILE) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
 
 
 def read_env_file(path: Path) -> dict[str, str]:

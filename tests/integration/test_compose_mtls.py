@@ -1,8 +1,9 @@
 """The compose deployment, run for real on loopback over mutual TLS (issue 13).
 
-``deploy/make-certs.sh`` writes a CA and the services' certificates; the three services then
-run with exactly the arguments and environment variables ``deploy/docker-compose.yml`` gives
-them, rewritten only for loopback (``LoopbackRewrite`` lists every change, certificate paths
+``deploy/make-certs.sh`` writes a CA and the services' certificates; the services then run with
+exactly the arguments and environment variables ``deploy/docker-compose.yml`` gives them (and
+``deploy/docker-compose.one-gpu.yml``: the target hosting the draft, which it then calls in
+process), rewritten only for loopback (``LoopbackRewrite`` lists every change, certificate paths
 included), and their compose health checks (which present client certificates) must pass. A
 greedy generation over mTLS through the orchestrator equals target-only decoding; plaintext
 clients and clients without a certificate are refused; the env file's admin token and the
@@ -24,8 +25,8 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.deploy_files import (DEPLOY, REPO, compose_argv, compose_healthcheck, compose_service_env, host_port,
-                                load_compose)
+from tests.deploy_files import (COMPOSE_FILES, DEPLOY, REPO, compose_argv, compose_healthcheck, compose_service_env,
+                                host_port, load_compose)
 from tests.ports import free_port
 
 START_TIMEOUT_S = 120.0               # each service's "listening" line
@@ -211,7 +212,8 @@ def test_make_certs_writes_the_names_the_deployment_expects(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_compose_services_generate_over_mtls(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_services_generate_over_mtls(tiny_model_dir, tmp_path, compose_file):
     """See the module docstring."""
     from orchestrator.client import SpecsplitClient
     from specsplit.launcher import Child
@@ -220,7 +222,7 @@ def test_compose_services_generate_over_mtls(tiny_model_dir, tmp_path):
     certs = tmp_path / "certs"
     made = subprocess.run(["bash", str(MAKE_CERTS), str(certs)], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
-    services = load_compose()["services"]
+    services = load_compose(compose_file)["services"]
     rw = LoopbackRewrite(tiny_model_dir, installed_backend(), tuple(services), certs)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSPLIT_")}
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -266,6 +268,8 @@ def test_compose_services_generate_over_mtls(tiny_model_dir, tmp_path):
         assert spec.finish_reason == "length" and spec.drafted > 0, spec
         assert target_only.drafted == 0
         assert "draft" in status and "target" in status, status
+        # One GPU: the target hosts the draft and its round loop calls it in process.
+        assert status["orchestrator"].get("draft_in_process", False) == ("draft" not in services), status
 
         # Without TLS, or without a client certificate, nothing gets through.
         get_status = lambda ch: orchestrator_pb2_grpc.OrchestratorStub(ch).GetStatus(  # noqa: E731
@@ -292,7 +296,8 @@ def test_compose_services_generate_over_mtls(tiny_model_dir, tmp_path):
             events = list(orchestrator_pb2_grpc.OrchestratorStub(ch).ReloadWeights(reload("v3"),
                                                                                   timeout=RPC_TIMEOUT_S))
             assert events and events[-1].done and events[-1].weights_version == "v3", events[-1:]
-        with grpc.secure_channel(children["draft"].address, _creds(certs, "specsplit-client")) as ch:
+        with grpc.secure_channel(children.get("draft", children["target"]).address,
+                                 _creds(certs, "specsplit-client")) as ch:
             assert _code(lambda: draft_pb2_grpc.DraftServiceStub(ch).ClearGraphs(
                 common_pb2.ClearGraphsRequest(), timeout=RPC_TIMEOUT_S)) == grpc.StatusCode.UNAUTHENTICATED
         with SpecsplitClient(orch_address, timeout=RPC_TIMEOUT_S, token="", **tls) as client:

@@ -2,8 +2,9 @@
 
 Checked here (each check fails when the file it guards goes wrong):
 
-1. Debian's docker-compose (v1, 1.29) accepts ``deploy/docker-compose.yml``
-   (``config -q``), and rejects a Compose-v2-only key (the validator is real).
+1. Debian's docker-compose (v1, 1.29) accepts ``deploy/docker-compose.yml`` and
+   ``deploy/docker-compose.one-gpu.yml`` (``config -q``), and rejects a Compose-v2-only key
+   (the validator is real).
 2. ``kubernetes-validate --strict`` accepts every manifest in ``deploy/k8s``
    against the oldest Kubernetes with GA gRPC probes (1.27) and the newest
    schema the package bundles (1.37); it works offline from bundled schemas.
@@ -47,9 +48,10 @@ from orchestrator.config import OrchestratorConfig
 from worker.config import WorkerConfig
 from core import config_loader
 from specsplit import cli
-from tests.deploy_files import (COMPOSE_FILE, DEPLOY, K8S_DIR, REPO, SERVICE_CLASSES, build_config, check_cli,
-                                check_env_names, compose_argv, compose_env_files, compose_healthcheck,
-                                compose_service_env, dockerfile_entrypoint, dockerfile_env, dockerfile_healthcheck,
+from tests.deploy_files import (COMPOSE_FILE, COMPOSE_FILES, DEPLOY, K8S_DIR, ONE_GPU_COMPOSE_FILE, REPO,
+                                SERVICE_CLASSES, build_config, check_cli, check_env_names, compose_argv,
+                                compose_env_files, compose_healthcheck, compose_service_env, dockerfile_entrypoint,
+                                dockerfile_env, dockerfile_healthcheck,
                                 dockerfile_instructions, env_names, host_port, interpolate, k8s_docs, k8s_find,
                                 load_compose, read_env_file, toml_keys)
 
@@ -102,11 +104,12 @@ def docker_compose() -> str:
     pytest.skip(f"cannot validate deploy/docker-compose.yml: {why}")
 
 
-def test_docker_compose_v1_accepts_the_compose_file(docker_compose):
-    proc = subprocess.run([docker_compose, "-f", str(COMPOSE_FILE), "config", "-q"], cwd=REPO, env=_compose_env(),
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES, ids=lambda p: p.name)
+def test_docker_compose_v1_accepts_the_compose_file(docker_compose, compose_file):
+    proc = subprocess.run([docker_compose, "-f", str(compose_file), "config", "-q"], cwd=REPO, env=_compose_env(),
                           capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     assert proc.returncode == 0, f"docker-compose config -q failed:\n{proc.stdout}{proc.stderr}"
-    resolved = subprocess.run([docker_compose, "-f", str(COMPOSE_FILE), "config"], cwd=REPO, env=_compose_env(),
+    resolved = subprocess.run([docker_compose, "-f", str(compose_file), "config"], cwd=REPO, env=_compose_env(),
                               capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=True)
     services = yaml.safe_load(resolved.stdout)["services"]
     # The admin token reaches every service from the env file.
@@ -144,6 +147,25 @@ def test_compose_layout():
         assert compose_env_files(svc) == [ENV_EXAMPLE], f"{name}: env_file should default to the example"
         assert any(v.split(":")[1] == "/models" for v in svc["volumes"]), f"{name}: no shared model volume"
     assert "models" in load_compose()["volumes"]
+
+
+def test_one_gpu_compose_layout():
+    """The target hosts the draft on GPU 0; the orchestrator's draft address is the target's; the
+    rest (image, env file, volumes, certificates, health checks) as in the two-GPU file."""
+    one, two = load_compose(ONE_GPU_COMPOSE_FILE), load_compose()
+    services = one["services"]
+    assert set(services) == {"target", "orchestrator"}
+    target, orch = services["target"], services["orchestrator"]
+    devices = target["deploy"]["resources"]["reservations"]["devices"]
+    assert [d["device_ids"] for d in devices] == [["0"]]
+    assert "--colocated-draft" in compose_argv(target) and "--tp" not in compose_argv(target)
+    assert orch["depends_on"] == {"target": {"condition": "service_healthy"}}
+    argv = compose_argv(orch)
+    assert argv[argv.index("--draft-address") + 1] == argv[argv.index("--target-address") + 1] == "target:50062"
+    assert one["volumes"] == two["volumes"]
+    for name in ("target", "orchestrator"):
+        for key in ("image", "build", "env_file", "volumes", "environment", "healthcheck", "restart"):
+            assert services[name][key] == two["services"][name][key], (name, key)
 
 
 # --- 2. Kubernetes ----------------------------------------------------------------------------
@@ -228,11 +250,12 @@ def test_kubernetes_services_use_mtls_and_cert_manager_matches():
 # --- 3. every command line and variable exists in the real CLI --------------------------------
 
 
-def test_compose_commands_env_and_healthchecks_match_the_cli():
-    services = load_compose()["services"]
+@pytest.mark.parametrize("compose_file", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_commands_env_and_healthchecks_match_the_cli(compose_file):
+    services = load_compose(compose_file)["services"]
     configs: dict[str, Any] = {}
     for name, svc in services.items():
-        where = f"docker-compose.yml service {name}"
+        where = f"{compose_file.name} service {name}"
         argv, env = compose_argv(svc), compose_service_env(svc)
         command, args = check_cli(argv, where)
         assert command == name, f"{where} runs `specsplit {command}`"
@@ -240,11 +263,14 @@ def test_compose_commands_env_and_healthchecks_match_the_cli():
                         env_names(SERVICE_CLASSES[command]), where)
         configs[name] = build_config(command, args, env, where)
     ports = {name: cfg.server.port for name, cfg in configs.items()}
+    # A target that hosts the draft (colocated_draft) is where the orchestrator finds the draft.
+    draft_at = "draft" if "draft" in services else "target"
+    assert draft_at == "draft" or configs["target"].colocated_draft, f"{compose_file.name}: no draft anywhere"
     for name, svc in services.items():
-        where, cfg, command = f"docker-compose.yml service {name}", configs[name], name
+        where, cfg, command = f"{compose_file.name} service {name}", configs[name], name
         assert cfg.server.host == "0.0.0.0", f"{where}: listens on {cfg.server.host}, unreachable from other containers"
         if command == "orchestrator":
-            for worker, address in (("draft", cfg.draft_address), ("target", cfg.target_address)):
+            for worker, address in ((draft_at, cfg.draft_address), ("target", cfg.target_address)):
                 assert address is not None, f"{where}: no {worker} address"
                 host, port = host_port(address)
                 assert host == worker and port == ports[worker], f"{where}: {worker} address {address}"
