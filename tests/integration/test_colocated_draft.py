@@ -3,7 +3,7 @@
 What is shown: the round loop calls the in-process draft (no exchange) when the draft address it
 is configured with reaches this very process, however the address is spelled and under mutual
 TLS too, and a draft service elsewhere when it names one; greedy output is target-only's token
-for token, ahead drafting and micro-batches included; the draft's lifecycle RPCs and health
+for token, ahead drafting, micro-batches and adaptive k included; the draft's lifecycle RPCs and health
 answer on the target's port, and a draft released there sends the rounds target-only (same
 tokens) until it is loaded again, when it re-attaches in process. The orchestrator-level reload
 with a colocated draft is in ``test_reload.py``.
@@ -129,6 +129,21 @@ def test_micro_batches_with_the_colocated_draft_are_exact():
         got = _generate(rounds, prompts, 3)
         assert _tokens(got) == _tokens(ref) and sum(f.stats.drafted for _, f in got) > 0
         assert target.hosted.worker.status().eager_runs > 0
+
+
+def test_adaptive_k_with_the_colocated_draft_is_exact():
+    """Adaptive k (watch probes on) over the in-process draft, on random-byte prompts where drafting
+    soon stops paying: every token is target-only's (whether the loop watched or drafted here
+    depends on this CPU's timing; the policy's choices are tests/unit/test_scheduler.py's)."""
+    with _colocated(adaptive_k=True) as (rounds, port, _):
+        rng = np.random.default_rng(5)
+        prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(3)]
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3, max_tokens=64)
+        assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
+        got = [_generate(rounds, [p], 3, max_tokens=64)[0] for p in prompts]       # one at a time: batch 1
+        assert _tokens(got) == _tokens(ref)
+        assert rounds.status().active_requests == 0
 
 
 def test_a_queued_propose_drafts_what_a_direct_one_does(colocated_stack):
