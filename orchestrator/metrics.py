@@ -19,6 +19,7 @@ Metrics:
     specsplit_queued_requests                            gauge: requests waiting for a batch slot
     specsplit_requests_total{finish_reason, code}        finished requests by finish reason and status code
     specsplit_speculation_available                      gauge: 1 when a draft is configured and reachable
+    specsplit_draft_in_process                           gauge: 1 when the attached draft runs in the target's process
     specsplit_worker_up{worker}                          gauge: 1 when the worker answered its last status poll
 """
 
@@ -61,6 +62,9 @@ class OrchestratorMetrics:
                                 ["finish_reason", "code"], registry=r)
         self.speculation = Gauge("specsplit_speculation_available",
                                  "1 when a draft is configured and reachable", registry=r)
+        self.draft_in_process = Gauge("specsplit_draft_in_process",
+                                      "1 when the attached draft runs in the target's process (colocated_draft)",
+                                      registry=r)
         self.worker_up = Gauge("specsplit_worker_up", "1 when the worker answered its last status poll",
                                ["worker"], registry=r)
 

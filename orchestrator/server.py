@@ -111,6 +111,11 @@ class Orchestrator:
         """A draft is attached to the target's round loop: rounds speculate."""
         return self.draft_configured and self.rounds is not None and self.rounds.speculation_available
 
+    @property
+    def draft_in_process(self) -> bool:
+        """The attached draft runs in the target's process (the target's ``colocated_draft``)."""
+        return self.speculation_available and self.rounds is not None and self.rounds.draft_in_process
+
     def set_draft_address(self, address: str) -> None:
         """Admin: move to the draft at ``address`` (the target re-attaches live requests there)."""
         if not self.draft_configured:
@@ -198,6 +203,7 @@ class Orchestrator:
         self.publish_health()
         self.metrics.on_workers(t is not None, None if self.draft is None else d is not None)
         self.metrics.speculation.set(int(self.speculation_available))
+        self.metrics.draft_in_process.set(int(self.draft_in_process))
 
     def publish_health(self) -> None:
         """Health from what is known now (no call): SERVING while the target serves and no
@@ -223,14 +229,14 @@ class Orchestrator:
             pass                                     # the target's own status says why
         r = self.rounds
         self.metrics.speculation.set(int(self.speculation_available))
+        self.metrics.draft_in_process.set(int(self.draft_in_process))
         active, queued = (r.active_requests, r.queued_requests) if r is not None else (0, 0)
         facts = self.facts
         out = opb.ClusterStatus(orchestrator=opb.OrchestratorStatus(
             active_requests=active, queued_requests=queued,
             speculation_available=self.speculation_available,
             weights_version=facts.weights_version if facts else "", default_k=self.cfg.default_k,
-            max_k=self.cfg.max_k, reloading=self.reloader.active,
-            draft_in_process=self.speculation_available and r is not None and r.draft_in_process))
+            max_k=self.cfg.max_k, reloading=self.reloader.active, draft_in_process=self.draft_in_process))
         t, t_err = self._status(self.target)
         if t is not None:
             out.target.CopyFrom(t)

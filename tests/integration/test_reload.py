@@ -48,6 +48,7 @@ def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, m
     for p in PROMPTS:
         assert s.client.generate_text(p, 40, k=3, ignore_eos=True).tokens == ref(models["A"], p, 40)
     assert s.status()["orchestrator"].get("draft_in_process", False) == colocated
+    assert s.server.core.metrics.registry.get_sample_value("specsplit_draft_in_process") == float(colocated)
     events = s.client.reload(str(models["B"]), "B", mode=mode, inflight="wait")
     assert events[-1].done and events[-1].weights_version == "B" and not any(e.error_code for e in events)
     phases = [e.phase for e in events]
