@@ -302,9 +302,9 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         if label == "profiled":
             from bench.profile_round import _host_summary, _kernel_summary
             got = _kernel_summary(prof, dt, a.torch_profile)
+            seen = "the draft in this process: its kernels included" if local else "a draft process's not seen"
             print(f"  gpu busy {got['gpu_busy_ms'] / r:.3f} ms a round, host gap {got['host_gap_ms'] / r:.3f}, "
-                  f"{got['kernels'] / r:.1f} kernels a round ("
-                  f"{'the draft in this process: its kernels included' if local else 'a draft process: its kernels not seen'})")
+                  f"{got['kernels'] / r:.1f} kernels a round ({seen})")
             for t in got["top"]:
                 print(f"    {t['calls'] / r:6.2f} {t['total_us'] / r:8.1f} us/round  {t['name'][:80]}")
             print("  host: own CPU time per round of every thread's CUDA calls (nested calls overlap)")
