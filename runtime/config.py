@@ -255,6 +255,11 @@ class GraphConfig:
         return self.prefill_widths if on and self.enabled else ()
 
 
+def is_device(name: str) -> bool:
+    """A device name the backends take: 'cpu' or 'cuda:N'."""
+    return name == "cpu" or (name.startswith("cuda:") and name[5:].isdigit())
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Where and how a worker computes."""
@@ -290,8 +295,7 @@ class RuntimeConfig:
         _check(isinstance(self.cpu_threads, int) and 1 <= self.cpu_threads <= 1024, "runtime.cpu_threads",
                "an integer in [1, 1024]", self.cpu_threads)
         _check(self.backend in BACKENDS, "runtime.backend", f"one of {BACKENDS}", self.backend)
-        _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
-               "runtime.device", "'cpu' or 'cuda:N'", self.device)
+        _check(is_device(self.device), "runtime.device", "'cpu' or 'cuda:N'", self.device)
         _check(self.dtype in DTYPES, "runtime.dtype", f"one of {DTYPES}", self.dtype)
         _check(not self.batch_invariant or (self.backend == "torch" and self.device.startswith("cuda:")
                                             and self.fused_kernels and not self.compile),

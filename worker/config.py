@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from core.config import SecurityConfig, ServerConfig
 from core.config import check as _check
-from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig
+from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig, is_device
 
 
 # The automatic data-plane poll (docs/performance.md § Session 9): on the 16-core H200 host,
@@ -101,8 +101,7 @@ class WorkerConfig:
                "false with tp > 1 (a tensor-parallel target's ranks do not host a draft)", self.colocated_draft)
         _check(not self.draft_device or self.colocated_draft, "draft_device",
                "empty unless colocated_draft is on (a draft service names its own runtime.device)", self.draft_device)
-        _check(not self.draft_device or self.draft_device == "cpu" or (
-               self.draft_device.startswith("cuda:") and self.draft_device[5:].isdigit()), "draft_device",
+        _check(not self.draft_device or is_device(self.draft_device), "draft_device",
                "'cpu', 'cuda:N' or empty (= runtime.device)", self.draft_device)
 
     def colocated_draft_config(self) -> "WorkerConfig":
