@@ -54,10 +54,9 @@ from rounds import scheduler_types  # noqa: E402
 from rounds.scheduler_types import ErrorEvent, EventOutbox, FinalEvent, GenerationRequest  # noqa: E402
 from specsplit.launcher import Child, StackOptions, worker_argv  # noqa: E402
 from runtime.config import CacheConfig, GraphConfig, RuntimeConfig, SpecConfig  # noqa: E402
-from target_service.rounds import RoundHost  # noqa: E402
+from target_service.rounds import RoundHost, local_draft  # noqa: E402
 from target_service.worker import TargetWorker  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
-from worker.service import status_to_proto  # noqa: E402
 
 PROMPT = tuple(range(1, 33))
 RANDOM_PROMPT = tuple(int(x) for x in np.random.default_rng(0).integers(32, 256, 48))
@@ -327,7 +326,7 @@ def _colocated_draft(cfg: WorkerConfig) -> LocalDraft:
     dw = DraftWorker(cfg.colocated_draft_config())
     dw.load_weights(cfg.target_path, "", "v1")
     dw.capture_graphs()
-    return LocalDraft(dw, lambda: status_to_proto(dw.status()), "in-process")
+    return local_draft(dw, cfg.runtime.device)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from rounds.draft_client import DraftClient
 from rounds.local_draft import LocalDraft
 from rounds.scheduler_types import local_results
 from worker.config import WorkerConfig, poll_seconds
+from worker.service import status_to_proto
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core.errors import FailedPrecondition
 from target_service.worker import TargetWorker
@@ -82,6 +83,13 @@ class LocalTarget:
 
     def release_many(self, request_ids: list[str]) -> list[str]:
         return self.worker.release(list(request_ids), inline=True)
+
+
+def local_draft(worker: Any, target_device: str) -> LocalDraft:
+    """The round loop's port to a draft worker in this process (``colocated_draft``)."""
+    # NOTE: inline only on the target's device: the round loop's thread keeps one current device.
+    return LocalDraft(worker, lambda: status_to_proto(worker.status()), "in-process",
+                      inline=worker.cfg.runtime.device == target_device)
 
 
 @dataclass(frozen=True)
@@ -308,7 +316,7 @@ class RoundHost:
                            link.address or "" if link is not None else "",
                            "" if link is None or link.available else link.last_error,
                            link.reconnects if link is not None else 0, self.scheduler.round, self.configured,
-                           self.paused, link is not None and link.available and link.client is not None
+                           self.paused, link is not None and link.available and self.local_draft is not None
                            and link.client is self.local_draft)
 
     @property

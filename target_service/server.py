@@ -18,17 +18,16 @@ from typing import Any, Iterator
 
 import grpc
 
-from rounds.local_draft import LocalDraft
 from rounds.scheduler import GenerationRequest, QueueFull, RequestError
 from worker.config import WorkerConfig
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 from core import wire
 from worker.service import (Hosted, WorkerService, WorkerServicerMixin, decode_items, new_worker, result_proto,
-                            start_worker_service, status_to_proto)
+                            start_worker_service)
 from specsplit.v1 import target_pb2 as tpb
 from specsplit.v1 import target_pb2_grpc
 from target_service.rounds import (ABORT, CONFIGURE, DRAIN, DRAIN_ABORT, DRAIN_PARK, DRAIN_WAIT, PARK, PAUSE, RESUME,
-                                   RESUME_ALL, RESUME_PARKED, SETTLE, STATUS, RoundHost, RoundsState)
+                                   RESUME_ALL, RESUME_PARKED, SETTLE, STATUS, RoundHost, RoundsState, local_draft)
 from target_service.decode_messages import EventHold, decode_request
 from target_service.decode_stream import EVENT_POLL_S, DecodeSession
 from target_service.worker import TargetWorker
@@ -167,9 +166,7 @@ def start(cfg: WorkerConfig, rendezvous: Any = None, draft: Hosted | None = None
         worker, log = new_worker(cfg, "target", TargetWorker)
     local = None
     if draft is not None:
-        # NOTE: inline only on the target's device: the round loop's thread keeps one current device.
-        local = LocalDraft(draft.worker, lambda: status_to_proto(draft.worker.status()), "in-process",
-                           inline=draft.worker.cfg.runtime.device == cfg.runtime.device)
+        local = local_draft(draft.worker, cfg.runtime.device)
         if local.inline and (cfg.spec.ahead_drafting or cfg.spec.micro_batches):
             # Exact either way; on one device there is nothing for them to overlap (§ Session 26).
             log.warning("colocated_draft_nothing_to_overlap", device=cfg.runtime.device,

@@ -334,8 +334,8 @@ def start_worker_service(cfg: WorkerConfig, worker: Worker, servicer: Any,
     ``hosted``: a second worker served from the same server (loaded and captured the same way)."""
     # NOTE: the bind policy is checked before the (slow) start-up load, so a refused start is quick.
     refuse_insecure_bind(cfg.server, cfg.security, service_name)
-    for w in (worker, hosted.worker if hosted is not None else None):
-        if w is not None and w.cfg.target_path:
+    for w in [worker] + ([hosted.worker] if hosted is not None else []):
+        if w.cfg.target_path:
             _load_at_start(w)
     health_servicer = health.HealthServicer()
     bind_health(worker, health_servicer, service_name)
