@@ -79,7 +79,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", nargs="*", default=None,
                    help="services bench: round-loop variants side by side: fixed, ahead, adaptive, ahead+adaptive, "
                         "micro, micro+adaptive; colocated (the draft in the target's process), colocated+ahead, "
-                        "colocated+adaptive, colocated+micro")
+                        "colocated+adaptive, colocated+micro, colocated+host-drafts (its drafts through the host)")
 
 
 def run_bench(args: argparse.Namespace) -> int:

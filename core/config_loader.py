@@ -67,6 +67,9 @@ HELP: dict[str, str] = {
                        "(point the orchestrator's draft_address here): rounds call it directly, no exchange over "
                        "the network; one GPU for both, or draft_device",
     "draft_device": "target, with colocated_draft: the draft's device (empty = runtime.device)",
+    "colocated_device_drafts": "target, with colocated_draft on the target's device: greedy drafts go from the "
+                               "draft's propose to the verify on the device, one host synchronisation a round "
+                               "(false: through the host, two)",
     "data_plane_port": "draft: TCP port of the per-round data plane beside gRPC, on server.host, with gRPC's TLS "
                        "settings (0 = pick a free one, advertised in GetStatus; -1 = off: rounds use the gRPC "
                        "stream)",

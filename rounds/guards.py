@@ -62,6 +62,11 @@ class GuardedTarget(Guard):
 class GuardedDraft(Guard):
     deferred: Exception | None = None            # an ahead call failed after the verify committed
 
+    @property
+    def drafts_on_device(self) -> bool:
+        """The port's: its greedy drafts may stay on the device for the verify (``LocalDraft``)."""
+        return bool(getattr(self.port, "drafts_on_device", False))
+
     def prefill(self, reqs):
         return self._call(self.port.prefill, reqs, lambda q: None)
 

@@ -30,11 +30,15 @@ class LocalDraft:
     ``status`` gives the worker's status as the wire's ``WorkerStatus`` (the draft link reads
     that message from any client). ``inline``: run the draft's steps on the round loop's thread
     when the draft's device thread is idle; off when the draft is on another device than the
-    target (the loop's thread has one current device, the target's).
+    target (the loop's thread has one current device, the target's). ``drafts_on_device``
+    (inline only): greedy drafts stay on the device for the verify (``ProposeRequest.on_device``,
+    ``runtime.device_drafts``).
     """
 
-    def __init__(self, worker: Any, status: Callable[[], Any], address: str, *, inline: bool = True) -> None:
+    def __init__(self, worker: Any, status: Callable[[], Any], address: str, *, inline: bool = True,
+                 drafts_on_device: bool = False) -> None:
         self.worker, self._status, self.address, self.inline = worker, status, address, inline
+        self.drafts_on_device = inline and drafts_on_device
         self.last_compute_seconds: float | None = None
         self._pending_release: list[str] = []
         self._round = 0

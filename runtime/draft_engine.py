@@ -59,7 +59,7 @@ from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.request_checks import check_batch, check_hidden, check_token_range
 from runtime.target_engine import request_seed
-from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
+from runtime.types import DeviceDrafts, DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
 SUBSTEP = "substep"
 HEAD_PASS_WIDTHS = 4      # a head pass of a long catch-up covers this many catch-up widths (max_k + 1 each)
@@ -77,6 +77,11 @@ class _DraftRequest:
 
 
 class DraftEngine:
+    # The round driver's port question (``run_round``): may greedy drafts stay on the device for
+    # the verify? Only an owner that runs the verify in this process on this device sets it
+    # (``runtime.engine.SpecEngine``; a service's port is ``rounds.local_draft.LocalDraft``).
+    drafts_on_device = False
+
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry, ahead_drafting: bool = False,
                  fused_propose: bool = True, prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024) -> None:
@@ -369,7 +374,7 @@ class DraftEngine:
         if keep:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                            [self.cache.get(reqs[i].request_id).length + kmax - 1 for i in keep])
-        # NOTE: the only host synchronisation of a greedy propose.
+        # NOTE: the only host synchronisation of a greedy propose (none when the drafts stay on the device).
         return self._proposals(reqs, self.ops.cat([self.ops.reshape(t, (b, 1)) for t in drafts], 1))
 
     def _propose_fused(self, reqs: list[ProposeRequest], kvs: list, slots: list[int], starts: list[int], kind: str,
@@ -393,12 +398,21 @@ class DraftEngine:
         if keep:
             self._ends.keep([reqs[i].request_id for i in keep], [slots[i] for i in keep], g, tok, keep,
                            [pairs[i] + kmax - 1 for i in keep])
-        # NOTE: the only host synchronisation of a fused propose.
+        # NOTE: the only host synchronisation of a fused propose (none when the drafts stay on the device).
         return self._proposals(reqs, drafts)
 
     def _proposals(self, reqs: list[ProposeRequest], drafts) -> list[Proposal]:
         """Greedy drafts [B, kmax] (device) to the host in the engine's read-back ring, each
-        request's first k as its proposal (copied: the ring's arrays are reused)."""
+        request's first k as its proposal (copied: the ring's arrays are reused). When every
+        request lets them stay on the device (``ProposeRequest.on_device``), they stay there
+        instead: a copy of them that no later step overwrites, no host synchronisation."""
+        if all(r.on_device for r in reqs):
+            kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
+            # NOTE: copied in stream order before this call returns: the next replay of the
+            # propose graph rewrites ``drafts``, a graph's static output.
+            self.ops.copy_(kept, drafts)
+            return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(kept, i))
+                    for i, r in enumerate(reqs)]
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 

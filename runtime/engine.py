@@ -42,7 +42,10 @@ class GenResult:
 
 
 class SpecEngine:
-    def __init__(self, cfg: EngineConfig, use_draft: bool = True, fused_propose: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, use_draft: bool = True, fused_propose: bool = True,
+                 device_drafts: bool = True) -> None:
+        """``device_drafts``: greedy drafts go from the propose to the verify on the device
+        (``runtime.device_drafts``; both engines share one device here)."""
         self.cfg = cfg
         self.ops = make_ops(cfg.runtime)
         target_ck = check_target(cfg.target_path)
@@ -61,6 +64,7 @@ class SpecEngine:
                                      cfg.cache, cfg.spec.max_k, self.draft_registry, fused_propose=fused_propose,
                                      prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
                                      prefill_tokens=cfg.graphs.prefill_tokens)
+            self.draft.drafts_on_device = device_drafts
 
     def capture_graphs(self) -> None:
         self.target_registry.capture_all()

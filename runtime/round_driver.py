@@ -246,11 +246,14 @@ def detach_draft(s: Sequence) -> None:
     forget_drafts(s)
 
 
-def propose_requests(seqs: list[Sequence], ks: dict[str, int], keep_tail: dict[str, bool] | None = None
-                     ) -> list[ProposeRequest]:
-    """Each sequence's Propose: its pending catch-up pairs, then ``ks`` drafts."""
+def propose_requests(seqs: list[Sequence], ks: dict[str, int], keep_tail: dict[str, bool] | None = None,
+                     on_device: bool = False) -> list[ProposeRequest]:
+    """Each sequence's Propose: its pending catch-up pairs, then ``ks`` drafts. ``on_device``: a
+    greedy sequence's drafts may stay on the device (the draft's port says it can,
+    ``drafts_on_device``: the verify reads them there)."""
     return [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
-                           keep_tail=bool(keep_tail and keep_tail[s.request_id])) for s in seqs]
+                           keep_tail=bool(keep_tail and keep_tail[s.request_id]),
+                           on_device=on_device and s.params.greedy and not s.params.coupled) for s in seqs]
 
 
 def took_proposal(s: Sequence) -> None:
@@ -375,7 +378,11 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
                       for s in seqs} if ahead else {})
     to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
     if to_propose:
-        for s, p in zip(to_propose, draft.propose(propose_requests(to_propose, ks, greedy_drafts if ahead else None))):
+        # NOTE: drafts left on the device are read by this round's verify, queued right after
+        # the propose; never with ahead drafting (its call and its drafts are the host's).
+        on_device = not ahead and getattr(draft, "drafts_on_device", False)
+        for s, p in zip(to_propose, draft.propose(propose_requests(to_propose, ks, greedy_drafts if ahead else None,
+                                                                   on_device))):
             proposals[s.request_id] = p
             took_proposal(s)
     # NOTE: the ahead call goes out before the verify so the draft works while the target
@@ -392,9 +399,8 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     empty = np.zeros(0, dtype=np.int64)
     # Hidden rows only for the requests the draft holds (its next catch-up): a target-only
     # request's (k = 0, no draft, the draft lost) are not fetched at all.
-    vreqs = [VerifyRequest(s.request_id, proposals[s.request_id].drafts if s.request_id in proposals else empty,
-                           proposals[s.request_id].draft_probs if s.request_id in proposals else None,
-                           hidden=s.drafting)
+    vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device)
+             if (p := proposals.get(s.request_id)) is not None else VerifyRequest(s.request_id, empty, None, s.drafting)
              for s in seqs]
     results = target.verify(vreqs)
     ahead_out = _collect_ahead(collect, aheads)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import acceptance, random_stream, sampling
+from runtime import acceptance, device_drafts, random_stream, sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width)
@@ -71,6 +71,7 @@ class TargetEngine:
         self.decode_ahead = ops.device.startswith("cuda") if decode_ahead is None else decode_ahead
         self._pending: PendingStep | None = None
         self.ahead_stats = AheadStats()
+        self.device_draft_verifies = 0           # verifies that read their drafts on the device (device_drafts)
         self._ahead_gate = AheadGate()
         self._fetch_ring = ops.fetch_ring()      # a verify's read-back buffers, reused (torch_host.FetchRing)
         # Checkpoint names (views after fusing: in-place updates go through them)
@@ -299,6 +300,11 @@ class TargetEngine:
 
     def verify(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
         """One forward over [t_n, d_1..d_k] per request, then accept (DESIGN step 3-5)."""
+        on_device = None                   # (drafts tensor, its row of each request) when they stay there
+        if any(r.device is not None for r in reqs):
+            reqs, on_device = device_drafts.chain_or_fetch(
+                self.ops, reqs, lambda rid: self.requests[rid].params)
+            self.device_draft_verifies += on_device is not None
         rows, kvs, states, sampled, coupled = [], [], [], [], []
         need = 1                                   # cache rows the step reads: max position + 1
         drafted = want_hidden = False
@@ -337,32 +343,38 @@ class TargetEngine:
             self.drop_pending()
             kind = self._verify_kind if drafted else self._decode_kind
             lay = layout_rows(rows, self._widths[kind], self.cache.scratch_slot, self.cache.max_len)
+            tokens = lay.tokens if on_device is None else device_drafts.verify_tokens(self.ops, lay.tokens, *on_device)
             (hidden, best, logits), replayed = self.registry.run(kind, {
-                "tokens": lay.tokens, "write_slots": lay.write_slots,
+                "tokens": tokens, "write_slots": lay.write_slots,
                 "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
         starts = [kv.length + 1 for kv in kvs]                # the position row 0 decides
         extra, device_acc, device_coupled, logits_np = [], None, None, None
-        on_device = self.ops.sampler is not None
-        if sampled and on_device:
+        sample_on_device = self.ops.sampler is not None
+        if sampled and sample_on_device:
             extra += list(self._verify_on_device(reqs, states, starts, sampled, logits))
-        if coupled and on_device:
+        if coupled and sample_on_device:
             extra.append(self._coupled_on_device(reqs, states, starts, coupled, logits))
-        if (sampled or coupled) and not on_device:
+        if (sampled or coupled) and not sample_on_device:
             extra = [logits]
         # NOTE: one synchronisation per verify, after everything is enqueued:
         # hidden [B, k+1, d] (bf16 as bits; only when a request asks for its rows),
         # argmax [B, k+1], and the sampled rows' (a, token) and the coupled rows'
-        # choices [C, k+1] from the device sampler, or the logits for numpy. A
-        # target-only greedy batch queues its next step after these copies and
+        # choices [C, k+1] from the device sampler, or the logits for numpy; last,
+        # the drafts the draft left on the device (the round's only synchronisation).
+        # A target-only greedy batch queues its next step after these copies and
         # before the wait.
-        fetch = self.ops.to_numpy_many_async([hidden, best, *extra] if want_hidden else [best, *extra],
+        tail = [] if on_device is None else [on_device[0]]
+        fetch = self.ops.to_numpy_many_async([hidden, best, *extra, *tail] if want_hidden else [best, *extra, *tail],
                                              bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
         if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
         got = fetch()
+        if on_device is not None:
+            *got, drafts_np = got
+            reqs = device_drafts.with_drafts(reqs, drafts_np, on_device[1], lay.tokens)
         hidden_np, (best_np, *rest) = (got[0], got[1:]) if want_hidden else (None, got)
-        if on_device:
+        if sample_on_device:
             if sampled:
                 device_acc = {i: (int(a), int(tok)) for i, a, tok in zip(sampled, rest[0], rest[1])}
             if coupled:

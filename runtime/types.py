@@ -24,6 +24,7 @@ still never changed once built: a changed one is a new record (``dataclasses.rep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,17 @@ def hidden_float32(arr: np.ndarray) -> np.ndarray:
     if arr.dtype == np.uint16:
         return bf16_bits_to_float32(arr)
     return arr.astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True)
+class DeviceDrafts:
+    """Greedy drafts a draft left on its device for a verify in the same process, on that device
+    (``ProposeRequest.on_device``): row ``row`` of ``tokens``, an int64 framework tensor
+    [B, kmax] of the draft's propose that nothing else writes; its first k are the drafts. The
+    verify reads it in stream order and brings it to the host with its own outputs: one host
+    synchronisation a round instead of one after the propose and one after the verify."""
+    tokens: Any
+    row: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,7 @@ class VerifyRequest:
     draft_probs: np.ndarray | None     # float [k, V] for a probabilistic draft, None for greedy (q one-hot)
     hidden: bool = True                # the result carries the hidden rows (the draft's next catch-up);
                                        # False where the draft holds nothing of the request
+    device: DeviceDrafts | None = None  # the drafts are there (``drafts``: k zeros, their count only)
 
 
 @dataclass(slots=True)                 # built per request per round: see the module doc
@@ -89,10 +102,13 @@ class ProposeRequest:
     k: int                             # drafts wanted (>= 1)
     ahead: bool = False                # continue from the end of the last proposal (tokens/hidden unused)
     keep_tail: bool = False            # keep this proposal's end so that an ahead request can continue it
+    on_device: bool = False            # greedy drafts may stay on the device (``Proposal.device``): the
+                                       # verify runs in this process on the draft's device
 
 
 @dataclass(slots=True)                 # built per request per round: see the module doc
 class Proposal:
     request_id: str
-    drafts: np.ndarray                 # int64 [k]
+    drafts: np.ndarray                 # int64 [k] (k zeros, their count only, when ``device`` holds them)
     draft_probs: np.ndarray | None     # float32 [k, V] when the request samples its draft
+    device: DeviceDrafts | None = None  # the drafts, still on the draft's device (``ProposeRequest.on_device``)

@@ -14,7 +14,7 @@ prints the draft process's cProfile of its round messages (top N by own time, th
 scripts/draft_profile).
 With ``--colocated``: the draft worker in this process on DEVICE (``colocated_draft``: the round loop
 calls it directly; graphs of both captured) and k=3 requests; the Torch profiler pass then sees the
-draft's kernels too.
+draft's kernels too. ``--host-drafts``: its drafts through the host (``colocated_device_drafts`` off).
 With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
 prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
 then runs mostly target-only rounds with the draft holding the request).
@@ -25,7 +25,7 @@ per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
-                                          [--verify-split] [--draft-profile N] [--colocated]
+                                          [--verify-split] [--draft-profile N] [--colocated [--host-drafts]]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -199,6 +199,8 @@ def main() -> int:
                     help="with --draft: the draft process's cProfile of its round messages, top N")
     ap.add_argument("--colocated", action="store_true",
                     help="the draft worker in this process, on DEVICE (colocated_draft); not with --draft")
+    ap.add_argument("--host-drafts", action="store_true",
+                    help="with --colocated: drafts through the host (colocated_device_drafts off)")
     a = ap.parse_args()
     if a.colocated and a.draft:
         ap.error("--colocated and --draft: one draft or the other")
@@ -242,7 +244,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                        cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
                        graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig(),
-                       colocated_draft=a.colocated)
+                       colocated_draft=a.colocated, colocated_device_drafts=not a.host_drafts)
     worker = TargetWorker(cfg)
     worker.load_weights(a.model, "", "v1")
     worker.capture_graphs()

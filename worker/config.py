@@ -74,6 +74,7 @@ class WorkerConfig:
     # --- target only: host the draft worker in this process (one GPU, or two GPUs of one host) ---
     colocated_draft: bool = False        # the draft worker lives here and serves DraftService on this port
     draft_device: str = ""               # the colocated draft's device ("" = runtime.device)
+    colocated_device_drafts: bool = True  # on the target's device: greedy drafts reach the verify there
 
     def __post_init__(self) -> None:
         _check(self.role in ("draft", "target"), "role", "'draft' or 'target'", self.role)

@@ -26,12 +26,12 @@ from draft_service.server import SERVICE_NAME as DRAFT_SERVICE
 from draft_service.server import colocated
 from orchestrator.round_client import RemoteRounds
 from rounds.local_draft import LocalDraft
-from rounds.scheduler_types import FinalEvent, RequestError
+from rounds.scheduler_types import FinalEvent, GenerationRequest, RequestError
 from runtime.types import DraftPrefillRequest, ProposeRequest
 from rounds.worker_clients import TargetClient
 from specsplit.v1 import common_pb2, draft_pb2_grpc
 from tests.integration.hardening_utils import make_certs
-from tests.integration.test_round_loop import TIMEOUT, _cfg, _generate, _prompts
+from tests.integration.test_round_loop import TIMEOUT, _cfg, _drain, _generate, _prompts
 from tests.waiting import wait_until
 from worker.service import status_to_proto
 
@@ -39,13 +39,16 @@ pytestmark = pytest.mark.integration
 
 
 @contextlib.contextmanager
-def _colocated(security: SecurityConfig | None = None, client_tls: dict | None = None, **spec):
+def _colocated(security: SecurityConfig | None = None, client_tls: dict | None = None, device_drafts: bool = True,
+               **spec):
     """(rounds, the target's port, the target's service): a target hosting its draft (target spec
-    settings ``spec``, ``security``), driven as the orchestrator drives it (``client_tls``: the
-    rounds client's TLS arguments; the admin token is the process's, or ``security``'s)."""
+    settings ``spec``, ``security``, ``colocated_device_drafts``), driven as the orchestrator drives
+    it (``client_tls``: the rounds client's TLS arguments; the admin token is the process's, or
+    ``security``'s)."""
     from target_service import server as target_server
 
-    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True, security=security or SecurityConfig())
+    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True, security=security or SecurityConfig(),
+                              colocated_device_drafts=device_drafts)
     target = target_server.start(cfg, draft=colocated(cfg))
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
                           admin_token=cfg.security.admin_token or process_token(), **(client_tls or {}))
@@ -116,6 +119,27 @@ def test_the_colocated_draft_is_called_in_process_and_exact(colocated_stack):
         # Ahead drafting (on in this stack) goes through the in-process draft too.
         assert sum(f.stats.ahead_used for _, f in got) > 0
     rounds.configure("", 4, 8, TIMEOUT)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
+    """``colocated_device_drafts`` (default on): a greedy round's drafts stay on the device and
+    the verify reads them there (one host synchronisation a round); a sampled request's go
+    through the host in any case. Off: every draft through the host. Same tokens either way."""
+    with _colocated(device_drafts=on_device) as (rounds, port, target):
+        prompts = _prompts(3)
+        rounds.configure("", 4, 8, TIMEOUT)
+        ref = _generate(rounds, prompts, 3)
+        assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
+        engine = target.worker.engine
+        got = _generate(rounds, prompts, 3)
+        assert _tokens(got) == _tokens(ref) and sum(f.stats.accepted for _, f in got) > 0
+        chained = engine.device_draft_verifies
+        assert (chained > 0) == on_device
+        sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
+        _, final = _drain(rounds.submit(GenerationRequest("sampled", prompts[0], sampled, 3)))
+        assert isinstance(final, FinalEvent) and final.stats.drafted > 0
+        assert engine.device_draft_verifies == chained           # sampled: drafts through the host
 
 
 def test_micro_batches_with_the_colocated_draft_are_exact():

@@ -509,7 +509,10 @@ def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, 
 
 class _OffByOneDrafts:
     """The draft engine with every draft moved off what it proposed ((d + 1) mod 256): the target
-    rejects nearly all of them, so on an adaptive loop drafting never pays, whatever the timing."""
+    rejects nearly all of them, so on an adaptive loop drafting never pays, whatever the timing.
+    Its drafts are changed on the host, so none may stay on the device."""
+
+    drafts_on_device = False
 
     def __init__(self, draft) -> None:
         self.draft = draft

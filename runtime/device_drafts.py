@@ -1,0 +1,93 @@
+"""Greedy drafts handed from a draft to a verify on the same device, never through the host.
+
+Owns: what the target engine does with ``VerifyRequest.device`` (drafts a draft engine in this
+process left on the device, ``ProposeRequest.on_device``): whether a verify can read them
+there, the verify's token rows built on the device from them, and the requests with their
+drafts once the verify has brought them to the host beside its own outputs.
+
+Why: with the draft in the target's process on the target's device (``colocated_draft``), a
+round synchronised with the host twice: after the propose (its drafts to the host) and after
+the verify. In between the device waited while the host built the verify and launched it
+(on an H100 with the bundled model at batch 1: 0.78 ms a round, 0.46 ms of kernels). Read on
+the device, the verify is queued behind the propose at once, and the drafts come back with
+the verify's outputs: one synchronisation a round.
+
+Must not know: which framework (everything goes through ``Ops``), graphs, rounds, gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from core.params import SamplingParams
+from runtime.backends.base import Ops
+from runtime.types import VerifyRequest
+
+
+def chain_or_fetch(ops: Ops, reqs: list[VerifyRequest], params_of: Callable[[str], SamplingParams]
+                   ) -> tuple[list[VerifyRequest], tuple[Any, np.ndarray] | None]:
+    """(reqs, (drafts tensor [Bp, kmax], the tensor's row of each request)) when every drafting
+    request's drafts are rows of one device tensor and it verifies greedily (the acceptance of a
+    sampled or coupled row reads its drafts on the host before the verify's outputs are in);
+    else (the requests with their drafts brought to the host now, None): one synchronisation
+    more, then the verify of host drafts."""
+    held = [r.device for r in reqs if len(r.drafts)]
+    tensor = held[0].tokens if held and held[0] is not None else None
+    if tensor is not None and all(d is not None and d.tokens is tensor for d in held) and all(
+            params_of(r.request_id).greedy and not params_of(r.request_id).coupled for r in reqs if len(r.drafts)):
+        return reqs, (tensor, np.array([r.device.row if r.device is not None else 0 for r in reqs], np.int64))
+    fetched: dict[int, np.ndarray] = {}
+    out = []
+    for r in reqs:
+        if r.device is None:
+            out.append(r)
+            continue
+        key = id(r.device.tokens)
+        if key not in fetched:
+            fetched[key] = ops.to_numpy(r.device.tokens)
+        out.append(dataclasses.replace(r, drafts=fetched[key][r.device.row, : len(r.drafts)].astype(np.int64),
+                                       device=None))
+    return out, None
+
+
+def verify_tokens(ops: Ops, host_tokens: np.ndarray, drafts: Any, rows: np.ndarray) -> Any:
+    """The verify's tokens [B, W] on the device: column 0 (each row's last token) and the columns
+    past kmax from the host layout, columns 1..kmax from the drafts tensor (its row ``rows[i]``
+    for request i). Columns past a row's own k are its padding (written to the scratch slot,
+    outputs ignored): which drafts sit there changes nothing."""
+    width = host_tokens.shape[1]
+    n, kmax = ops.shape(drafts)[0], min(ops.shape(drafts)[1], width - 1)
+    cols = drafts if rows.tolist() == list(range(n)) else ops.index_select(drafts, _upload(ops, rows), 0)
+    parts = [_upload(ops, host_tokens[:, :1]), cols[:, :kmax]]
+    if kmax < width - 1:
+        parts.append(_upload(ops, host_tokens[:, 1 + kmax:]))
+    return ops.cat(parts, 1)
+
+
+def _upload(ops: Ops, arr: np.ndarray) -> Any:
+    """An int64 host array on the device without waiting for the device's queued work.
+    NOTE: not ``ops.from_numpy``: a CUDA copy from pageable memory waits for the stream first,
+    that is for the propose this verify is to be queued behind."""
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    out = ops.zeros(arr.shape, "int64")
+    ops.copy_from_numpy(out, arr)
+    return out
+
+
+def with_drafts(reqs: list[VerifyRequest], drafts: np.ndarray, rows: np.ndarray,
+                host_tokens: np.ndarray) -> list[VerifyRequest]:
+    """The requests with their drafts from the host copy of the drafts tensor, each also written
+    into its row of the layout's host tokens (where the greedy acceptance reads them)."""
+    out = []
+    for i, r in enumerate(reqs):
+        k = len(r.drafts)
+        if r.device is None or not k:
+            out.append(r)
+            continue
+        got = drafts[rows[i], :k].astype(np.int64)
+        host_tokens[i, 1: 1 + k] = got
+        out.append(dataclasses.replace(r, drafts=got, device=None))
+    return out
