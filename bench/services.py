@@ -35,6 +35,7 @@ from core.progress import progress
 
 _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-9.e+-]+)$')
 _POSITION = re.compile(r'^specsplit_position_drafted_total\{position="(\d+)"\} ([0-9.e+-]+)$')
+_FIRST = re.compile(r'^specsplit_time_to_first_token_seconds_(sum|count) ([0-9.e+-]+)$')
 VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive", "colocated", "colocated+ahead",
             "colocated+adaptive", "colocated+micro", "colocated+host-drafts")
 
@@ -50,7 +51,15 @@ def round_split(metrics_port: int) -> dict[str, float]:
             out[f"{m.group(2)}_{m.group(1)}"] = float(m.group(3))
         elif (m := _POSITION.match(line)):
             out[f"drafted_{m.group(1)}"] = float(m.group(2))
+        elif (m := _FIRST.match(line)):
+            out[f"first_token_{m.group(1)}"] = float(m.group(2))
     return out
+
+
+def first_token_ms(before: dict[str, float], after: dict[str, float]) -> float:
+    """Mean time to first token (ms) of the requests between two ``round_split`` readings."""
+    n = after.get("first_token_count", 0) - before.get("first_token_count", 0)
+    return round(1e3 * (after.get("first_token_sum", 0) - before.get("first_token_sum", 0)) / n, 2) if n > 0 else 0.0
 
 
 def _decode(address: str, prompts: list[str], max_tokens: int, k: int, concurrency: int, fixed_k: bool = False):
@@ -165,6 +174,7 @@ def main(args) -> int:
                     "ahead_used": f"{sum(r.ahead_used for r in spec)}/{sum(r.ahead_asked for r in spec)}",
                     "round_ms_target_only": _per_round_ms(m0, m1), "round_ms_spec": _per_round_ms(m1, m2),
                     "in_rounds_spec": in_rounds(_per_round_ms(m1, m2), t_spec),
+                    "first_token_ms_spec": first_token_ms(m1, m2), "first_token_ms_target": first_token_ms(m0, m1),
                 })
     result = {"backend": args.backend, "device": args.device, "draft_device": getattr(args, "draft_device", None)
               or args.device, "target_tp": target_tps(args), "max_tokens": args.max_tokens, "rows": rows}
@@ -173,16 +183,18 @@ def main(args) -> int:
         return 0
     print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
           f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
-    print(f"{'variant':>15s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'draft':>8s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+    print(f"{'variant':>21s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'draft':>8s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
-          f"/ total, share of wall time in rounds")
+          f"/ total, share of wall time in rounds, ms to the first token")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>15s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['draft_dtype'] or 'as-is':>8s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>21s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['draft_dtype'] or 'as-is':>8s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
-              f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}")
+              f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}, "
+              f"{r['first_token_ms_spec']:.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':>15s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
-              f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}")
+        print(f"{'':>21s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
+              f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}, first token "
+              f"{r['first_token_ms_target']:.2f} ms")
     return 0

@@ -18,6 +18,10 @@ Metrics:
     specsplit_active_requests                            gauge: requests in the batch
     specsplit_queued_requests                            gauge: requests waiting for a batch slot
     specsplit_requests_total{finish_reason, code}        finished requests by finish reason and status code
+    specsplit_time_to_first_token_seconds                histogram: a Generate's arrival to its first token
+    specsplit_request_seconds                            histogram: a finished Generate's arrival to its end
+    specsplit_time_per_output_token_seconds              histogram: a finished request's mean time per token
+                                                         after its first
     specsplit_speculation_available                      gauge: 1 when a draft is configured and reachable
     specsplit_draft_in_process                           gauge: 1 when the attached draft runs in the target's process
     specsplit_worker_up{worker}                          gauge: 1 when the worker answered its last status poll
@@ -32,6 +36,7 @@ from rounds.scheduler import RoundTiming
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LENGTH_BUCKETS = tuple(float(i) for i in range(1, 18))
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class OrchestratorMetrics:
@@ -60,6 +65,14 @@ class OrchestratorMetrics:
         self.queued = Gauge("specsplit_queued_requests", "Requests waiting for a batch slot", registry=r)
         self.requests = Counter("specsplit_requests", "Finished requests by finish reason and status code",
                                 ["finish_reason", "code"], registry=r)
+        self.first_token = Histogram("specsplit_time_to_first_token_seconds", "From a Generate call's arrival "
+                                     "to its first streamed token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("specsplit_request_seconds", "From a Generate call's arrival to its final "
+                                         "message (requests that finished: stop or length)",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.per_token = Histogram("specsplit_time_per_output_token_seconds", "A finished request's time from its "
+                                   "first token to its end over the tokens after the first", buckets=_SECONDS_BUCKETS,
+                                   registry=r)
         self.speculation = Gauge("specsplit_speculation_available",
                                  "1 when a draft is configured and reachable", registry=r)
         self.draft_in_process = Gauge("specsplit_draft_in_process",
@@ -96,6 +109,16 @@ class OrchestratorMetrics:
 
     def on_outcome(self, finish_reason: str | None, code: str) -> None:
         self.requests.labels(finish_reason or "none", code).inc()
+
+    def on_first_token(self, seconds: float) -> None:
+        self.first_token.observe(seconds)
+
+    def on_finished(self, seconds: float, after_first: float, tokens: int) -> None:
+        """A request that finished (stop or length): ``seconds`` since its arrival, ``after_first``
+        since its first token, ``tokens`` streamed in all."""
+        self.request_seconds.observe(seconds)
+        if tokens > 1:
+            self.per_token.observe(after_first / (tokens - 1))
 
     def on_load(self, active: int, queued: int) -> None:
         self.active.set(active)

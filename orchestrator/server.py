@@ -299,6 +299,7 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
             code=code_pb2.UNAVAILABLE, message=message, details=[detail])))
 
     def Generate(self, request: opb.GenerateRequest, context: grpc.ServicerContext):
+        arrived = time.perf_counter()
         core = self.core
         rlog = log.bind(request_id=request.request_id or None)
         if core.draining:
@@ -320,12 +321,14 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
                 self._reject(context, _bad(f"request_id: {greq.request_id!r} is already active"), rlog)
             self._active_ids.add(greq.request_id)
         try:
-            yield from self._stream(greq, context, rlog, tuple(request.stop))
+            yield from self._stream(greq, context, rlog, tuple(request.stop), arrived)
         finally:
             with self._ids_lock:
                 self._active_ids.discard(greq.request_id)
 
-    def _stream(self, greq: GenerationRequest, context: grpc.ServicerContext, rlog: Any, stops: tuple[str, ...]):
+    def _stream(self, greq: GenerationRequest, context: grpc.ServicerContext, rlog: Any, stops: tuple[str, ...],
+                arrived: float):
+        """The request's events as Generate messages; ``arrived``: when its call came (latency metrics)."""
         try:
             handle = self.core.scheduler.submit(greq)
         except QueueFull as exc:
@@ -341,6 +344,7 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
         texts: list[str] = []
         version = ""
         n_out = 0
+        first = 0.0                                         # when the first token went out
         while True:
             ev = handle.next_event(EVENT_POLL_S)
             if ev is None:
@@ -366,6 +370,9 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
                 if not tokens:
                     continue
                 texts.append(text)
+                if not n_out:
+                    first = time.perf_counter()
+                    self.core.metrics.on_first_token(first - arrived)
                 n_out += len(tokens)
                 version = ev.weights_version
                 yield opb.GenerateResponse(chunk=opb.TokenChunk(
@@ -390,6 +397,8 @@ class OrchestratorServicer(ReloadServicerMixin, orchestrator_pb2_grpc.Orchestrat
                     usage=opb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=len(ev.output)),
                     stats=_stats_proto(ev.stats), weights_version=ev.weights_version, text="".join(texts),
                     request_id=greq.request_id))
+                end = time.perf_counter()
+                self.core.metrics.on_finished(end - arrived, end - first if n_out else 0.0, n_out)
                 return
 
     def GetStatus(self, request: common_pb2.GetStatusRequest, context: grpc.ServicerContext) -> opb.ClusterStatus:

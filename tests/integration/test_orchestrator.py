@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -478,6 +479,13 @@ def test_status_health_reflection_metrics_and_reload_checks_its_request(orch, cl
                  'specsplit_requests_total{code="INVALID_ARGUMENT",finish_reason="none"}',
                  'specsplit_worker_up{worker="draft"} 1.0', "specsplit_speculation_available 1.0"):
         assert name in text, name
+    # Latency: the finished request above has its time to first token, its whole time and its
+    # time per token after the first (a 30-token request: 29 of them).
+    for name in ("specsplit_time_to_first_token_seconds", "specsplit_request_seconds",
+                 "specsplit_time_per_output_token_seconds"):
+        count = re.search(rf"^{name}_count (\S+)$", text, re.M)
+        total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
+        assert count and float(count.group(1)) >= 1 and total and float(total.group(1)) > 0, name
 
 
 def test_target_only_orchestrator(model_dir, reference):
