@@ -7,7 +7,8 @@
 #                                              # drafts on the device), then the round host at batch 1 and 8: drafts
 #                                              # through the host against on the device, then a Torch profiler pass
 #                                              # of each at batch 1; then bench services fixed / colocated+host-drafts
-#                                              # / colocated at batch 1 and 8
+#                                              # / colocated at batch 1 and 8; then the propose and fast-path
+#                                              # gpu tests (the in-process engine's drafts on the device too)
 #   bash bench/gpu_session27.sh OUT_DIR peer   # bench peer --small --colocated-draft --batch 1 8 (the engine's and the
 #                                              # colocated services' drafts on the device now)
 #   bash bench/gpu_session27.sh OUT_DIR tests  # every one-GPU test file (-m gpu)
@@ -24,8 +25,11 @@ if [ "$mode" = chain ]; then
   HEAD=3 probe host_drafts_b8 60 8 128 --outbox --colocated --host-drafts
   HEAD=3 probe device_drafts_b8 60 8 128 --outbox --colocated
   HEAD=40 probe device_drafts_b1_profile 90 1 128 --outbox --colocated --torch-profile 12
-  [ "$(left)" -gt 100 ] && svc services_chain "$(left)" --device cuda:0 --batch 1 8 \
+  [ "$(left)" -gt 100 ] && svc services_chain "$(( $(left) - 60 ))" --device cuda:0 --batch 1 8 \
     --variants fixed colocated+host-drafts colocated
+  [ "$(left)" -gt 30 ] && timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_propose_gpu.py \
+    tests/gpu/test_fastpath_gpu.py 2>&1 | tee "$out/gpu_tests_engine.log" | grep -E "passed|failed|error|Error|assert" \
+    | tail -8
 elif [ "$mode" = peer ]; then
   timeout "$(left)" python3 -m specsplit bench peer --small --device cuda:0 --colocated-draft --batch 1 8 2>&1 \
     | quiet | tee "$out/peer.txt" | tail -12
