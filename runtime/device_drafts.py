@@ -61,9 +61,10 @@ def verify_tokens(ops: Ops, host_tokens: np.ndarray, drafts: Any, rows: np.ndarr
     width = host_tokens.shape[1]
     n, kmax = ops.shape(drafts)[0], min(ops.shape(drafts)[1], width - 1)
     cols = drafts if rows.tolist() == list(range(n)) else ops.index_select(drafts, _upload(ops, rows), 0)
-    parts = [_upload(ops, host_tokens[:, :1]), cols[:, :kmax]]
+    host = _upload(ops, host_tokens)                               # one upload; its columns around the drafts
+    parts = [host[:, :1], cols[:, :kmax]]
     if kmax < width - 1:
-        parts.append(_upload(ops, host_tokens[:, 1 + kmax:]))
+        parts.append(host[:, 1 + kmax:])
     return ops.cat(parts, 1)
 
 
