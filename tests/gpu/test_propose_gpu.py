@@ -138,5 +138,7 @@ def test_engine_with_fused_propose_equals_target_only(tmp_path):
     out = eng.generate(reqs, max_batch=4)
     assert [r.tokens for r in out] == [r.tokens for r in reference]
     assert eng.draft.fused_proposes > 0
+    assert eng.target.device_draft_verifies > 0                  # the drafts reached the verify on the device
     print(f"\n[gpu] engine with fused propose == target-only for {len(reqs)} requests; "
-          f"{eng.draft.fused_proposes} fused proposes, draft replays {eng.draft_registry.stats.replays}")
+          f"{eng.draft.fused_proposes} fused proposes, draft replays {eng.draft_registry.stats.replays}, "
+          f"{eng.target.device_draft_verifies} verifies of drafts on the device")
