@@ -13,6 +13,8 @@
 #                                              # colocated services' drafts on the device now)
 #   bash bench/gpu_session27.sh OUT_DIR tests  # every one-GPU test file (-m gpu) but the loop and reload files
 #                                              # (session 27 ran those on this code), within 470 s
+#   bash bench/gpu_session27.sh OUT_DIR interval  # bench services --variants colocated --stream-interval 1 4: does the
+#                                              # target's Decode handler, sending a message a round, slow the round?
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -38,6 +40,8 @@ elif [ "$mode" = tests ]; then
   timeout "$(left 470)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_loop_gpu.py \
     --ignore tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" \
     | tail -20
+elif [ "$mode" = interval ]; then
+  svc services_interval "$(left)" --device cuda:0 --batch 1 8 --variants colocated --stream-interval 1 4
 else
   echo "unknown mode $mode"; exit 2
 fi

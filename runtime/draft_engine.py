@@ -408,8 +408,9 @@ class DraftEngine:
         instead: a copy of them that no later step overwrites, no host synchronisation."""
         if all(r.on_device for r in reqs):
             kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
-            # NOTE: copied in stream order before this call returns: the next replay of the
-            # propose graph rewrites ``drafts``, a graph's static output.
+            # NOTE: the copy is queued right behind the replay, before this call returns: the
+            # next replay of the propose graph rewrites ``drafts`` (a graph's static output)
+            # only after it, in stream order.
             self.ops.copy_(kept, drafts)
             return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(kept, i))
                     for i, r in enumerate(reqs)]
