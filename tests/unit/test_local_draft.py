@@ -10,6 +10,7 @@ import pytest
 from core.config import ConfigError
 from core.params import SamplingParams
 from core.wire import item_error_for
+from rounds.guards import GuardedDraft
 from rounds.local_draft import LocalDraft
 from rounds.scheduler_types import ItemFailures, RequestError
 from runtime.config import RuntimeConfig
@@ -102,6 +103,17 @@ def test_another_device_is_never_run_on_the_round_loops_thread():
     d = LocalDraft(w, lambda: None, "in-process", inline=False)
     d.propose([_propose("a")])
     assert w.calls == [("propose", ("a",), False)]
+
+
+def test_drafts_stay_on_the_device_only_on_the_targets_device():
+    """The round asks for drafts on the device only of a port that says so: an in-process draft
+    on the target's device that is allowed to (``colocated_device_drafts``), as the round's guard
+    passes it on; on another device, or over the network, never."""
+    on = LocalDraft(_Worker(), lambda: None, "in-process", inline=True, drafts_on_device=True)
+    other_device = LocalDraft(_Worker(), lambda: None, "in-process", inline=False, drafts_on_device=True)
+    switched_off = LocalDraft(_Worker(), lambda: None, "in-process", inline=True)
+    assert on.drafts_on_device and not other_device.drafts_on_device and not switched_off.drafts_on_device
+    assert GuardedDraft(on, {}).drafts_on_device and not GuardedDraft(object(), {}).drafts_on_device
 
 
 def test_refused_items_and_failed_calls_are_what_a_remote_draft_gives():
