@@ -84,9 +84,9 @@ def test_the_engine_with_drafts_on_the_device_gives_target_only_tokens(backend):
     prompts = [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:4]]
 
     def engine(on_device: bool) -> SpecEngine:
-        return SpecEngine(EngineConfig(str(TINY), runtime=RuntimeConfig(backend=backend),
-                                       spec=SpecConfig(max_k=3, default_k=3), cache=CacheConfig(max_slots=8, max_len=512)),
-                          device_drafts=on_device)
+        cfg = EngineConfig(str(TINY), runtime=RuntimeConfig(backend=backend), spec=SpecConfig(max_k=3, default_k=3),
+                           cache=CacheConfig(max_slots=8, max_len=512))
+        return SpecEngine(cfg, device_drafts=on_device)
 
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     mixed_k = [GenRequest(f"g{i}", p, greedy, 1 + i % 3) for i, p in enumerate(prompts)]
