@@ -197,4 +197,7 @@ def main(args) -> int:
         print(f"{'':>21s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}, first token "
               f"{r['first_token_ms_target']:.2f} ms")
+    if any(v.startswith("colocated") and "host-drafts" not in v and "ahead" not in v for v in variants):
+        print("colocated rows: greedy drafts reach the verify on the device (colocated_device_drafts): on a GPU a "
+              "round's draft part is the host's share of the propose, its kernels are timed in the target part")
     return 0
