@@ -37,7 +37,7 @@ def chain_or_fetch(ops: Ops, reqs: list[VerifyRequest], params_of: Callable[[str
     held = [r.device for r in reqs if len(r.drafts)]
     tensor = held[0].tokens if held and held[0] is not None else None
     if tensor is not None and all(d is not None and d.tokens is tensor for d in held) and all(
-            params_of(r.request_id).greedy and not params_of(r.request_id).coupled for r in reqs if len(r.drafts)):
+            params_of(r.request_id).greedy for r in reqs if len(r.drafts)):
         return reqs, (tensor, np.array([r.device.row if r.device is not None else 0 for r in reqs], np.int64))
     fetched: dict[int, np.ndarray] = {}
     out = []

@@ -253,7 +253,7 @@ def propose_requests(seqs: list[Sequence], ks: dict[str, int], keep_tail: dict[s
     ``drafts_on_device``: the verify reads them there)."""
     return [ProposeRequest(s.request_id, s.draft_pairs, s.pending_tokens, s.pending_hidden, ks[s.request_id],
                            keep_tail=bool(keep_tail and keep_tail[s.request_id]),
-                           on_device=on_device and s.params.greedy and not s.params.coupled) for s in seqs]
+                           on_device=on_device and s.params.greedy) for s in seqs]
 
 
 def took_proposal(s: Sequence) -> None:

@@ -88,9 +88,9 @@ class LocalTarget:
 def local_draft(worker: Any, target_device: str) -> LocalDraft:
     """The round loop's port to a draft worker in this process (``colocated_draft``)."""
     # NOTE: inline only on the target's device: the round loop's thread keeps one current device.
-    inline = worker.cfg.runtime.device == target_device
-    return LocalDraft(worker, lambda: status_to_proto(worker.status()), "in-process", inline=inline,
-                      drafts_on_device=inline and worker.cfg.colocated_device_drafts)
+    return LocalDraft(worker, lambda: status_to_proto(worker.status()), "in-process",
+                      inline=worker.cfg.runtime.device == target_device,
+                      drafts_on_device=worker.cfg.colocated_device_drafts)
 
 
 @dataclass(frozen=True)
