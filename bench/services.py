@@ -4,7 +4,8 @@ Owns: for each variant of the target's round loop (``fixed``: k drafts every
 round; ``ahead``: ahead drafting; ``adaptive``: adaptive k; ``ahead+adaptive``;
 ``micro``: two micro-batches overlapped; ``micro+adaptive``; ``colocated``: the draft in the
 target's process, alone or with ``ahead``, ``adaptive`` or ``micro``; ``colocated+host-drafts``:
-its drafts through the host, ``colocated_device_drafts`` off), each target
+its drafts through the host, ``colocated_device_drafts`` off; ``colocated+no-round-ahead``: no
+round queued ahead, ``graphs.round_ahead`` off), each target
 TP size (``--tp``), each orchestrator ``stream_interval`` (``--stream-interval``) and
 each workers' ``data_plane_poll_us`` (``--poll-us``)
 one stack (draft, target, orchestrator as separate processes on loopback,
@@ -37,7 +38,7 @@ _SAMPLE = re.compile(r'^specsplit_round_seconds_(sum|count)\{part="(\w+)"\} ([0-
 _POSITION = re.compile(r'^specsplit_position_drafted_total\{position="(\d+)"\} ([0-9.e+-]+)$')
 _FIRST = re.compile(r'^specsplit_time_to_first_token_seconds_(sum|count) ([0-9.e+-]+)$')
 VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adaptive", "colocated", "colocated+ahead",
-            "colocated+adaptive", "colocated+micro", "colocated+host-drafts")
+            "colocated+adaptive", "colocated+micro", "colocated+host-drafts", "colocated+no-round-ahead")
 
 
 def round_split(metrics_port: int) -> dict[str, float]:
@@ -113,6 +114,8 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
         extra += ("--data-plane-poll-us", str(poll_us))
     if "host-drafts" in variant:                 # the colocated draft's drafts through the host
         extra += ("--no-colocated-device-drafts",)
+    if "no-round-ahead" in variant:              # no greedy round queued ahead (runtime/round_ahead.py)
+        extra += ("--no-graphs-round-ahead",)
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
                         ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,

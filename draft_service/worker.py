@@ -43,9 +43,23 @@ class DraftWorker(Worker):
 
     def _new_engine(self, model_cfg: ModelConfig, params: dict[str, Any]) -> DraftEngine:
         g = self.cfg.graphs
-        return DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
-                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=g.fused_propose,
-                           prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
+        eng = DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
+                          ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=g.fused_propose,
+                          prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
+        eng.next_guard = self._next_guard(eng)
+        return eng
+
+    def _next_guard(self, eng: DraftEngine) -> Callable[[Callable[[], Any]], Any]:
+        """How a target in this process queues the next round's propose on ``eng``
+        (runtime/round_ahead.py): on the caller's thread while this worker's device thread is
+        idle and ``eng`` still serves here; otherwise not at all (None).
+        NOTE: never beside this worker's own device work: a reload tears the graphs down on the
+        device thread, and a replay from another thread then would read what it frees."""
+        def guard(fn: Callable[[], Any]) -> Any:
+            def work() -> Any:
+                return fn() if self.engine is eng and self.lifecycle.serving else None
+            return self.device.try_run(work)
+        return guard
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------
     def propose(self, items: list[ProposeRequest | ItemError], round_: int = 0,

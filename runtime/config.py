@@ -226,6 +226,10 @@ class GraphConfig:
     # this one's tokens (runtime/decode_ahead.py); on CUDA only (no effect on a CPU, where
     # nothing would overlap) and never on a tensor-parallel target.
     decode_ahead: bool = True
+    # Greedy speculative rounds whose drafts stay on the device (a draft in the target's process,
+    # on its device) queue their next round, propose and verify, before the host reads this
+    # one's tokens (runtime/round_ahead.py); on CUDA only, as decode_ahead.
+    round_ahead: bool = True
     # Prefills replay a graph captured per (prompt width, batch bucket), the prompt padded to
     # the smallest width that holds it: an eager prefill runs every op of every layer from
     # Python (6.7 ms for an 8-token prompt of the bundled model on an H200, 0.7 ms from a

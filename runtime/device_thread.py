@@ -124,6 +124,19 @@ class DeviceThread:
             self._busy.release()                    # jobs are queued: they go first, this one after them
         return self.submit(fn)()
 
+    def try_run(self, fn: Callable[[], T]) -> T | None:
+        """``fn()`` now, on the calling thread, when ``run(fn, inline=True)`` would run it there
+        (the device thread idle, nothing queued, this thread allowed); else None, without
+        running or waiting (work that is worth doing only at once: a round queued ahead)."""
+        me = threading.get_ident()
+        if me == self._ident or me == self._inline_owner:
+            return fn()
+        if self._may_inline() and self._busy.acquire(blocking=False):
+            if self._pending[0] == 0:
+                return self._run_inline(me, fn)     # releases _busy
+            self._busy.release()
+        return None
+
     def submit(self, fn: Callable[[], T]) -> Callable[[], T]:
         """Queue ``fn`` on the device thread and return at once; the returned function waits for
         it and returns its result (or raises its exception). Call that function exactly once.

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,6 +58,7 @@ from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.request_checks import check_batch, check_hidden, check_token_range
+from runtime.round_ahead import NextPropose, catchup_inputs
 from runtime.target_engine import request_seed
 from runtime.types import DeviceDrafts, DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
@@ -129,6 +130,12 @@ class DraftEngine:
         # Ahead drafting: the end of each request's last proposal (runtime/draft_ahead.py).
         self._ends = KeptEnds(ops, cache_cfg.max_slots, cfg.hidden_size)
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
+        # The next round's propose, queued on the device by the target's verify (runtime/round_ahead.py).
+        self._next: NextPropose | None = None
+        self.next_taken = 0              # proposes answered with drafts queued ahead
+        # How a target in this process runs ``queue_next``: directly (the in-process engine), or
+        # the owning worker's guard (its device thread idle, weights serving; else nothing runs).
+        self.next_guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
 
     def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
               max_batch: int | None = None, fn: Any = None) -> StepKind:
@@ -223,6 +230,7 @@ class DraftEngine:
 
     def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
         """Allocate each request and write its prompt pairs (h_0,t_1)..(h_{m-1},t_m)."""
+        self._next = None
         for r in reqs:
             if self.cache.has(r.request_id):
                 raise ValueError(f"request_id {r.request_id!r} is already active")
@@ -275,6 +283,9 @@ class DraftEngine:
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
         """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state.
         Ahead items (``ProposeRequest.ahead``) continue from their last proposal instead."""
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.matches(reqs):
+            return self._take_next(nxt, reqs)
         ahead = [r for r in reqs if r.ahead]
         if ahead:
             normal = [r for r in reqs if not r.ahead]
@@ -412,7 +423,7 @@ class DraftEngine:
             # next replay of the propose graph rewrites ``drafts`` (a graph's static output)
             # only after it, in stream order.
             self.ops.copy_(kept, drafts)
-            return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(kept, i))
+            return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(kept, i, self))
                     for i, r in enumerate(reqs)]
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
@@ -496,7 +507,59 @@ class DraftEngine:
             return sampling.coupled_token(q, random_stream.gumbel(req.seed, position, q.shape[-1])), None
         return sampling.sample_token(q, random_stream.uniform(req.seed, position, random_stream.PURPOSE_DRAFT)), q
 
+    # --- the next round queued on the device (runtime/round_ahead.py) ------------------------
+    def queue_next(self, ids: tuple[str, ...], a, best, hidden, k: int) -> NextPropose | None:
+        """Queue the next round's propose of ``ids`` (k drafts each) on the catch-up of their
+        accepted rows: ``a`` [B] the accepted counts, ``best`` [B, W] the verify's argmax and
+        ``hidden`` [B, W, d] its hidden rows (device tensors of the target in this process).
+        None when it would not replay the ``propose{k}`` graph the host path would (a request
+        unknown or drafting on the host, the cache too short, a context span that depends on
+        the counts), or when the owner's guard declines (``next_guard``)."""
+        return self.next_guard(lambda: self._queue_next(ids, a, best, hidden, k))
+
+    def _queue_next(self, ids: tuple[str, ...], a, best, hidden, k: int) -> NextPropose | None:
+        self._next = None
+        if self._fused is None or not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
+            return None
+        if any(self.requests[rid].on_host for rid in ids):
+            return None
+        states = [self.cache.get(rid) for rid in ids]
+        pairs = [st.length for st in states]
+        top, kind = max(pairs), propose_kind_name(k)
+        # NOTE: as ``propose`` decides: the catch-up's a + 1 pairs end at P + a + 1, its last
+        # substep reads P + a + k rows; for every a in 0..k all of it must sit in one span, the
+        # span the host path would pick whatever a turns out to be.
+        lo, hi = top + 1, top + 2 * k
+        if (top + 2 * k + 1 > self.cache.max_len or not self._fused.one_span(lo, hi)
+                or not self.registry.can_replay(kind, len(ids), hi)):
+            return None
+        inputs = catchup_inputs(self.ops, a, best, hidden, [st.slot for st in states], pairs, k, self.catchup_width,
+                                self.cache.scratch_slot)
+        (drafts, _g, _tok), replayed = self.registry.run(kind, inputs, need=hi)
+        if not replayed:
+            return None
+        kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
+        self.ops.copy_(kept, drafts)           # NOTE: queued before any later replay rewrites ``drafts``
+        self._next = NextPropose(tuple(ids), tuple(pairs), k, kept)
+        return self._next
+
+    def _take_next(self, nxt: NextPropose, reqs: list[ProposeRequest]) -> list[Proposal]:
+        """Answer a propose with the drafts queued for it (``NextPropose.matches``): its catch-up
+        pairs are written (the queued step wrote them), so the cache counts them."""
+        for r, p in zip(reqs, nxt.pairs):
+            self._ends.forget(r.request_id)
+            self.cache.get(r.request_id).length = p + len(r.tokens)
+        self.fused_proposes += 1
+        self.next_taken += 1
+        return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(nxt.drafts, i, self))
+                for i, r in enumerate(reqs)]
+
+    def drop_pending(self) -> None:
+        """Forget a propose queued for the next round (graphs cleared, weights changed)."""
+        self._next = None
+
     def release(self, request_id: str) -> bool:
+        self._next = None
         self.requests.pop(request_id, None)
         self._ends.forget(request_id)
         return self.cache.free(request_id)

@@ -54,6 +54,7 @@ class SpecEngine:
         self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
                                    cfg.cache, cfg.spec.max_k, self.target_registry,
                                    decode_ahead=None if cfg.graphs.decode_ahead else False,
+                                   round_ahead=None if cfg.graphs.round_ahead else False,
                                    prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
                                    prefill_tokens=cfg.graphs.prefill_tokens)
         self.draft: DraftEngine | None = None

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import acceptance, device_drafts, random_stream, sampling
+from runtime import acceptance, device_drafts, random_stream, round_ahead, sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width)
@@ -64,13 +64,20 @@ def request_seed(params: SamplingParams) -> int:
 class TargetEngine:
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry, decode_ahead: bool | None = None,
-                 prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024) -> None:
+                 prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024,
+                 round_ahead: bool | None = None) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
-        # Target-only greedy rounds queue their next step ahead (runtime/decode_ahead.py).
+        # Target-only greedy rounds queue their next step ahead (runtime/decode_ahead.py), and
+        # greedy rounds whose drafts stay on the device their next round (runtime/round_ahead.py).
         # None: on CUDA only (on a CPU the "graph" is the step itself, nothing overlaps).
-        self.decode_ahead = ops.device.startswith("cuda") if decode_ahead is None else decode_ahead
+        on_gpu = ops.device.startswith("cuda")
+        self.decode_ahead = on_gpu if decode_ahead is None else decode_ahead
+        self.round_ahead = on_gpu if round_ahead is None else round_ahead
         self._pending: PendingStep | None = None
+        self._next_round: round_ahead.PendingRound | None = None
         self.ahead_stats = AheadStats()
+        self.round_stats = AheadStats()          # rounds queued ahead: launched / used / dropped
+        self._round_gate = AheadGate()
         self.device_draft_verifies = 0           # verifies that read their drafts on the device (device_drafts)
         self._ahead_gate = AheadGate()
         self._fetch_ring = ops.fetch_ring()      # a verify's read-back buffers, reused (torch_host.FetchRing)
@@ -333,17 +340,25 @@ class TargetEngine:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
         pending = self._pending
-        if pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
+        chained = self._take_round(ids, rows, reqs, on_device)
+        tokens_dev = None                          # the verify's token rows on the device (drafts there)
+        if chained is not None:
+            self._drop_step()
+            hidden, best, logits = chained.outputs     # queued by the previous verify (runtime/round_ahead.py)
+            tokens_dev, replayed = chained.tokens, True
+            lay = layout_rows(rows, self._widths[self._verify_kind], self.cache.scratch_slot, self.cache.max_len)
+        elif pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
             self._pending = None
             hidden, best, logits = pending.outputs         # queued by the previous verify (no drafts: matches)
             replayed = True
             self.ahead_stats.used += 1
             self._ahead_gate.record(True)
         else:
-            self.drop_pending()
+            self._drop_step()
             kind = self._verify_kind if drafted else self._decode_kind
             lay = layout_rows(rows, self._widths[kind], self.cache.scratch_slot, self.cache.max_len)
             tokens = lay.tokens if on_device is None else device_drafts.verify_tokens(self.ops, lay.tokens, *on_device)
+            tokens_dev = None if on_device is None else tokens
             (hidden, best, logits), replayed = self.registry.run(kind, {
                 "tokens": tokens, "write_slots": lay.write_slots,
                 "positions": lay.positions, "read_slots": lay.read_slots}, need=need)
@@ -363,13 +378,23 @@ class TargetEngine:
         # the drafts the draft left on the device (the round's only synchronisation).
         # A target-only greedy batch queues its next step after these copies and
         # before the wait.
-        tail = [] if on_device is None else [on_device[0]]
+        # With the drafts' source able to queue a propose (the draft in this process), a greedy
+        # round of one k also queues the next round (runtime/round_ahead.py), from the accepted
+        # counts computed here on the device; they come back last, beside the host's own.
+        k0 = len(reqs[0].drafts)
+        source = reqs[0].device.source if on_device is not None and reqs[0].device is not None else None
+        chain = (source is not None and self.round_ahead and replayed and k0 >= 1 and not (sampled or coupled)
+                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self._round_gate.allow())
+        counts = round_ahead.accepted_counts(self.ops, tokens_dev, best, k0) if chain else None
+        tail = ([] if on_device is None else [on_device[0]]) + ([counts] if chain else [])
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra, *tail] if want_hidden else [best, *extra, *tail],
                                              bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
         if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
+        queued = self._queue_round(ids, rows, counts, hidden, best, k0, source) if chain else None
         got = fetch()
+        counts_np = got.pop() if chain else None
         if on_device is not None:
             *got, drafts_np = got
             reqs = device_drafts.with_drafts(reqs, drafts_np, on_device[1], lay.tokens)
@@ -418,7 +443,62 @@ class TargetEngine:
             req.last_token = acc.tokens[-1]
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens),
                                     hidden_np[i, : a + 1].copy() if r.hidden else None))
+        if queued is not None:
+            # NOTE: settled only when the device's counts are the host's (they are by construction;
+            # a queued round that assumed other counts is dropped, never taken).
+            if counts_np.tolist() == [res.num_accepted for res in out]:
+                queued.settle([kv.length for kv in kvs], [res.tokens for res in out])
+                self._next_round = queued
+            else:
+                self._round_dropped()
         return out
+
+    # --- the next round queued ahead (runtime/round_ahead.py) ---------------------------------
+    def _queue_round(self, ids: tuple[str, ...], rows: list[Row], counts, hidden, best, k: int,
+                     source) -> round_ahead.PendingRound | None:
+        """Queue the next round of these rows (k drafts each): the draft's propose (``source``,
+        the draft engine that made this round's drafts) and the verify of its drafts, at the
+        lengths the accepted ``counts`` give. None when the verify would not replay the graph
+        the host path would run (the cache too short, a span that depends on the counts) or the
+        draft declined."""
+        b, kind = len(rows), self._verify_kind
+        top = max(r.start for r in rows)
+        # NOTE: the next verify reads up to n + a + k + 2 rows for a in 0..k: one span for all of
+        # them, the one the host path picks whatever the counts are.
+        lo, hi = top + k + 2, top + 2 * k + 2
+        step = self.registry.kinds[kind]
+        if (hi > self.cache.max_len or self.registry.span_for(step, lo) != self.registry.span_for(step, hi)
+                or not self.registry.can_replay(kind, b, hi)):
+            return None
+        nxt = source.queue_next(ids, counts, best, hidden, k)
+        if nxt is None:
+            return None
+        inputs = round_ahead.verify_inputs(self.ops, counts, best, nxt.drafts, [r.slot for r in rows],
+                                           [r.start for r in rows], k, self._widths[kind], self.cache.scratch_slot)
+        outputs, replayed = self.registry.run(kind, inputs, need=hi)
+        if not replayed:
+            return None
+        self.round_stats.launched += 1
+        return round_ahead.PendingRound(ids, k, inputs["tokens"], tuple(outputs), nxt, counts)
+
+    def _take_round(self, ids: tuple[str, ...], rows: list[Row], reqs: list[VerifyRequest],
+                    on_device: tuple | None) -> round_ahead.PendingRound | None:
+        """The round queued for this verify, when it is this verify (``PendingRound.matches``:
+        the same requests at the lengths it assumed, the drafts it queued, in their order)."""
+        chained, self._next_round = self._next_round, None
+        if chained is None:
+            return None
+        if on_device is not None and on_device[1].tolist() == list(range(len(reqs))) and chained.matches(
+                ids, tuple(r.start for r in rows), on_device[0], [len(r.drafts) for r in reqs]):
+            self.round_stats.used += 1
+            self._round_gate.record(True)
+            return chained
+        self._round_dropped()
+        return None
+
+    def _round_dropped(self) -> None:
+        self.round_stats.dropped += 1
+        self._round_gate.record(False)
 
     def _queue_next(self, reqs: list[VerifyRequest], rows: list[Row], best) -> PendingStep | None:
         """Queue the next target-only step of these rows (runtime/decode_ahead.py): each row's
@@ -442,7 +522,13 @@ class TargetEngine:
         return PendingStep(tuple(r.request_id for r in reqs), tuple(r.start for r in nxt), tuple(outputs))
 
     def drop_pending(self) -> None:
-        """Forget a step queued ahead: the engine's state changes (prefill, release, new weights)."""
+        """Forget a step or round queued ahead: the engine's state changes (prefill, release, new weights)."""
+        self._drop_step()
+        if self._next_round is not None:
+            self._next_round = None
+            self._round_dropped()
+
+    def _drop_step(self) -> None:
         if self._pending is not None:
             self._pending = None
             self.ahead_stats.dropped += 1

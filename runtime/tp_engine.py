@@ -46,7 +46,7 @@ class TPTargetEngine(TargetEngine):
         # and the other ranks take host inputs only (target_service/tp_worker.py).
         # Prefill graphs replay through the registry: rank 0's announcing registry hands each
         # replay to the other ranks as it does the verify's (target_service/tp_worker.py).
-        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry, decode_ahead=False,
+        super().__init__(ops, plan.local_cfg(), params, cache_cfg, max_k, registry, decode_ahead=False, round_ahead=False,
                          prefill_widths=prefill_widths, prefill_tokens=prefill_tokens)
         self.full_cfg: ModelConfig = plan.cfg
         a, b = plan.vocab_rows

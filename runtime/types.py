@@ -46,9 +46,12 @@ class DeviceDrafts:
     (``ProposeRequest.on_device``): row ``row`` of ``tokens``, an int64 framework tensor
     [B, kmax] of the draft's propose that nothing else writes; its first k are the drafts. The
     verify reads it in stream order and brings it to the host with its own outputs: one host
-    synchronisation a round instead of one after the propose and one after the verify."""
+    synchronisation a round instead of one after the propose and one after the verify.
+    ``source``: the draft engine that made them, which may queue the next round's propose on the
+    device (``queue_next``, runtime/round_ahead.py); None: it cannot."""
     tokens: Any
     row: int
+    source: Any = None
 
 
 @dataclass(frozen=True)

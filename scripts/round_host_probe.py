@@ -199,6 +199,8 @@ def main() -> int:
                     help="with --draft: the draft process's cProfile of its round messages, top N")
     ap.add_argument("--colocated", action="store_true",
                     help="the draft worker in this process, on DEVICE (colocated_draft); not with --draft")
+    ap.add_argument("--no-round-ahead", action="store_true",
+                    help="with --colocated: no greedy round queued ahead (graphs.round_ahead off)")
     ap.add_argument("--host-drafts", action="store_true",
                     help="with --colocated: drafts through the host (colocated_device_drafts off)")
     a = ap.parse_args()
@@ -242,7 +244,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                        runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
                        spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive),
                        cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
-                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8)), capture_on_start=True,
+                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8), round_ahead=not a.no_round_ahead),
+                       capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig(),
                        colocated_draft=a.colocated, colocated_device_drafts=not a.host_drafts)
     worker = TargetWorker(cfg)
@@ -299,7 +302,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         print(f"{label}: batch {a.batch} {sum(counts) / dt:.1f} tok/s; {r} rounds, round wall "
               f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, draft {1e3 * (tm.draft_s - d0) / r:.3f}, target "
               f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
-              f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}")
+              f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}; "
+              f"rounds queued ahead {worker.engine.round_stats}")
         if label == "profiled":
             from bench.profile_round import _host_summary, _kernel_summary
             got = _kernel_summary(prof, dt, a.torch_profile)

@@ -124,18 +124,26 @@ def test_the_colocated_draft_is_called_in_process_and_exact(colocated_stack):
 @pytest.mark.parametrize("on_device", [True, False])
 def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
     """``colocated_device_drafts`` (default on): a greedy round's drafts stay on the device and
-    the verify reads them there (one host synchronisation a round); a sampled request's go
-    through the host in any case. Off: every draft through the host. Same tokens either way."""
+    the verify reads them there (one host synchronisation a round), and the round after it is
+    queued ahead (switched on here, as on a GPU); a sampled request's go through the host in any
+    case. Off: every draft through the host. Same tokens either way."""
     with _colocated(device_drafts=on_device) as (rounds, port, target):
         prompts = _prompts(3)
         rounds.configure("", 4, 8, TIMEOUT)
         ref = _generate(rounds, prompts, 3)
         assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
         engine = target.worker.engine
+        # As on a GPU: graphs (the CPU's eager stand-in) and rounds queued ahead (runtime/round_ahead.py).
+        target.worker.capture_graphs()
+        target.hosted.worker.capture_graphs()
+        engine.round_ahead = True
         got = _generate(rounds, prompts, 3)
         assert _tokens(got) == _tokens(ref) and sum(f.stats.accepted for _, f in got) > 0
         chained = engine.device_draft_verifies
         assert (chained > 0) == on_device
+        # Through the draft worker's guard (its device thread idle): queued and taken, or never.
+        taken = target.hosted.worker.engine.next_taken
+        assert (engine.round_stats.used > 0) == on_device and taken == engine.round_stats.used
         sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3)
         _, final = _drain(rounds.submit(GenerationRequest("sampled", prompts[0], sampled, 3)))
         assert isinstance(final, FinalEvent) and final.stats.drafted > 0

@@ -1,0 +1,171 @@
+"""The next greedy round queued on the device (``runtime/round_ahead.py``), on the CPU.
+
+On a CPU the registry's graphs are the eager stand-in, so a round queued ahead runs at once;
+which verify and propose may take it, what drops it, and the tokens are the same code as on a
+GPU (where it is on by default; these tests switch it on). What is shown: the device-built
+inputs of the next propose and verify are the host layout's arrays for every accepted count,
+on both backends; the accepted counts are the host's; an engine run with rounds queued ahead
+gives target-only's tokens and the very drafts of a run without (same acceptance, position by
+position), and takes most queued rounds; anything between two rounds drops the queued one; a
+queued round whose counts disagree with the host's is never taken.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from core.params import SamplingParams
+from runtime import round_ahead
+from runtime.acceptance import accept_greedy_ids
+from runtime.backends import make_ops
+from runtime.batch_layout import Row, layout_rows
+from runtime.config import RuntimeConfig
+from runtime.device_thread import DeviceThread
+from runtime.engine import GenRequest
+from runtime.fused_propose import substep_places
+from tests.unit.test_engine_bundled import _engine, _prompts
+
+SCRATCH, WIDTH, K, D = 9, 4, 3, 5
+
+
+@pytest.fixture(scope="module", params=["torch", "paddle"])
+def ops(request):
+    return make_ops(RuntimeConfig(backend=request.param))
+
+
+def _case(ops, a_rows):
+    """A verify of len(a_rows) rows whose drafts match the target's argmax for a_i positions."""
+    rng = np.random.default_rng(len(a_rows))
+    best = rng.integers(1, 50, (len(a_rows), WIDTH)).astype(np.int64)
+    tokens = np.zeros_like(best)
+    tokens[:, 0] = 7
+    for i, a in enumerate(a_rows):
+        tokens[i, 1:K + 1] = best[i, :K]
+        if a < K:
+            tokens[i, 1 + a] = best[i, a] + 1                 # the first mismatch
+    hidden = rng.standard_normal((len(a_rows), WIDTH, D)).astype(np.float32)
+    return tokens, best, hidden
+
+
+def _np(ops, x):
+    return x if isinstance(x, np.ndarray) else ops.to_numpy(x)
+
+
+def test_the_accepted_counts_are_the_hosts(ops):
+    a_rows = [0, 1, 2, 3, 3, 0]
+    tokens, best, _ = _case(ops, a_rows)
+    got = _np(ops, round_ahead.accepted_counts(ops, ops.from_numpy(tokens), ops.from_numpy(best), K))
+    host = [accept_greedy_ids(list(tokens[i, 1:K + 1]), best[i, :K + 1]).num_accepted for i in range(len(a_rows))]
+    assert got.tolist() == host == a_rows
+
+
+def test_the_next_propose_inputs_are_the_host_layouts(ops):
+    """For every accepted count: the catch-up rows (committed tokens, hidden rows, positions from
+    the pair count P, padding as ``layout_rows`` pads) and the substeps' places."""
+    a_rows = [0, 1, 2, 3]
+    tokens, best, hidden = _case(ops, a_rows)
+    slots, pairs = [2, 0, 5, 3], [10, 0, 33, 7]
+    a = round_ahead.accepted_counts(ops, ops.from_numpy(tokens), ops.from_numpy(best), K)
+    got = round_ahead.catchup_inputs(ops, a, ops.from_numpy(best), ops.from_numpy(hidden), slots, pairs, K, WIDTH,
+                                     SCRATCH)
+    rows = [Row(s, p, best[i, : a_rows[i] + 1]) for i, (s, p) in enumerate(zip(slots, pairs))]
+    lay = layout_rows(rows, WIDTH, SCRATCH, 1024)
+    want_hidden = np.zeros_like(hidden)
+    for i, n in enumerate(a_rows):
+        want_hidden[i, : n + 1] = hidden[i, : n + 1]
+    sub_w, sub_p = substep_places(slots, [p + n + 1 for p, n in zip(pairs, a_rows)], [K] * 4, K, SCRATCH)
+    want = {"tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
+            "read_slots": lay.read_slots, "last_index": lay.last_index, "sub_write_slots": sub_w,
+            "sub_positions": sub_p}
+    for name, value in want.items():
+        assert _np(ops, got[name]).tolist() == value.tolist(), name
+    np.testing.assert_array_equal(_np(ops, got["prev_hidden"]), want_hidden)
+
+
+def test_the_next_verify_inputs_are_the_host_layouts(ops):
+    """Row i verifies [best_{a_i}, d'_1..d'_k] from n_i + a_i + 1, at k = 3 and k = 2 (padded)."""
+    a_rows = [0, 3, 1]
+    tokens, best, _ = _case(ops, a_rows)
+    slots, lengths = [1, 4, 2], [20, 3, 100]
+    a = round_ahead.accepted_counts(ops, ops.from_numpy(tokens), ops.from_numpy(best), K)
+    drafts = np.array([[31, 32, 33], [41, 42, 43], [51, 52, 53]], np.int64)
+    for k in (K, 2):
+        got = round_ahead.verify_inputs(ops, a, ops.from_numpy(best), ops.from_numpy(drafts), slots, lengths, k,
+                                        WIDTH, SCRATCH)
+        rows = [Row(s, n + x + 1, np.concatenate([[best[i, x]], drafts[i, :k]]))
+                for i, (s, n, x) in enumerate(zip(slots, lengths, a_rows))]
+        lay = layout_rows(rows, WIDTH, SCRATCH, 1024)
+        for name in ("tokens", "write_slots", "positions", "read_slots"):
+            assert _np(ops, got[name]).tolist() == getattr(lay, name).tolist(), (k, name)
+
+
+# --- the engine -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    pytest.importorskip("torch")
+    eng = _engine("torch", max_k=3)
+    eng.capture_graphs()                 # CPU: the eager stand-in, so steps "replay"
+    return eng
+
+
+def _generate(engine, prompts, k, max_batch, ahead, max_tokens=24):
+    engine.target.round_ahead = ahead
+    reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+            for i, p in enumerate(prompts)]
+    return [(r.tokens, r.stats.accepted, r.stats.pos_accepted) for r in engine.generate(reqs, max_batch=max_batch)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_rounds_queued_ahead_give_the_same_drafts_and_tokens(engine, max_batch):
+    prompts = [p[:40] for p in _prompts(3)]
+    target_only = [t for t, _, _ in _generate(engine, prompts, 0, max_batch, ahead=False)]
+    plain = _generate(engine, prompts, 3, max_batch, ahead=False)
+    st, taken = engine.target.round_stats, engine.draft.next_taken
+    before = (st.launched, st.used, st.dropped)
+    got = _generate(engine, prompts, 3, max_batch, ahead=True)
+    assert got == plain                                       # the very drafts: same acceptance per position
+    assert [t for t, _, _ in got] == target_only
+    launched, used, dropped = st.launched - before[0], st.used - before[1], st.dropped - before[2]
+    rounds = sum(len(t) for t in target_only) / 3.3 / max_batch
+    assert used > 0.5 * rounds and launched == used + dropped and engine.draft.next_taken - taken == used
+
+
+def test_anything_between_two_rounds_drops_the_queued_one(engine):
+    """A target prefill (a request joining) between two rounds drops the queued round; the
+    rounds after it queue again; the tokens stay target-only's."""
+    prompts = [p[:40] for p in _prompts(4)]
+    ref = [t for t, _, _ in _generate(engine, prompts, 0, 3, ahead=False)]
+    st = engine.target.round_stats
+    dropped = st.dropped
+    got = _generate(engine, prompts, 3, 3, ahead=True)        # the 4th joins when the first finishes
+    assert [t for t, _, _ in got] == ref and st.dropped > dropped
+    assert engine.target._next_round is None or engine.target._next_round.lengths is not None
+
+
+def test_a_round_whose_counts_are_not_the_hosts_is_never_taken(engine, monkeypatch):
+    prompts = [p[:40] for p in _prompts(2)]
+    ref = [t for t, _, _ in _generate(engine, prompts, 0, 2, ahead=False)]
+    real = round_ahead.accepted_counts
+    # Counts in range (0..k), but never the host's.
+    monkeypatch.setattr(round_ahead, "accepted_counts", lambda ops, t, b, k: (real(ops, t, b, k) + 1) % (k + 1))
+    used = engine.target.round_stats.used
+    got = _generate(engine, prompts, 3, 2, ahead=True)
+    assert [t for t, _, _ in got] == ref and engine.target.round_stats.used == used
+
+
+def test_try_run_runs_only_on_an_idle_device_thread():
+    dev = DeviceThread("try-run", lambda: None)
+    try:
+        assert dev.try_run(lambda: 5) == 5                     # idle: runs here, now
+        started, release = threading.Event(), threading.Event()
+        wait = dev.submit(lambda: (started.set(), release.wait(10)))
+        assert started.wait(10)
+        assert dev.try_run(lambda: 6) is None                  # busy: neither runs nor waits
+        release.set()
+        wait()
+        assert dev.try_run(lambda: 7) == 7
+    finally:
+        dev.shutdown()
