@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 28 on one GPU (issue 10): greedy rounds queued ahead (runtime/round_ahead.py, graphs.round_ahead): with
+# the draft in the target's process, a round's propose and verify are queued before the host reads the round before.
+# Session 27 (H100, docs/gpu.md § Session 27) measured the colocated round at 0.87 ms with 0.47 ms of kernels (b1).
+#
+#   bash bench/gpu_session28.sh OUT_DIR ahead   # the new gpu test (in-process engine, batch 1 and 4, exact and taken),
+#                                               # the loop tests with the draft in the process; the round host at
+#                                               # batch 1 and 8 with and without rounds queued ahead; a profiler pass
+#                                               # at batch 1; bench services fixed / colocated+no-round-ahead /
+#                                               # colocated at batch 1 and 8
+#   bash bench/gpu_session28.sh OUT_DIR peer    # bench peer --small --colocated-draft --batch 1 8
+#   bash bench/gpu_session28.sh OUT_DIR tests   # every one-GPU test file (-m gpu) but the loop and reload files
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-ahead}"
+gpu_prologue
+if [ "$mode" = ahead ]; then
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_round_ahead_gpu.py 2>&1 \
+    | tee "$out/gpu_tests_ahead.log" | grep -E "passed|failed|error|Error|assert|\[gpu round" | tail -12
+  HEAD=3 probe no_ahead_b1 50 1 128 --outbox --colocated --no-round-ahead
+  HEAD=3 probe ahead_b1 50 1 128 --outbox --colocated
+  HEAD=3 probe no_ahead_b8 50 8 128 --outbox --colocated --no-round-ahead
+  HEAD=3 probe ahead_b8 50 8 128 --outbox --colocated
+  HEAD=40 probe ahead_b1_profile 70 1 128 --outbox --colocated --torch-profile 12
+  [ "$(left)" -gt 100 ] && svc services_ahead "$(( $(left) - 90 ))" --device cuda:0 --batch 1 8 \
+    --variants fixed colocated+no-round-ahead colocated
+  [ "$(left)" -gt 40 ] && timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py \
+    -k colocated 2>&1 | tee "$out/gpu_tests_loop.log" | grep -E "passed|failed|error|Error|assert" | tail -8
+elif [ "$mode" = peer ]; then
+  timeout "$(left)" python3 -m specsplit bench peer --small --device cuda:0 --colocated-draft --batch 1 8 2>&1 \
+    | quiet | tee "$out/peer.txt" | tail -12
+elif [ "$mode" = tests ]; then
+  timeout "$(left 470)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_loop_gpu.py \
+    --ignore tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" \
+    | tail -20
+else
+  echo "unknown mode $mode"; exit 2
+fi
