@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from draft_service.worker import DraftWorker
+from draft_service.worker import DraftWorker, chains_rounds
 from worker.config import WorkerConfig
 from runtime.types import DraftPrefillRequest, Proposal, ProposeRequest
 from core import wire
@@ -193,6 +193,7 @@ def colocated(target_cfg: WorkerConfig) -> Hosted:
     and its servicer, for the target's server (``worker.service.Hosted``). Loads nothing yet."""
     cfg = target_cfg.colocated_draft_config()
     worker, log = new_worker(cfg, "draft", DraftWorker)
+    worker.chain_rounds = chains_rounds(target_cfg)      # NOTE: before any LoadWeights (its engine reads it)
     return Hosted(worker, DraftServicer(worker, log), draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME)
 
 

@@ -29,9 +29,20 @@ from worker.base import Worker
 PROPOSE = "propose"
 
 
+def chains_rounds(target_cfg: Any) -> bool:
+    """Whether the draft a target of ``target_cfg`` hosts (``colocated_draft``) captures the
+    ``chain{k}`` kinds: on the target's device, its drafts left there, rounds queued ahead."""
+    draft = target_cfg.colocated_draft_config()
+    return (draft.runtime.device == target_cfg.runtime.device and target_cfg.colocated_device_drafts
+            and target_cfg.graphs.round_ahead_on(target_cfg.runtime.device))
+
+
 class DraftWorker(Worker):
     role, metrics_cls = "draft", DraftMetrics
     inline_steps = (PROPOSE,)       # on the Propose stream's handler thread when the device is idle
+    # Whether the engine captures the ``chain{k}`` kinds (runtime/round_ahead.py): set by the target
+    # that hosts this draft on its own device (``draft_service.server.colocated``).
+    chain_rounds = False
 
     # --- Worker hooks ----------------------------------------------------------
     def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:
@@ -45,7 +56,8 @@ class DraftWorker(Worker):
         g = self.cfg.graphs
         eng = DraftEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=g.fused_propose,
-                          prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
+                          prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens,
+                          round_ahead=self.chain_rounds)
         eng.next_guard = self._next_guard(eng)
         return eng
 

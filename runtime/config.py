@@ -228,8 +228,10 @@ class GraphConfig:
     decode_ahead: bool = True
     # Greedy speculative rounds whose drafts stay on the device (a draft in the target's process,
     # on its device) queue their next round, propose and verify, before the host reads this
-    # one's tokens (runtime/round_ahead.py); on CUDA only, as decode_ahead.
-    round_ahead: bool = True
+    # one's tokens (runtime/round_ahead.py); the draft captures a ``chain{k}`` kind per k for
+    # it. None: on CUDA only (on a CPU nothing would overlap); True: on every device (how CI
+    # tests the path); False: off.
+    round_ahead: bool | None = None
     # Prefills replay a graph captured per (prompt width, batch bucket), the prompt padded to
     # the smallest width that holds it: an eager prefill runs every op of every layer from
     # Python (6.7 ms for an 8-token prompt of the bundled model on an H200, 0.7 ms from a
@@ -252,6 +254,10 @@ class GraphConfig:
                "graphs.prefill_widths", "a non-empty strictly ascending tuple of integers >= 1", w)
         _check(isinstance(self.prefill_tokens, int) and self.prefill_tokens >= 1, "graphs.prefill_tokens",
                "an integer >= 1", self.prefill_tokens)
+
+    def round_ahead_on(self, device: str) -> bool:
+        """Whether workers on ``device`` queue greedy rounds ahead (``round_ahead``)."""
+        return device.startswith("cuda") if self.round_ahead is None else self.round_ahead
 
     def prefill_widths_on(self, device: str) -> tuple[int, ...]:
         """The prompt widths a worker on ``device`` captures prefill graphs at (() = none)."""

@@ -58,7 +58,7 @@ from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.request_checks import check_batch, check_hidden, check_token_range
-from runtime.round_ahead import NextPropose, catchup_inputs
+from runtime.round_ahead import NextPropose, chain_kind, chain_kind_name, chain_step
 from runtime.target_engine import request_seed
 from runtime.types import DeviceDrafts, DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
@@ -85,7 +85,8 @@ class DraftEngine:
 
     def __init__(self, ops: Ops, cfg: ModelConfig, params: Params, cache_cfg: CacheConfig,
                  max_k: int, registry: GraphRegistry, ahead_drafting: bool = False,
-                 fused_propose: bool = True, prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024) -> None:
+                 fused_propose: bool = True, prefill_widths: tuple[int, ...] = (), prefill_tokens: int = 1024,
+                 round_ahead: bool = False) -> None:
         self.ops, self.cfg, self.params = ops, cfg, params
         # As the target: checkpoint names as views, plus the fused buffers the forward uses.
         fused = fuse_projections(ops, params, [MTP_LAYER_PREFIX])
@@ -127,6 +128,14 @@ class DraftEngine:
                        if fused_propose and max_k >= 1 else None)
         for kind in self._fused.kinds() if self._fused is not None else ():
             registry.register(kind)
+        # Rounds queued ahead by a target in this process (runtime/round_ahead.py): a ``chain{k}``
+        # kind per k, the propose{k} step behind the catch-up it computes on the device.
+        self._chain = round_ahead and self._fused is not None
+        for k in range(1, max_k + 1) if self._chain else ():
+            registry.register(chain_kind(
+                chain_step(ops, self._fused.step_fn(k), k, self.catchup_width, self.cache.scratch_slot), k,
+                self.catchup_width, cfg.hidden_size, self.cache.scratch_slot, context_spans(cache_cfg.max_len),
+                cache_cfg.max_len))
         # Ahead drafting: the end of each request's last proposal (runtime/draft_ahead.py).
         self._ends = KeptEnds(ops, cache_cfg.max_slots, cfg.hidden_size)
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
@@ -508,24 +517,25 @@ class DraftEngine:
         return sampling.sample_token(q, random_stream.uniform(req.seed, position, random_stream.PURPOSE_DRAFT)), q
 
     # --- the next round queued on the device (runtime/round_ahead.py) ------------------------
-    def queue_next(self, ids: tuple[str, ...], a, best, hidden, k: int) -> NextPropose | None:
-        """Queue the next round's propose of ``ids`` (k drafts each) on the catch-up of their
-        accepted rows: ``a`` [B] the accepted counts, ``best`` [B, W] the verify's argmax and
-        ``hidden`` [B, W, d] its hidden rows (device tensors of the target in this process).
-        None when it would not replay the ``propose{k}`` graph the host path would (a request
-        unknown or drafting on the host, the cache too short, a context span that depends on
-        the counts), or when the owner's guard declines (``next_guard``)."""
-        return self.next_guard(lambda: self._queue_next(ids, a, best, hidden, k))
+    def queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
+        """Queue the next round of ``ids`` (k drafts each): one ``chain{k}`` replay computes round r's
+        accepted counts from its verify's ``tokens`` and argmax ``best`` [B, W], proposes on the
+        catch-up they give (``hidden`` [B, W, d] its hidden rows) and lays out the next verify's
+        rows from ``starts`` (each request's target length + 1). None when that would not replay
+        a graph the host path would (a request unknown or drafting on the host, the cache too
+        short, a context span that depends on the counts), or when the owner's guard declines
+        (``next_guard``)."""
+        return self.next_guard(lambda: self._queue_next(ids, tokens, best, hidden, starts, k))
 
-    def _queue_next(self, ids: tuple[str, ...], a, best, hidden, k: int) -> NextPropose | None:
+    def _queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
         self._next = None
-        if self._fused is None or not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
+        if not self._chain or not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
             return None
         if any(self.requests[rid].on_host for rid in ids):
             return None
         states = [self.cache.get(rid) for rid in ids]
         pairs = [st.length for st in states]
-        top, kind = max(pairs), propose_kind_name(k)
+        top, kind = max(pairs), chain_kind_name(k)
         # NOTE: as ``propose`` decides: the catch-up's a + 1 pairs end at P + a + 1, its last
         # substep reads P + a + k rows; for every a in 0..k all of it must sit in one span, the
         # span the host path would pick whatever a turns out to be.
@@ -533,14 +543,17 @@ class DraftEngine:
         if (top + 2 * k + 1 > self.cache.max_len or not self._fused.one_span(lo, hi)
                 or not self.registry.can_replay(kind, len(ids), hi)):
             return None
-        inputs = catchup_inputs(self.ops, a, best, hidden, [st.slot for st in states], pairs, k, self.catchup_width,
-                                self.cache.scratch_slot)
-        (drafts, _g, _tok), replayed = self.registry.run(kind, inputs, need=hi)
+        (drafts, vtokens, vpositions, counts), replayed = self.registry.run(kind, {
+            "vtokens": tokens, "vbest": best, "vhidden": hidden,
+            "dslot": np.asarray([st.slot for st in states], dtype=np.int64),
+            "pairs": np.asarray(pairs, dtype=np.int64), "tstart": np.asarray(starts, dtype=np.int64)}, need=hi)
         if not replayed:
             return None
+        # NOTE: queued right behind the replay, before any later replay rewrites its outputs.
         kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
-        self.ops.copy_(kept, drafts)           # NOTE: queued before any later replay rewrites ``drafts``
-        self._next = NextPropose(tuple(ids), tuple(pairs), k, kept)
+        self.ops.copy_(kept, drafts)
+        fetch = self.ops.to_numpy_many_async([counts])
+        self._next = NextPropose(tuple(ids), tuple(pairs), k, kept, vtokens, vpositions, lambda: fetch()[0])
         return self._next
 
     def _take_next(self, nxt: NextPropose, reqs: list[ProposeRequest]) -> list[Proposal]:

@@ -54,7 +54,7 @@ class SpecEngine:
         self.target = TargetEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(target_ck, bf16_bits=True)),
                                    cfg.cache, cfg.spec.max_k, self.target_registry,
                                    decode_ahead=None if cfg.graphs.decode_ahead else False,
-                                   round_ahead=None if cfg.graphs.round_ahead else False,
+                                   round_ahead=cfg.graphs.round_ahead_on(cfg.runtime.device),
                                    prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
                                    prefill_tokens=cfg.graphs.prefill_tokens)
         self.draft: DraftEngine | None = None
@@ -64,7 +64,8 @@ class SpecEngine:
             self.draft = DraftEngine(self.ops, self.model_cfg, to_device(self.ops, read_arrays(draft_ck, bf16_bits=True)),
                                      cfg.cache, cfg.spec.max_k, self.draft_registry, fused_propose=fused_propose,
                                      prefill_widths=cfg.graphs.prefill_widths_on(cfg.runtime.device),
-                                     prefill_tokens=cfg.graphs.prefill_tokens)
+                                     prefill_tokens=cfg.graphs.prefill_tokens,
+                                     round_ahead=device_drafts and cfg.graphs.round_ahead_on(cfg.runtime.device))
             self.draft.drafts_on_device = device_drafts
 
     def capture_graphs(self) -> None:

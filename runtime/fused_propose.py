@@ -90,6 +90,10 @@ class FusedPropose:
         (``need``) fall in the same context span, as every step of the propose then does."""
         return bisect_left(self.spans, catchup_need) == bisect_left(self.spans, need)
 
+    def step_fn(self, k: int) -> Callable[..., tuple]:
+        """The ``propose{k}`` step function (catch-up [B, W] then k-1 substeps)."""
+        return self._make_fn(k)
+
     def kinds(self) -> list[StepKind]:
         return [self._kind(k) for k in range(1, self.max_k + 1)]
 

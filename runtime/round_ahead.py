@@ -36,21 +36,13 @@ Must not know: gRPC, scheduling, frameworks (everything goes through ``Ops``), t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from runtime.backends.base import Ops
-
-
-def upload_ints(ops: Ops, arr: np.ndarray) -> Any:
-    """An int64 host array on the device without waiting for the device's queued work.
-    NOTE: not ``ops.from_numpy``: a CUDA copy from pageable memory waits for the stream first,
-    that is for the work this upload is to be queued behind."""
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    out = ops.zeros(arr.shape, "int64")
-    ops.copy_from_numpy(out, arr)
-    return out
+from runtime.batch_layout import attend_need, attend_span
+from runtime.graphs import InputSpec, StepKind
 
 
 def accepted_counts(ops: Ops, tokens: Any, best: Any, k: int) -> Any:
@@ -68,72 +60,115 @@ def accepted_counts(ops: Ops, tokens: Any, best: Any, k: int) -> Any:
     return a
 
 
-def _columns(ops: Ops, *cols: np.ndarray) -> tuple[np.ndarray, list[Any]]:
-    """Per-row host numbers as one upload: (host [B, n], each column as [B, 1] on the device)."""
-    host = np.stack([np.asarray(c, dtype=np.int64) for c in cols], 1)
-    dev = upload_ints(ops, host)
-    return host, [ops.reshape(dev[:, j], (host.shape[0], 1)) for j in range(host.shape[1])]
-
-
-def catchup_inputs(ops: Ops, a: Any, best: Any, hidden: Any, slots: list[int], pairs: list[int], k: int,
+def catchup_inputs(ops: Ops, a: Any, best: Any, hidden: Any, slots: Any, pairs: Any, k: int,
                    width: int, scratch: int) -> dict[str, Any]:
     """The inputs of the draft's ``propose{k}`` step for the next round (runtime/fused_propose.py):
     row i catches up its a_i + 1 committed pairs (h_{n+j}, best_j), j = 0..a_i, from position P_i,
     padded to ``width`` as ``batch_layout.layout_rows`` pads (token 0, the scratch slot, the
     position clamped at the row's last one, a zero hidden row), then k - 1 substeps from
-    position P_i + a_i + 1. best [B, W >= width] int64, hidden [B, W, d] (device); ``slots`` and
-    ``pairs`` the draft's slot and pair count P of each row (host)."""
-    b = len(slots)
-    ramp = upload_ints(ops, np.arange(width, dtype=np.int64)) if width > 1 else ops.zeros((1,), "int64")
+    position P_i + a_i + 1. best [B, W >= width] int64, hidden [B, W, d], ``slots`` and ``pairs``
+    [B] int64 (the draft's slot and pair count P of each row): all device tensors."""
+    b = ops.shape(best)[0]
+    ramp = ops.arange(width)                                 # [W]
     a_col = ops.reshape(a, (b, 1))
     over = ops.clip(ramp - a_col, 0, width)                  # [B, W]: j - a past the accepted rows, else 0
     keep = 1 - ops.clip(over, 0, 1)                         # 1 on rows 0..a
-    host, (dslot, pairs_col) = _columns(ops, slots, pairs)
-    rows = best[:, :width]
+    slot_col, pairs_col = ops.reshape(slots, (b, 1)), ops.reshape(pairs, (b, 1))
     hid = hidden[:, :width]
     keep_h = ops.reshape(ops.cast(keep, ops.dtype_name(hid)), (b, width, 1))
     out = {"prev_hidden": hid * keep_h,
-           "tokens": rows * keep,
-           "write_slots": keep * (dslot - scratch) + scratch,
+           "tokens": best[:, :width] * keep,
+           "write_slots": keep * (slot_col - scratch) + scratch,
            "positions": pairs_col + ramp - over,             # min(P + j, P + a)
-           "read_slots": host[:, 0].copy(),
+           "read_slots": slots,
            "last_index": ops.arange(b) * width + a}
     if k > 1:
-        out["sub_write_slots"] = np.repeat(host[:, :1], k - 1, 1)
-        out["sub_positions"] = pairs_col + a_col + 1 + ramp[: k - 1]   # substep s at P + a + 1 + s - 1
+        sub = ramp[: k - 1]                                  # [k-1]
+        out["sub_write_slots"] = slot_col + sub * 0
+        out["sub_positions"] = pairs_col + a_col + 1 + sub   # substep s at P + a + 1 + s - 1
     return out
 
 
-def verify_inputs(ops: Ops, a: Any, best: Any, drafts: Any, slots: list[int], lengths: list[int], k: int,
-                  width: int, scratch: int) -> dict[str, Any]:
-    """The inputs of the target's verify step for the next round: row i verifies
-    [best_{a_i}, d'_1..d'_k] from its new committed length n_i + a_i + 1, padded to ``width``
-    as ``layout_rows`` pads. drafts [B, >= k] (device); ``slots`` and ``lengths`` each row's
-    target slot and committed length n before round r's commit (host)."""
-    b = len(slots)
-    ramp = np.arange(width, dtype=np.int64)
+def next_verify(ops: Ops, a: Any, best: Any, drafts: Any, starts: Any, k: int, width: int) -> tuple[Any, Any]:
+    """The next round's verify rows: row i verifies [best_{a_i}, d'_1..d'_k] from its new committed
+    length n_i + a_i + 1, padded to ``width`` as ``layout_rows`` pads -> (tokens, positions)
+    [B, width]. drafts [B, >= k], ``starts`` [B] = n_i + 1 (device). Its write and read slots are
+    the host's (they do not depend on the counts)."""
+    b = ops.shape(best)[0]
     last = ops.index_select(ops.reshape(best[:, :width], (b * width,)), ops.arange(b) * width + a, 0)   # [B]
     parts = [ops.reshape(last, (b, 1)), drafts[:, :k]]
     if k + 1 < width:
         parts.append(ops.zeros((b, width - 1 - k), "int64"))
-    host = np.asarray(lengths, dtype=np.int64)[:, None] + 1 + np.minimum(ramp, k)   # n + 1 + min(j, k)
+    ramp = ops.clip(ops.arange(width), 0, k)                                 # min(j, k)
+    return ops.cat(parts, 1), ops.reshape(starts + a, (b, 1)) + ramp          # min(n' + j, n' + k)
+
+
+def verify_places(slots: list[int], k: int, width: int, scratch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The next verify's write and read slots (host): a row's k + 1 tokens in its slot, padding in
+    the scratch slot, as ``layout_rows`` places them."""
     tslot = np.asarray(slots, dtype=np.int64)
-    return {"tokens": ops.cat(parts, 1),
-            "write_slots": np.where(ramp[None, :] <= k, tslot[:, None], scratch).astype(np.int64),
-            "positions": upload_ints(ops, host) + ops.reshape(a, (b, 1)),   # min(n' + j, n' + k), n' = n + a + 1
-            "read_slots": tslot}
+    return np.where(np.arange(width)[None, :] <= k, tslot[:, None], scratch).astype(np.int64), tslot
+
+
+def chain_step(ops: Ops, propose: Callable[..., tuple], k: int, width: int, scratch: int) -> Callable[..., tuple]:
+    """One captured step for the next round of a chained batch: the accepted counts of round r
+    (``accepted_counts``), the draft's ``propose`` (a ``propose{k}`` step function) on the
+    catch-up they give, and the next verify's token rows and positions.
+    (vtokens, vbest [B, W] int64, vhidden [B, W, d]: round r's verify input and outputs;
+    dslot, pairs, tstart [B] int64: the draft's slot and pair count, the target's length + 1)
+    -> drafts [B, k], next verify tokens [B, W], its positions [B, W], the counts a [B]."""
+    def step(vtokens, vbest, vhidden, dslot, pairs, tstart, attend_len=None):
+        a = accepted_counts(ops, vtokens, vbest, k)
+        inputs = catchup_inputs(ops, a, vbest, vhidden, dslot, pairs, k, width, scratch)
+        drafts, _g, _tok = propose(**inputs, attend_len=attend_len)
+        tokens, positions = next_verify(ops, a, vbest, drafts, tstart, k, width)
+        return drafts, tokens, positions, a
+    return step
+
+
+CHAIN_PREFIX = "chain"
+
+
+def chain_kind_name(k: int) -> str:
+    return f"{CHAIN_PREFIX}{k}"
+
+
+def chain_kind(step: Callable[..., tuple], k: int, width: int, hidden_size: int, scratch: int,
+               spans: tuple[int, ...], max_len: int) -> StepKind:
+    """The ``chain{k}`` step kind (``chain_step``), captured per batch bucket and context span
+    like ``propose{k}``; padding rows draft on the scratch slot from position 0."""
+    return StepKind(
+        name=chain_kind_name(k),
+        fn=step,
+        inputs=(InputSpec("vtokens", (width,), "int64", 0),
+                InputSpec("vbest", (width,), "int64", 0),
+                InputSpec("vhidden", (width, hidden_size), "compute", 0.0),
+                InputSpec("dslot", (), "int64", scratch),
+                InputSpec("pairs", (), "int64", 0),
+                InputSpec("tstart", (), "int64", 0)),
+        # Eagerly (no graph): the span the propose's last substep may read, P + 2k rows.
+        eager_kwargs=lambda x: {"attend_len": attend_span(x["pairs"] + 2 * k - 1, max_len)},
+        spans=spans,
+        span_of=lambda x: attend_need(x["pairs"] + 2 * k - 1),
+        warmup=1,
+    )
 
 
 @dataclass
 class NextPropose:
     """A propose the draft queued for the next round: its drafts (a device tensor [B, k] that
-    nothing else writes), the requests and pair counts it started from, and, once the target
-    has accepted on the host, the catch-up tokens it assumed (``expected``)."""
+    nothing else writes), the next verify's token rows and positions (device [B, W]), the
+    accepted counts it computed (``counts()`` waits for them: numpy [B]), the requests and pair
+    counts it started from, and, once the target has accepted on the host, the catch-up tokens
+    it assumed (``expected``)."""
 
     ids: tuple[str, ...]
     pairs: tuple[int, ...]
     k: int
     drafts: Any
+    tokens: Any
+    positions: Any
+    counts: Callable[[], list]
     expected: tuple[tuple[int, ...], ...] | None = None
 
     def matches(self, reqs: list) -> bool:
@@ -150,14 +185,13 @@ class NextPropose:
 @dataclass
 class PendingRound:
     """The next round's verify, queued: outputs (hidden, argmax, logits device views), its token
-    rows (the drafts come from ``propose``), and the lengths it assumed once settled."""
+    rows (with the drafts of ``propose``), and the lengths it assumed once settled."""
 
     ids: tuple[str, ...]
     k: int
     tokens: Any                          # int64 [B, W] on the device: the verify's input rows
     outputs: tuple[Any, ...]
     propose: NextPropose
-    accepted: Any                        # int64 [B] on the device: round r's counts (read back with it)
     lengths: tuple[int, ...] | None = field(default=None)
 
     def settle(self, lengths: list[int], tokens: list[tuple[int, ...]]) -> None:

@@ -378,23 +378,20 @@ class TargetEngine:
         # the drafts the draft left on the device (the round's only synchronisation).
         # A target-only greedy batch queues its next step after these copies and
         # before the wait.
-        # With the drafts' source able to queue a propose (the draft in this process), a greedy
-        # round of one k also queues the next round (runtime/round_ahead.py), from the accepted
-        # counts computed here on the device; they come back last, beside the host's own.
-        k0 = len(reqs[0].drafts)
-        source = reqs[0].device.source if on_device is not None and reqs[0].device is not None else None
-        chain = (source is not None and self.round_ahead and replayed and k0 >= 1 and not (sampled or coupled)
-                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self._round_gate.allow())
-        counts = round_ahead.accepted_counts(self.ops, tokens_dev, best, k0) if chain else None
-        tail = ([] if on_device is None else [on_device[0]]) + ([counts] if chain else [])
+        tail = [] if on_device is None else [on_device[0]]
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra, *tail] if want_hidden else [best, *extra, *tail],
                                              bf16_bits=True, ring=self._fetch_ring)
         go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
         if go_ahead and self._ahead_gate.allow():
             self._pending = self._queue_next(reqs, rows, best)
-        queued = self._queue_round(ids, rows, counts, hidden, best, k0, source) if chain else None
+        # With the drafts' source able to queue a propose (the draft in this process), a greedy
+        # round of one k queues the next round now (runtime/round_ahead.py), behind these copies.
+        k0 = len(reqs[0].drafts)
+        source = reqs[0].device.source if on_device is not None and reqs[0].device is not None else None
+        chain = (source is not None and self.round_ahead and replayed and k0 >= 1 and not (sampled or coupled)
+                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self._round_gate.allow())
+        queued = self._queue_round(ids, rows, tokens_dev, hidden, best, k0, source) if chain else None
         got = fetch()
-        counts_np = got.pop() if chain else None
         if on_device is not None:
             *got, drafts_np = got
             reqs = device_drafts.with_drafts(reqs, drafts_np, on_device[1], lay.tokens)
@@ -446,7 +443,7 @@ class TargetEngine:
         if queued is not None:
             # NOTE: settled only when the device's counts are the host's (they are by construction;
             # a queued round that assumed other counts is dropped, never taken).
-            if counts_np.tolist() == [res.num_accepted for res in out]:
+            if queued.propose.counts().tolist() == [res.num_accepted for res in out]:
                 queued.settle([kv.length for kv in kvs], [res.tokens for res in out])
                 self._next_round = queued
             else:
@@ -454,13 +451,14 @@ class TargetEngine:
         return out
 
     # --- the next round queued ahead (runtime/round_ahead.py) ---------------------------------
-    def _queue_round(self, ids: tuple[str, ...], rows: list[Row], counts, hidden, best, k: int,
+    def _queue_round(self, ids: tuple[str, ...], rows: list[Row], tokens, hidden, best, k: int,
                      source) -> round_ahead.PendingRound | None:
-        """Queue the next round of these rows (k drafts each): the draft's propose (``source``,
-        the draft engine that made this round's drafts) and the verify of its drafts, at the
-        lengths the accepted ``counts`` give. None when the verify would not replay the graph
-        the host path would run (the cache too short, a span that depends on the counts) or the
-        draft declined."""
+        """Queue the next round of these rows (k drafts each): the draft's chained propose
+        (``source``, the draft engine that made this round's drafts; it also computes the accepted
+        counts and the next verify's rows from this verify's ``tokens``, ``best`` and ``hidden``)
+        and the verify of its drafts. None when the verify would not replay the graph the host
+        path would run (the cache too short, a span that depends on the counts) or the draft
+        declined."""
         b, kind = len(rows), self._verify_kind
         top = max(r.start for r in rows)
         # NOTE: the next verify reads up to n + a + k + 2 rows for a in 0..k: one span for all of
@@ -470,16 +468,16 @@ class TargetEngine:
         if (hi > self.cache.max_len or self.registry.span_for(step, lo) != self.registry.span_for(step, hi)
                 or not self.registry.can_replay(kind, b, hi)):
             return None
-        nxt = source.queue_next(ids, counts, best, hidden, k)
+        nxt = source.queue_next(ids, tokens, best, hidden, [r.start + 1 for r in rows], k)
         if nxt is None:
             return None
-        inputs = round_ahead.verify_inputs(self.ops, counts, best, nxt.drafts, [r.slot for r in rows],
-                                           [r.start for r in rows], k, self._widths[kind], self.cache.scratch_slot)
-        outputs, replayed = self.registry.run(kind, inputs, need=hi)
+        write, read = round_ahead.verify_places([r.slot for r in rows], k, self._widths[kind], self.cache.scratch_slot)
+        outputs, replayed = self.registry.run(kind, {"tokens": nxt.tokens, "write_slots": write,
+                                                     "positions": nxt.positions, "read_slots": read}, need=hi)
         if not replayed:
             return None
         self.round_stats.launched += 1
-        return round_ahead.PendingRound(ids, k, inputs["tokens"], tuple(outputs), nxt, counts)
+        return round_ahead.PendingRound(ids, k, nxt.tokens, tuple(outputs), nxt)
 
     def _take_round(self, ids: tuple[str, ...], rows: list[Row], reqs: list[VerifyRequest],
                     on_device: tuple | None) -> round_ahead.PendingRound | None:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import SecurityConfig, ServerConfig  # noqa: E402
 from core.params import SamplingParams  # noqa: E402
-from draft_service.worker import DraftWorker  # noqa: E402
+from draft_service.worker import DraftWorker, chains_rounds  # noqa: E402
 from rounds.local_draft import LocalDraft  # noqa: E402
 from rounds import scheduler as scheduler_mod  # noqa: E402
 from rounds import scheduler_types  # noqa: E402
@@ -244,7 +244,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                        runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
                        spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive),
                        cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
-                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8), round_ahead=not a.no_round_ahead),
+                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8), round_ahead=False if a.no_round_ahead else None),
                        capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig(),
                        colocated_draft=a.colocated, colocated_device_drafts=not a.host_drafts)
@@ -330,6 +330,7 @@ def _colocated_draft(cfg: WorkerConfig) -> LocalDraft:
     """The draft worker of a ``colocated_draft`` target (loaded, graphs captured) as the round
     loop's draft port, as ``target_service.server.start`` wires it."""
     dw = DraftWorker(cfg.colocated_draft_config())
+    dw.chain_rounds = chains_rounds(cfg)
     dw.load_weights(cfg.target_path, "", "v1")
     dw.capture_graphs()
     return local_draft(dw, cfg.runtime.device)

@@ -40,7 +40,7 @@ class TargetWorker(Worker):
         g = self.cfg.graphs
         return TargetEngine(self.ops, model_cfg, params, self.cfg.cache, self.cfg.spec.max_k, self.registry,
                             decode_ahead=None if g.decode_ahead else False,
-                            round_ahead=None if g.round_ahead else False,
+                            round_ahead=g.round_ahead_on(self.cfg.runtime.device),
                             prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens)
 
     # --- batched steps (prefill: Worker.prefill) -----------------------------------

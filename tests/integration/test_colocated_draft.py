@@ -40,15 +40,17 @@ pytestmark = pytest.mark.integration
 
 @contextlib.contextmanager
 def _colocated(security: SecurityConfig | None = None, client_tls: dict | None = None, device_drafts: bool = True,
-               **spec):
+               round_ahead: bool | None = None, **spec):
     """(rounds, the target's port, the target's service): a target hosting its draft (target spec
-    settings ``spec``, ``security``, ``colocated_device_drafts``), driven as the orchestrator drives
+    settings ``spec``, ``security``, ``colocated_device_drafts``, ``graphs.round_ahead``), driven as the orchestrator drives
     it (``client_tls``: the rounds client's TLS arguments; the admin token is the process's, or
     ``security``'s)."""
     from target_service import server as target_server
 
-    cfg = dataclasses.replace(_cfg("target", **spec), colocated_draft=True, security=security or SecurityConfig(),
-                              colocated_device_drafts=device_drafts)
+    base = _cfg("target", **spec)
+    cfg = dataclasses.replace(base, colocated_draft=True, security=security or SecurityConfig(),
+                              colocated_device_drafts=device_drafts,
+                              graphs=dataclasses.replace(base.graphs, round_ahead=round_ahead))
     target = target_server.start(cfg, draft=colocated(cfg))
     client = TargetClient(f"127.0.0.1:{target.port}", timeout_s=TIMEOUT, max_message_bytes=1 << 26,
                           admin_token=cfg.security.admin_token or process_token(), **(client_tls or {}))
@@ -127,7 +129,7 @@ def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
     the verify reads them there (one host synchronisation a round), and the round after it is
     queued ahead (switched on here, as on a GPU); a sampled request's go through the host in any
     case. Off: every draft through the host. Same tokens either way."""
-    with _colocated(device_drafts=on_device) as (rounds, port, target):
+    with _colocated(device_drafts=on_device, round_ahead=True) as (rounds, port, target):
         prompts = _prompts(3)
         rounds.configure("", 4, 8, TIMEOUT)
         ref = _generate(rounds, prompts, 3)
@@ -136,7 +138,6 @@ def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
         # As on a GPU: graphs (the CPU's eager stand-in) and rounds queued ahead (runtime/round_ahead.py).
         target.worker.capture_graphs()
         target.hosted.worker.capture_graphs()
-        engine.round_ahead = True
         got = _generate(rounds, prompts, 3)
         assert _tokens(got) == _tokens(ref) and sum(f.stats.accepted for _, f in got) > 0
         chained = engine.device_draft_verifies

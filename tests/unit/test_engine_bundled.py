@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
+from runtime.config import CacheConfig, EngineConfig, GraphConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
 from runtime.round_driver import SeqStats
 from runtime.tokenizer import ByteTokenizer
@@ -28,10 +28,11 @@ def _prompts(n=N_PROMPTS):
     return [tuple(tok.encode(p)) for p in json.loads((TINY / "heldout_prompts.json").read_text())[:n]]
 
 
-def _engine(backend, max_k=5, draft_path=None):
+def _engine(backend, max_k=5, draft_path=None, round_ahead=None):
     return SpecEngine(EngineConfig(str(TINY), draft_path=draft_path, runtime=RuntimeConfig(backend=backend),
                                    spec=SpecConfig(max_k=max_k, default_k=min(3, max_k)),
-                                   cache=CacheConfig(max_slots=8, max_len=512)))
+                                   cache=CacheConfig(max_slots=8, max_len=512),
+                                   graphs=GraphConfig(round_ahead=round_ahead)))
 
 
 def _run(engine, prompts, k, batch, max_tokens=MAX_TOKENS):

@@ -62,6 +62,10 @@ def test_the_accepted_counts_are_the_hosts(ops):
     assert got.tolist() == host == a_rows
 
 
+def _ints(ops, xs):
+    return ops.from_numpy(np.asarray(xs, dtype=np.int64))
+
+
 def test_the_next_propose_inputs_are_the_host_layouts(ops):
     """For every accepted count: the catch-up rows (committed tokens, hidden rows, positions from
     the pair count P, padding as ``layout_rows`` pads) and the substeps' places."""
@@ -69,8 +73,8 @@ def test_the_next_propose_inputs_are_the_host_layouts(ops):
     tokens, best, hidden = _case(ops, a_rows)
     slots, pairs = [2, 0, 5, 3], [10, 0, 33, 7]
     a = round_ahead.accepted_counts(ops, ops.from_numpy(tokens), ops.from_numpy(best), K)
-    got = round_ahead.catchup_inputs(ops, a, ops.from_numpy(best), ops.from_numpy(hidden), slots, pairs, K, WIDTH,
-                                     SCRATCH)
+    got = round_ahead.catchup_inputs(ops, a, ops.from_numpy(best), ops.from_numpy(hidden), _ints(ops, slots),
+                                     _ints(ops, pairs), K, WIDTH, SCRATCH)
     rows = [Row(s, p, best[i, : a_rows[i] + 1]) for i, (s, p) in enumerate(zip(slots, pairs))]
     lay = layout_rows(rows, WIDTH, SCRATCH, 1024)
     want_hidden = np.zeros_like(hidden)
@@ -93,20 +97,22 @@ def test_the_next_verify_inputs_are_the_host_layouts(ops):
     a = round_ahead.accepted_counts(ops, ops.from_numpy(tokens), ops.from_numpy(best), K)
     drafts = np.array([[31, 32, 33], [41, 42, 43], [51, 52, 53]], np.int64)
     for k in (K, 2):
-        got = round_ahead.verify_inputs(ops, a, ops.from_numpy(best), ops.from_numpy(drafts), slots, lengths, k,
-                                        WIDTH, SCRATCH)
+        toks, pos = round_ahead.next_verify(ops, a, ops.from_numpy(best), ops.from_numpy(drafts),
+                                            _ints(ops, [n + 1 for n in lengths]), k, WIDTH)
+        write, read = round_ahead.verify_places(slots, k, WIDTH, SCRATCH)
         rows = [Row(s, n + x + 1, np.concatenate([[best[i, x]], drafts[i, :k]]))
                 for i, (s, n, x) in enumerate(zip(slots, lengths, a_rows))]
         lay = layout_rows(rows, WIDTH, SCRATCH, 1024)
-        for name in ("tokens", "write_slots", "positions", "read_slots"):
-            assert _np(ops, got[name]).tolist() == getattr(lay, name).tolist(), (k, name)
+        got = {"tokens": _np(ops, toks), "positions": _np(ops, pos), "write_slots": write, "read_slots": read}
+        for name, value in got.items():
+            assert value.tolist() == getattr(lay, name).tolist(), (k, name)
 
 
 # --- the engine -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("torch")
-    eng = _engine("torch", max_k=3)
+    eng = _engine("torch", max_k=3, round_ahead=True)      # the draft's chain kinds: on every device
     eng.capture_graphs()                 # CPU: the eager stand-in, so steps "replay"
     return eng
 
