@@ -87,7 +87,8 @@ HELP: dict[str, str] = {
     "graphs.prefill_widths": "comma-separated ascending prompt widths captured as prefill graphs (longer prompts "
                              "run eagerly)",
     "graphs.round_ahead": "greedy speculative rounds whose drafts stay on the target's device (colocated_draft) "
-                          "queue their next round before the host reads this one (CUDA only)",
+                          "queue their next round before the host reads this one (unset = on CUDA only; true = "
+                          "every device; false = off)",
     "graphs.prefill_tokens": "rows of the largest prefill graph: a width is captured at the batch buckets with "
                              "bucket x width <= this",
     "server.host": "listen address",
