@@ -112,14 +112,15 @@ def _stack_options(args, model: Path, batches: list[int], variant: str, tp: int 
         extra += ("--runtime-batch-invariant",)
     if poll_us is not None:                      # None: the workers' default (auto)
         extra += ("--data-plane-poll-us", str(poll_us))
-    if "host-drafts" in variant:                 # the colocated draft's drafts through the host
+    parts = variant.split("+")                   # e.g. colocated+no-round-ahead: its parts, whole
+    if "host-drafts" in parts:                   # the colocated draft's drafts through the host
         extra += ("--no-colocated-device-drafts",)
-    if "no-round-ahead" in variant:              # no greedy round queued ahead (runtime/round_ahead.py)
+    if "no-round-ahead" in parts:                # no greedy round queued ahead (runtime/round_ahead.py)
         extra += ("--no-graphs-round-ahead",)
     return StackOptions(model=str(model), backend=args.backend, draft_device=draft_device, target_device=args.device,
                         k=args.k, max_batch=max(batches), metrics=True, log_level="WARNING",
-                        ahead_drafting="ahead" in variant, adaptive_k="adaptive" in variant,
-                        micro_batches="micro" in variant, colocated_draft="colocated" in variant,
+                        ahead_drafting="ahead" in parts, adaptive_k="adaptive" in parts,
+                        micro_batches="micro" in parts, colocated_draft="colocated" in parts,
                         worker_args=extra, target_tp=tp,
                         draft_args=("--runtime-dtype", draft_dtype) if draft_dtype else (),
                         stream_interval=stream_interval)
@@ -186,21 +187,21 @@ def main(args) -> int:
         return 0
     print(f"bench services: backend={args.backend} target={args.device} draft={result['draft_device']} k={args.k} "
           f"max_tokens={args.max_tokens} (three processes on loopback; round loop in the target)")
-    print(f"{'variant':>21s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'draft':>8s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
+    print(f"{'variant':>24s} {'TP':>2s} {'SI':>3s} {'poll':>5s} {'draft':>8s} {'batch':>5s} {'spec tok/s':>10s} {'target tok/s':>12s} {'speedup':>8s} "
           f"{'identical':>9s} {'accept':>7s} {'tok/rnd':>7s} {'ahead':>9s}  round ms spec: draft / target / overhead "
           f"/ total, share of wall time in rounds, ms to the first token")
     for r in rows:
         s = r["round_ms_spec"]
-        print(f"{r['variant']:>21s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['draft_dtype'] or 'as-is':>8s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
+        print(f"{r['variant']:>24s} {r['tp']:2d} {r['stream_interval']:3d} {'auto' if r['poll_us'] is None else r['poll_us']:>5} {r['draft_dtype'] or 'as-is':>8s} {r['batch']:5d} {r['tokens_per_s_spec']:10.1f} {r['tokens_per_s_target']:12.1f} "
               f"{r['speedup']:8.2f} {str(r['identical']):>9s} {r['acceptance_rate']:7.3f} {r['tokens_per_round']:7.2f} "
               f"{r['ahead_used']:>9s}  {s.get('draft', 0):.2f} / {s.get('target', 0):.2f} / "
               f"{s.get('overhead', 0):.2f} / {s.get('total', 0):.2f}, {r['in_rounds_spec']:.2f}, "
               f"{r['first_token_ms_spec']:.2f}")
         t = r["round_ms_target_only"]
-        print(f"{'':>21s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
+        print(f"{'':>24s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}, first token "
               f"{r['first_token_ms_target']:.2f} ms")
-    if any(v.startswith("colocated") and "host-drafts" not in v and "ahead" not in v for v in variants):
+    if any(v.startswith("colocated") and not {"host-drafts", "ahead"} & set(v.split("+")) for v in variants):
         print("colocated rows: greedy drafts reach the verify on the device (colocated_device_drafts): on a GPU a "
               "round's draft part is the host's share of the propose, its kernels are timed in the target part")
     return 0
