@@ -3,11 +3,11 @@
 # the draft in the target's process, a round's propose and verify are queued before the host reads the round before.
 # Session 27 (H100, docs/gpu.md § Session 27) measured the colocated round at 0.87 ms with 0.47 ms of kernels (b1).
 #
-#   bash bench/gpu_session28.sh OUT_DIR ahead   # the new gpu test (in-process engine, batch 1 and 4, exact and taken),
-#                                               # the loop tests with the draft in the process; the round host at
-#                                               # batch 1 and 8 with and without rounds queued ahead; a profiler pass
-#                                               # at batch 1; bench services fixed / colocated+no-round-ahead /
-#                                               # colocated at batch 1 and 8
+#   bash bench/gpu_session28.sh OUT_DIR ahead   # the new gpu test (in-process engine, batch 1 and 4, exact and taken);
+#                                               # the round host at batch 1 and 8 with and without rounds queued
+#                                               # ahead; bench services colocated+no-round-ahead / colocated at batch
+#                                               # 1 and 8; the loop tests with the draft in the process; a profiler
+#                                               # pass at batch 1 (as time allows)
 #   bash bench/gpu_session28.sh OUT_DIR peer    # bench peer --small --colocated-draft --batch 1 8
 #   bash bench/gpu_session28.sh OUT_DIR tests   # every one-GPU test file (-m gpu) but the loop and reload files
 #
@@ -18,15 +18,16 @@ gpu_prologue
 if [ "$mode" = ahead ]; then
   timeout 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_round_ahead_gpu.py 2>&1 \
     | tee "$out/gpu_tests_ahead.log" | grep -E "passed|failed|error|Error|assert|\[gpu round" | tail -12
-  HEAD=3 probe no_ahead_b1 50 1 128 --outbox --colocated --no-round-ahead
-  HEAD=3 probe ahead_b1 50 1 128 --outbox --colocated
-  HEAD=3 probe no_ahead_b8 50 8 128 --outbox --colocated --no-round-ahead
-  HEAD=3 probe ahead_b8 50 8 128 --outbox --colocated
-  HEAD=40 probe ahead_b1_profile 70 1 128 --outbox --colocated --torch-profile 12
-  [ "$(left)" -gt 100 ] && svc services_ahead "$(( $(left) - 90 ))" --device cuda:0 --batch 1 8 \
-    --variants fixed colocated+no-round-ahead colocated
-  [ "$(left)" -gt 40 ] && timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_loop_gpu.py \
-    -k colocated 2>&1 | tee "$out/gpu_tests_loop.log" | grep -E "passed|failed|error|Error|assert" | tail -8
+  HEAD=3 probe no_ahead_b1 45 1 128 --outbox --colocated --no-round-ahead
+  HEAD=3 probe ahead_b1 45 1 128 --outbox --colocated
+  HEAD=3 probe no_ahead_b8 45 8 128 --outbox --colocated --no-round-ahead
+  HEAD=3 probe ahead_b8 45 8 128 --outbox --colocated
+  [ "$(left)" -gt 150 ] && svc services_ahead "$(( $(left) - 110 ))" --device cuda:0 --batch 1 8 \
+    --variants colocated+no-round-ahead colocated
+  [ "$(left)" -gt 60 ] && timeout "$(( $(left) - 40 ))" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_loop_gpu.py -k colocated 2>&1 | tee "$out/gpu_tests_loop.log" \
+    | grep -E "passed|failed|error|Error|assert" | tail -8
+  [ "$(left)" -gt 35 ] && HEAD=40 probe ahead_b1_profile "$(left)" 1 128 --outbox --colocated --torch-profile 12
 elif [ "$mode" = peer ]; then
   timeout "$(left)" python3 -m specsplit bench peer --small --device cuda:0 --colocated-draft --batch 1 8 2>&1 \
     | quiet | tee "$out/peer.txt" | tail -12
