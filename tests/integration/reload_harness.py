@@ -102,7 +102,11 @@ class Stack:
                  colocated: bool = False, **orch) -> None:
         # target_port / draft_port: a worker started by the caller (which also stops it).
         if colocated:
-            cfg = dataclasses.replace(wcfg("target", model, version, target_graphs), colocated_draft=True)
+            # Rounds queued ahead as on a GPU (graphs.round_ahead; the CPU's graphs are the eager
+            # stand-in): a reload drops what is queued before its graphs go.
+            base = wcfg("target", model, version, target_graphs)
+            cfg = dataclasses.replace(base, colocated_draft=True,
+                                      graphs=dataclasses.replace(base.graphs, round_ahead=True))
             self.target = start_target(cfg, draft=colocated_draft(cfg))
             self.draft = HostedDraft(self.target.hosted.worker, self.target.port)
         else:

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("mode", ["recapture", "in_place"])
 def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, mode, colocated):
     """Regression for "draft keeps the old embedding/head": acceptance and draft tensors must be B's.
-    ``colocated``: the draft in the target's process, reloaded through the target's port."""
+    ``colocated``: the draft in the target's process, reloaded through the target's port, its
+    rounds queued ahead (the same acceptance as a fresh draft service's, round by round)."""
     s = stacks(models["A"], "A", colocated=colocated)
     for p in PROMPTS:
         assert s.client.generate_text(p, 40, k=3, ignore_eos=True).tokens == ref(models["A"], p, 40)
@@ -64,6 +65,8 @@ def test_reload_equals_a_fresh_stack_with_the_new_weights(stacks, models, ref, m
         assert got[-1] == ref(models["B"], p, 60)                 # lossless: the target decides the tokens
         assert got == acceptance_pattern(fresh.client, p, 60)     # the draft proposes exactly as a fresh B draft
     assert any(acceptance_pattern(stale.client, p, 60) != acceptance_pattern(fresh.client, p, 60) for p in PROMPTS)
+    if colocated:                     # its rounds were queued ahead (runtime/round_ahead.py), after the reload too
+        assert s.target.worker.engine.round_stats.used > 0
     b = load_tensors(index_checkpoint(models["B"]))
     draft = s.draft.worker
     for name in SHARED:

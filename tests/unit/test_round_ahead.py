@@ -175,3 +175,17 @@ def test_try_run_runs_only_on_an_idle_device_thread():
         assert dev.try_run(lambda: 7) == 7
     finally:
         dev.shutdown()
+
+
+def test_a_draft_that_declines_queues_nothing(engine):
+    """The draft's owner declines (its device thread busy, its weights not serving): no round is
+    queued, and the rounds run as without."""
+    prompts = [p[:40] for p in _prompts(2)]
+    plain = _generate(engine, prompts, 3, 2, ahead=False)
+    launched = engine.target.round_stats.launched
+    guard, engine.draft.next_guard = engine.draft.next_guard, lambda fn: None
+    try:
+        assert _generate(engine, prompts, 3, 2, ahead=True) == plain
+    finally:
+        engine.draft.next_guard = guard
+    assert engine.target.round_stats.launched == launched
