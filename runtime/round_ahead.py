@@ -15,15 +15,15 @@ bundled model at batch 1 that was 0.87 ms a round for 0.47 ms of kernels (docs/p
 § Session 27). Queued ahead, the next round's propose and verify run while the host does that.
 
 How (``TargetEngine.verify`` with a ``DeviceDrafts.source``): once round r's verify and the
-copies of its outputs to the host are queued, the accepted counts ``a`` are computed on the
-device; the draft engine queues its ``propose{k}`` graph on the catch-up built from them
-(``catchup_inputs``); the target queues its verify graph on the token rows and positions built
-from them and the new drafts (``verify_inputs``). The host then waits for round r's copies
-only, accepts on the host as always, checks its counts against the device's (they are read
-back with round r's outputs) and settles the pending round: the committed lengths and tokens
-it assumed. The next ``propose`` takes the queued drafts when it asks for exactly those
-requests, pairs and tokens; the next ``verify`` takes the queued outputs when it verifies
-exactly those drafts at exactly those lengths. Anything else drops them.
+copies of its outputs to the host are queued, the draft engine replays one ``chain{k}`` graph
+(``chain_step``): the accepted counts ``a`` on the device, the catch-up they give
+(``catchup_inputs``), the ``propose{k}`` step on it and the next verify's token rows and
+positions (``next_verify``); the target queues its verify graph on those. The host then waits
+for round r's copies only, accepts on the host as always and settles the pending round: the
+committed lengths and catch-up tokens. The next ``propose`` takes the queued drafts when it asks
+for exactly those requests, pairs, k and tokens and the device's counts (read back then, a round
+later) are the host's; the next ``verify`` takes the queued outputs when it verifies exactly
+those drafts at exactly those lengths. Anything else drops them.
 
 Exactness: a taken round ran the very graphs (kind, batch bucket and context span) on the very
 inputs the host path would have uploaded: the queue declines when the span a row may need
@@ -160,7 +160,8 @@ class NextPropose:
     nothing else writes), the next verify's token rows and positions (device [B, W]), the
     accepted counts it computed (``counts()`` waits for them: numpy [B]), the requests and pair
     counts it started from, and, once the target has accepted on the host, the catch-up tokens
-    it assumed (``expected``)."""
+    that acceptance committed (``expected``): the queued propose is taken only when they are the
+    request's and the device's counts agree with them."""
 
     ids: tuple[str, ...]
     pairs: tuple[int, ...]
@@ -179,7 +180,9 @@ class NextPropose:
             if (r.request_id != rid or r.start_position != p or r.k != self.k or not r.on_device or r.ahead
                     or r.keep_tail or len(r.tokens) != len(want) or tuple(int(t) for t in r.tokens) != want):
                 return False
-        return True
+        # NOTE: last, and only here: the counts the queued catch-up used must be the host's (they
+        # are by construction). Read now, a round after they were queued, the wait is over.
+        return self.counts().tolist() == [len(want) - 1 for want in self.expected]
 
 
 @dataclass

@@ -441,13 +441,11 @@ class TargetEngine:
             out.append(VerifyResult(r.request_id, a, tuple(acc.tokens),
                                     hidden_np[i, : a + 1].copy() if r.hidden else None))
         if queued is not None:
-            # NOTE: settled only when the device's counts are the host's (they are by construction;
-            # a queued round that assumed other counts is dropped, never taken).
-            if queued.propose.counts().tolist() == [res.num_accepted for res in out]:
-                queued.settle([kv.length for kv in kvs], [res.tokens for res in out])
-                self._next_round = queued
-            else:
-                self._round_dropped()
+            # NOTE: what the host committed; the draft takes its queued propose only if the counts
+            # the device used agree (``NextPropose.matches``), else it proposes afresh and the
+            # queued verify, whose drafts those are not, is dropped.
+            queued.settle([kv.length for kv in kvs], [res.tokens for res in out])
+            self._next_round = queued
         return out
 
     # --- the next round queued ahead (runtime/round_ahead.py) ---------------------------------
