@@ -8,8 +8,8 @@
 #                                               # ahead; bench services colocated+no-round-ahead / colocated at batch
 #                                               # 1 and 8; the loop tests with the draft in the process; a profiler
 #                                               # pass at batch 1 (as time allows)
-#   bash bench/gpu_session28.sh OUT_DIR peer    # bench peer --small --colocated-draft --batch 1 8
-#   bash bench/gpu_session28.sh OUT_DIR tests   # every one-GPU test file (-m gpu) but the loop and reload files
+#   bash bench/gpu_session28.sh OUT_DIR tests   # every one-GPU test file (-m gpu) but the loop file (run by ahead),
+#                                               # the reload file's RECAPTURE times with the chain kinds included
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -28,13 +28,11 @@ if [ "$mode" = ahead ]; then
     tests/gpu/test_loop_gpu.py -k colocated 2>&1 | tee "$out/gpu_tests_loop.log" \
     | grep -E "passed|failed|error|Error|assert" | tail -8
   [ "$(left)" -gt 35 ] && HEAD=40 probe ahead_b1_profile "$(left)" 1 128 --outbox --colocated --torch-profile 12
-elif [ "$mode" = peer ]; then
-  timeout "$(left)" python3 -m specsplit bench peer --small --device cuda:0 --colocated-draft --batch 1 8 2>&1 \
-    | quiet | tee "$out/peer.txt" | tail -12
 elif [ "$mode" = tests ]; then
-  timeout "$(left 470)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --ignore tests/gpu/test_loop_gpu.py \
-    --ignore tests/gpu/test_reload_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" \
-    | tail -20
+  # The reload file too: the colocated draft captures its chain{k} kinds now, and a RECAPTURE recaptures them.
+  timeout "$(left 560)" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu \
+    --ignore tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|error|Error|assert|RECAPTURE|recapture" | tail -24
 else
   echo "unknown mode $mode"; exit 2
 fi
