@@ -41,15 +41,16 @@ from typing import Any, Callable
 import numpy as np
 
 from runtime.backends.base import Ops
-from runtime.batch_layout import attend_need, attend_span
-from runtime.graphs import InputSpec, StepKind
+from runtime.batch_layout import Row, attend_need, attend_span
+from runtime.decode_ahead import AheadGate, AheadStats
+from runtime.graphs import GraphRegistry, InputSpec, StepKind
 
 
 def accepted_counts(ops: Ops, tokens: Any, best: Any, k: int) -> Any:
     """Greedy acceptance on the device: a [B] int64, the number of leading drafts equal to the
     target's argmax. tokens [B, W] = [t_n, d_1..d_k, padding], best [B, W]: row j's argmax is
     the target's token after d_j, so d_{j+1} is accepted iff it equals best[:, j] and every
-    draft before it was. a_i = sum_{j<k} prod_{i<=j} match_i (k is small: a few tiny ops)."""
+    draft before it was. a = sum over j < k of prod over l <= j of match_l (k is small: a few tiny ops)."""
     diff = tokens[:, 1:k + 1] - best[:, :k]                             # [B, k]
     match = 1 - ops.clip(diff * diff, 0, 1)                             # 1 where d_{j+1} == best_j
     run = match[:, 0]
@@ -207,3 +208,71 @@ class PendingRound:
         in ``ks``) is this one."""
         return (self.lengths is not None and ids == self.ids and lengths == self.lengths
                 and drafts is self.propose.drafts and all(k == self.k for k in ks))
+
+
+class RoundChain:
+    """The target's side of rounds queued ahead: the queued round, whether a verify may take it,
+    and the counts (``stats``: launched / used / dropped). As for decode-ahead a gate
+    (``decode_ahead.AheadGate``) pauses queuing while most queued rounds are dropped."""
+
+    def __init__(self, registry: GraphRegistry, kind: str, width: int, scratch: int, max_len: int) -> None:
+        self.registry, self.kind, self.width, self.scratch, self.max_len = registry, kind, width, scratch, max_len
+        self.pending: PendingRound | None = None
+        self.stats = AheadStats()
+        self._gate = AheadGate()
+
+    def allow(self) -> bool:
+        """Called once per round that could queue its successor."""
+        return self._gate.allow()
+
+    def queue(self, ids: tuple[str, ...], rows: list[Row], tokens: Any, hidden: Any, best: Any, k: int,
+              source: Any) -> PendingRound | None:
+        """Queue the next round of these verify ``rows`` (k drafts each): the draft's chained
+        propose (``source``, the draft engine that made this round's drafts; it also computes
+        the accepted counts and the next verify's rows from this verify's ``tokens``, ``best``
+        and ``hidden``), then the verify (``kind``) of its drafts. None when the verify would not
+        replay the graph the host path would run (the cache too short, a span that depends on
+        the counts) or the draft declined."""
+        top = max(r.start for r in rows)
+        # NOTE: the next verify reads up to n + a + k + 2 rows for a in 0..k: one span for all of
+        # them, the one the host path picks whatever the counts are.
+        lo, hi = top + k + 2, top + 2 * k + 2
+        step = self.registry.kinds[self.kind]
+        if (hi > self.max_len or self.registry.span_for(step, lo) != self.registry.span_for(step, hi)
+                or not self.registry.can_replay(self.kind, len(rows), hi)):
+            return None
+        nxt = source.queue_next(ids, tokens, best, hidden, [r.start + 1 for r in rows], k)
+        if nxt is None:
+            return None
+        write, read = verify_places([r.slot for r in rows], k, self.width, self.scratch)
+        outputs, replayed = self.registry.run(self.kind, {"tokens": nxt.tokens, "write_slots": write,
+                                                          "positions": nxt.positions, "read_slots": read}, need=hi)
+        if not replayed:
+            return None
+        self.stats.launched += 1
+        return PendingRound(ids, k, nxt.tokens, tuple(outputs), nxt)
+
+    def take(self, ids: tuple[str, ...], starts: tuple[int, ...], drafts: Any, in_order: bool,
+             ks: list[int]) -> PendingRound | None:
+        """The queued round, when a verify of ``ids`` at ``starts`` with drafts tensor ``drafts``
+        (its rows in the requests' order: ``in_order``; each request's k in ``ks``) is it;
+        else None, and the queued round is dropped."""
+        chained, self.pending = self.pending, None
+        if chained is None:
+            return None
+        if drafts is not None and in_order and chained.matches(ids, starts, drafts, ks):
+            self.stats.used += 1
+            self._gate.record(True)
+            return chained
+        self.dropped()
+        return None
+
+    def drop(self) -> None:
+        """Forget the queued round (the engine's state changed)."""
+        if self.pending is not None:
+            self.pending = None
+            self.dropped()
+
+    def dropped(self) -> None:
+        self.stats.dropped += 1
+        self._gate.record(False)

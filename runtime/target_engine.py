@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import acceptance, device_drafts, random_stream, round_ahead, sampling
+from runtime import acceptance, device_drafts, random_stream, sampling
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width)
@@ -45,6 +45,7 @@ from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, fuse_projections, head_argmax, lm_head, target_forward
 from runtime.request_checks import check_batch, check_token_range
+from runtime.round_ahead import RoundChain
 from runtime.types import PrefillRequest, PrefillResult, VerifyRequest, VerifyResult
 
 
@@ -74,10 +75,7 @@ class TargetEngine:
         self.decode_ahead = on_gpu if decode_ahead is None else decode_ahead
         self.round_ahead = on_gpu if round_ahead is None else round_ahead
         self._pending: PendingStep | None = None
-        self._next_round: round_ahead.PendingRound | None = None
         self.ahead_stats = AheadStats()
-        self.round_stats = AheadStats()          # rounds queued ahead: launched / used / dropped
-        self._round_gate = AheadGate()
         self.device_draft_verifies = 0           # verifies that read their drafts on the device (device_drafts)
         self._ahead_gate = AheadGate()
         self._fetch_ring = ops.fetch_ring()      # a verify's read-back buffers, reused (torch_host.FetchRing)
@@ -93,6 +91,7 @@ class TargetEngine:
         self.requests: dict[str, _TargetRequest] = {}
         self.registry = registry
         scratch = self.cache.scratch_slot
+        self.rounds = RoundChain(registry, f"verify{max_k + 1}", max_k + 1, scratch, cache_cfg.max_len)
         step = ops.compile_step(self._step)
         for width in sorted({max_k + 1, 1}, reverse=True):
             registry.register(StepKind(
@@ -340,7 +339,9 @@ class TargetEngine:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
         pending = self._pending
-        chained = self._take_round(ids, rows, reqs, on_device)
+        chained = self.rounds.take(ids, tuple(r.start for r in rows), None if on_device is None else on_device[0],
+                                   on_device is not None and on_device[1].tolist() == list(range(len(reqs))),
+                                   [len(r.drafts) for r in reqs])
         tokens_dev = None                          # the verify's token rows on the device (drafts there)
         if chained is not None:
             self._drop_step()
@@ -389,8 +390,8 @@ class TargetEngine:
         k0 = len(reqs[0].drafts)
         source = reqs[0].device.source if on_device is not None and reqs[0].device is not None else None
         chain = (source is not None and self.round_ahead and replayed and k0 >= 1 and not (sampled or coupled)
-                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self._round_gate.allow())
-        queued = self._queue_round(ids, rows, tokens_dev, hidden, best, k0, source) if chain else None
+                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self.rounds.allow())
+        queued = self.rounds.queue(ids, rows, tokens_dev, hidden, best, k0, source) if chain else None
         got = fetch()
         if on_device is not None:
             *got, drafts_np = got
@@ -445,56 +446,8 @@ class TargetEngine:
             # the device used agree (``NextPropose.matches``), else it proposes afresh and the
             # queued verify, whose drafts those are not, is dropped.
             queued.settle([kv.length for kv in kvs], [res.tokens for res in out])
-            self._next_round = queued
+            self.rounds.pending = queued
         return out
-
-    # --- the next round queued ahead (runtime/round_ahead.py) ---------------------------------
-    def _queue_round(self, ids: tuple[str, ...], rows: list[Row], tokens, hidden, best, k: int,
-                     source) -> round_ahead.PendingRound | None:
-        """Queue the next round of these rows (k drafts each): the draft's chained propose
-        (``source``, the draft engine that made this round's drafts; it also computes the accepted
-        counts and the next verify's rows from this verify's ``tokens``, ``best`` and ``hidden``)
-        and the verify of its drafts. None when the verify would not replay the graph the host
-        path would run (the cache too short, a span that depends on the counts) or the draft
-        declined."""
-        b, kind = len(rows), self._verify_kind
-        top = max(r.start for r in rows)
-        # NOTE: the next verify reads up to n + a + k + 2 rows for a in 0..k: one span for all of
-        # them, the one the host path picks whatever the counts are.
-        lo, hi = top + k + 2, top + 2 * k + 2
-        step = self.registry.kinds[kind]
-        if (hi > self.cache.max_len or self.registry.span_for(step, lo) != self.registry.span_for(step, hi)
-                or not self.registry.can_replay(kind, b, hi)):
-            return None
-        nxt = source.queue_next(ids, tokens, best, hidden, [r.start + 1 for r in rows], k)
-        if nxt is None:
-            return None
-        write, read = round_ahead.verify_places([r.slot for r in rows], k, self._widths[kind], self.cache.scratch_slot)
-        outputs, replayed = self.registry.run(kind, {"tokens": nxt.tokens, "write_slots": write,
-                                                     "positions": nxt.positions, "read_slots": read}, need=hi)
-        if not replayed:
-            return None
-        self.round_stats.launched += 1
-        return round_ahead.PendingRound(ids, k, nxt.tokens, tuple(outputs), nxt)
-
-    def _take_round(self, ids: tuple[str, ...], rows: list[Row], reqs: list[VerifyRequest],
-                    on_device: tuple | None) -> round_ahead.PendingRound | None:
-        """The round queued for this verify, when it is this verify (``PendingRound.matches``:
-        the same requests at the lengths it assumed, the drafts it queued, in their order)."""
-        chained, self._next_round = self._next_round, None
-        if chained is None:
-            return None
-        if on_device is not None and on_device[1].tolist() == list(range(len(reqs))) and chained.matches(
-                ids, tuple(r.start for r in rows), on_device[0], [len(r.drafts) for r in reqs]):
-            self.round_stats.used += 1
-            self._round_gate.record(True)
-            return chained
-        self._round_dropped()
-        return None
-
-    def _round_dropped(self) -> None:
-        self.round_stats.dropped += 1
-        self._round_gate.record(False)
 
     def _queue_next(self, reqs: list[VerifyRequest], rows: list[Row], best) -> PendingStep | None:
         """Queue the next target-only step of these rows (runtime/decode_ahead.py): each row's
@@ -517,12 +470,15 @@ class TargetEngine:
         self.ahead_stats.launched += 1
         return PendingStep(tuple(r.request_id for r in reqs), tuple(r.start for r in nxt), tuple(outputs))
 
+    @property
+    def round_stats(self) -> AheadStats:
+        """Rounds queued ahead (runtime/round_ahead.py): launched / used / dropped."""
+        return self.rounds.stats
+
     def drop_pending(self) -> None:
         """Forget a step or round queued ahead: the engine's state changes (prefill, release, new weights)."""
         self._drop_step()
-        if self._next_round is not None:
-            self._next_round = None
-            self._round_dropped()
+        self.rounds.drop()
 
     def _drop_step(self) -> None:
         if self._pending is not None:

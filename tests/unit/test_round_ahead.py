@@ -148,7 +148,7 @@ def test_anything_between_two_rounds_drops_the_queued_one(engine):
     dropped = st.dropped
     got = _generate(engine, prompts, 3, 3, ahead=True)        # the 4th joins when the first finishes
     assert [t for t, _, _ in got] == ref and st.dropped > dropped
-    assert engine.target._next_round is None or engine.target._next_round.lengths is not None
+    assert engine.target.rounds.pending is None or engine.target.rounds.pending.lengths is not None
 
 
 def test_a_round_whose_counts_are_not_the_hosts_is_never_taken(engine, monkeypatch):
