@@ -28,7 +28,10 @@ those drafts at exactly those lengths. Anything else drops them.
 Exactness: a taken round ran the very graphs (kind, batch bucket and context span) on the very
 inputs the host path would have uploaded: the queue declines when the span a row may need
 could differ with its accepted count. A dropped round only wrote KV rows past its rows'
-committed lengths (stale, overwritten later) and the scratch slot.
+committed lengths (stale, overwritten later) and the scratch slot, given that the device's
+counts are the host's: they are by construction (the same leading-match count of the same ids),
+and each queued round is judged when it is taken or dropped; a request a miscounted round wrote
+fails its next verify (``RoundChain.take``) instead of decoding on from rows it cannot trust.
 
 Must not know: gRPC, scheduling, frameworks (everything goes through ``Ops``), the model.
 """
@@ -209,6 +212,16 @@ class PendingRound:
         return (self.lengths is not None and ids == self.ids and lengths == self.lengths
                 and drafts is self.propose.drafts and all(k == self.k for k in ks))
 
+    def miscounted(self) -> list[str]:
+        """The requests whose accepted count on the device was not the host's (none, by
+        construction: the same leading-match count of the same ids). Such a request's queued
+        verify wrote from n + a' + 1, below its committed length when a' < a: its KV rows may be
+        wrong. Only a settled round is judged (an unsettled one was never accepted)."""
+        if self.propose.expected is None:
+            return []
+        got = self.propose.counts().tolist()
+        return [rid for rid, a, want in zip(self.ids, got, self.propose.expected) if a != len(want) - 1]
+
 
 class RoundChain:
     """The target's side of rounds queued ahead: the queued round, whether a verify may take it,
@@ -220,6 +233,8 @@ class RoundChain:
         self.pending: PendingRound | None = None
         self.stats = AheadStats()
         self._gate = AheadGate()
+        self.errors = 0              # queue attempts that raised (the round went on without)
+        self._poisoned: set[str] = set()   # requests whose KV a miscounted round may have written
 
     def allow(self) -> bool:
         """Called once per round that could queue its successor."""
@@ -232,7 +247,16 @@ class RoundChain:
         the accepted counts and the next verify's rows from this verify's ``tokens``, ``best``
         and ``hidden``), then the verify (``kind``) of its drafts. None when the verify would not
         replay the graph the host path would run (the cache too short, a span that depends on
-        the counts) or the draft declined."""
+        the counts), the draft declined, or queuing failed (counted in ``errors``: the round
+        this verify answers never fails for what is only a head start on the next)."""
+        try:
+            return self._queue(ids, rows, tokens, hidden, best, k, source)
+        except Exception:  # noqa: BLE001 - see the docstring
+            self.errors += 1
+            return None
+
+    def _queue(self, ids: tuple[str, ...], rows: list[Row], tokens: Any, hidden: Any, best: Any, k: int,
+               source: Any) -> PendingRound | None:
         top = max(r.start for r in rows)
         # NOTE: the next verify reads up to n + a + k + 2 rows for a in 0..k: one span for all of
         # them, the one the host path picks whatever the counts are.
@@ -256,8 +280,16 @@ class RoundChain:
              ks: list[int]) -> PendingRound | None:
         """The queued round, when a verify of ``ids`` at ``starts`` with drafts tensor ``drafts``
         (its rows in the requests' order: ``in_order``; each request's k in ``ks``) is it;
-        else None, and the queued round is dropped."""
+        else None, and the queued round is dropped. Raises RuntimeError for a verify of a request
+        a miscounted round wrote (``PendingRound.miscounted``): never a silently wrong token."""
         chained, self.pending = self.pending, None
+        if chained is not None:
+            self._judge(chained)
+        bad = self._poisoned.intersection(ids)
+        if bad:
+            self._poisoned -= bad
+            raise RuntimeError(f"round ahead: the device's accepted counts of {sorted(bad)} were not the "
+                               "host's; the round queued on them may have written committed KV rows")
         if chained is None:
             return None
         if drafts is not None and in_order and chained.matches(ids, starts, drafts, ks):
@@ -268,10 +300,19 @@ class RoundChain:
         return None
 
     def drop(self) -> None:
-        """Forget the queued round (the engine's state changed)."""
+        """Forget the queued round (the engine's state changed); a miscounted one is remembered
+        (``take`` refuses its requests' next verify)."""
         if self.pending is not None:
-            self.pending = None
+            chained, self.pending = self.pending, None
+            self._judge(chained)
             self.dropped()
+
+    def forget(self, request_id: str) -> None:
+        """A request left (released): nothing of it is judged any more."""
+        self._poisoned.discard(request_id)
+
+    def _judge(self, chained: PendingRound) -> None:
+        self._poisoned.update(chained.miscounted())
 
     def dropped(self) -> None:
         self.stats.dropped += 1

@@ -526,6 +526,7 @@ class TargetEngine:
 
     def release(self, request_id: str) -> bool:
         self.drop_pending()
+        self.rounds.forget(request_id)
         self.requests.pop(request_id, None)
         return self.cache.free(request_id)
 

@@ -23,6 +23,7 @@ from runtime.acceptance import accept_greedy_ids
 from runtime.backends import make_ops
 from runtime.batch_layout import Row, layout_rows
 from runtime.config import RuntimeConfig
+from runtime.decode_ahead import AheadGate
 from runtime.device_thread import DeviceThread
 from runtime.engine import GenRequest
 from runtime.fused_propose import substep_places
@@ -119,6 +120,7 @@ def engine():
 
 def _generate(engine, prompts, k, max_batch, ahead, max_tokens=24):
     engine.target.round_ahead = ahead
+    engine.target.rounds._gate = AheadGate()     # each run starts unpaused (a test before may have dropped many)
     reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
             for i, p in enumerate(prompts)]
     return [(r.tokens, r.stats.accepted, r.stats.pos_accepted) for r in engine.generate(reqs, max_batch=max_batch)]
@@ -137,6 +139,7 @@ def test_rounds_queued_ahead_give_the_same_drafts_and_tokens(engine, max_batch):
     launched, used, dropped = st.launched - before[0], st.used - before[1], st.dropped - before[2]
     rounds = sum(len(t) for t in target_only) / 3.3 / max_batch
     assert used > 0.5 * rounds and launched == used + dropped and engine.draft.next_taken - taken == used
+    assert engine.target.rounds.errors == 0
 
 
 def test_anything_between_two_rounds_drops_the_queued_one(engine):
@@ -151,15 +154,20 @@ def test_anything_between_two_rounds_drops_the_queued_one(engine):
     assert engine.target.rounds.pending is None or engine.target.rounds.pending.lengths is not None
 
 
-def test_a_round_whose_counts_are_not_the_hosts_is_never_taken(engine, monkeypatch):
+def test_a_round_whose_counts_are_not_the_hosts_fails_loudly(monkeypatch):
+    """The device's counts are the host's by construction. Were they not (a bug), the round queued
+    on them wrote its verify's KV from the wrong length, possibly over committed rows: the draft
+    does not take its drafts, and the next verify of those requests raises rather than decode on
+    (never a silently wrong token). A fresh engine: this one is left with requests in its caches."""
+    eng = _engine("torch", max_k=3, round_ahead=True)
+    eng.capture_graphs()
     prompts = [p[:40] for p in _prompts(2)]
-    ref = [t for t, _, _ in _generate(engine, prompts, 0, 2, ahead=False)]
     real = round_ahead.accepted_counts
     # Counts in range (0..k), but never the host's.
     monkeypatch.setattr(round_ahead, "accepted_counts", lambda ops, t, b, k: (real(ops, t, b, k) + 1) % (k + 1))
-    used = engine.target.round_stats.used
-    got = _generate(engine, prompts, 3, 2, ahead=True)
-    assert [t for t, _, _ in got] == ref and engine.target.round_stats.used == used
+    with pytest.raises(RuntimeError, match="accepted counts"):
+        _generate(eng, prompts, 3, 2, ahead=True)
+    assert eng.draft.next_taken == 0 and eng.target.round_stats.used == 0
 
 
 def test_try_run_runs_only_on_an_idle_device_thread():
@@ -189,3 +197,20 @@ def test_a_draft_that_declines_queues_nothing(engine):
     finally:
         engine.draft.next_guard = guard
     assert engine.target.round_stats.launched == launched
+
+
+def test_a_queue_that_fails_leaves_the_round_alone(engine):
+    """Queuing the next round raises (a draft engine's bug, say): counted, and the rounds go on
+    without queuing, with target-only's tokens."""
+    prompts = [p[:40] for p in _prompts(2)]
+    plain = _generate(engine, prompts, 3, 2, ahead=False)
+    errors, launched = engine.target.rounds.errors, engine.target.round_stats.launched
+
+    def broken(*_a, **_k):
+        raise RuntimeError("queue_next failed")
+    real, engine.draft.queue_next = engine.draft.queue_next, broken
+    try:
+        assert _generate(engine, prompts, 3, 2, ahead=True) == plain
+    finally:
+        engine.draft.queue_next = real
+    assert engine.target.rounds.errors > errors and engine.target.round_stats.launched == launched
