@@ -173,7 +173,7 @@ class NextPropose:
     drafts: Any
     tokens: Any
     positions: Any
-    counts: Callable[[], list]
+    counts: Callable[[], np.ndarray]     # may be called more than once
     expected: tuple[tuple[int, ...], ...] | None = None
 
     def matches(self, reqs: list) -> bool:
