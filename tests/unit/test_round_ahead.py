@@ -7,7 +7,8 @@ inputs of the next propose and verify are the host layout's arrays for every acc
 on both backends; the accepted counts are the host's; an engine run with rounds queued ahead
 gives target-only's tokens and the very drafts of a run without (same acceptance, position by
 position), and takes most queued rounds; anything between two rounds drops the queued one; a
-queued round whose counts disagree with the host's is never taken.
+draft that declines, or a queue that fails, leaves the rounds as they were; a queued round whose
+counts disagree with the host's is never taken and its requests' next verify fails loudly.
 """
 
 from __future__ import annotations
