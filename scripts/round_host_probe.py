@@ -14,7 +14,9 @@ prints the draft process's cProfile of its round messages (top N by own time, th
 scripts/draft_profile).
 With ``--colocated``: the draft worker in this process on DEVICE (``colocated_draft``: the round loop
 calls it directly; graphs of both captured) and k=3 requests; the Torch profiler pass then sees the
-draft's kernels too. ``--host-drafts``: its drafts through the host (``colocated_device_drafts`` off).
+draft's kernels too. ``--host-drafts``: its drafts through the host (``colocated_device_drafts`` off);
+``--no-round-ahead``: no greedy round queued ahead (``graphs.round_ahead`` off). ``--switch-interval
+S``: the interpreter's thread switch interval for the run.
 With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
 prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
 then runs mostly target-only rounds with the draft holding the request).
@@ -25,7 +27,8 @@ per round, the top N kernels per round).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
-                                          [--verify-split] [--draft-profile N] [--colocated [--host-drafts]]
+                                          [--verify-split] [--draft-profile N]
+                                          [--colocated [--host-drafts] [--no-round-ahead]] [--switch-interval S]
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -201,9 +204,14 @@ def main() -> int:
                     help="the draft worker in this process, on DEVICE (colocated_draft); not with --draft")
     ap.add_argument("--no-round-ahead", action="store_true",
                     help="with --colocated: no greedy round queued ahead (graphs.round_ahead off)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval seconds for the run (the interpreter's default 0.005): does a "
+                         "round loop that rarely blocks starve the client threads of the interpreter?")
     ap.add_argument("--host-drafts", action="store_true",
                     help="with --colocated: drafts through the host (colocated_device_drafts off)")
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     if a.colocated and a.draft:
         ap.error("--colocated and --draft: one draft or the other")
     if not a.draft:
