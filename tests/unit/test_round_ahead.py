@@ -215,3 +215,26 @@ def test_a_queue_that_fails_leaves_the_round_alone(engine):
     finally:
         engine.draft.queue_next = real
     assert engine.target.rounds.errors > errors and engine.target.round_stats.launched == launched
+
+
+def test_where_rounds_are_queued_ahead():
+    """``graphs.round_ahead``: unset = CUDA only, true = every device, false = off; a target's
+    colocated draft captures the chain kinds only on the target's own device with its drafts
+    left there (``draft_service.worker.chains_rounds``)."""
+    import dataclasses
+
+    from draft_service.worker import chains_rounds
+    from runtime.config import GraphConfig
+    from tests.integration.test_round_loop import _cfg
+
+    assert GraphConfig().round_ahead_on("cuda:0") and not GraphConfig().round_ahead_on("cpu")
+    assert GraphConfig(round_ahead=True).round_ahead_on("cpu")
+    assert not GraphConfig(round_ahead=False).round_ahead_on("cuda:0")
+    base = _cfg("target")
+    on_gpu = dataclasses.replace(base, colocated_draft=True, runtime=dataclasses.replace(base.runtime, device="cuda:0"))
+    assert chains_rounds(on_gpu)
+    assert not chains_rounds(dataclasses.replace(on_gpu, draft_device="cuda:1"))       # another device
+    assert not chains_rounds(dataclasses.replace(on_gpu, colocated_device_drafts=False))
+    assert not chains_rounds(dataclasses.replace(on_gpu, graphs=GraphConfig(round_ahead=False)))
+    assert not chains_rounds(dataclasses.replace(on_gpu, runtime=base.runtime))          # CPU, unset
+    assert chains_rounds(dataclasses.replace(on_gpu, runtime=base.runtime, graphs=GraphConfig(round_ahead=True)))
