@@ -522,16 +522,15 @@ class DraftEngine:
         accepted counts from its verify's ``tokens`` and argmax ``best`` [B, W], proposes on the
         catch-up they give (``hidden`` [B, W, d] its hidden rows) and lays out the next verify's
         rows from ``starts`` (each request's target length + 1). None when that would not replay
-        a graph the host path would (a request unknown or drafting on the host, the cache too
-        short, a context span that depends on the counts), or when the owner's guard declines
+        a graph the host path would (a request unknown here, the cache too short, a context
+        span that depends on the counts), or when the owner's guard declines
         (``next_guard``)."""
         return self.next_guard(lambda: self._queue_next(ids, tokens, best, hidden, starts, k))
 
     def _queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
         self._next = None
+        # (Greedy by construction: its caller's drafts stayed on the device, which only greedy ones do.)
         if not self._chain or not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
-            return None
-        if any(self.requests[rid].on_host for rid in ids):
             return None
         states = [self.cache.get(rid) for rid in ids]
         pairs = [st.length for st in states]

@@ -276,12 +276,12 @@ class RoundChain:
         self.stats.launched += 1
         return PendingRound(ids, k, nxt.tokens, tuple(outputs), nxt)
 
-    def take(self, ids: tuple[str, ...], starts: tuple[int, ...], drafts: Any, in_order: bool,
-             ks: list[int]) -> PendingRound | None:
-        """The queued round, when a verify of ``ids`` at ``starts`` with drafts tensor ``drafts``
-        (its rows in the requests' order: ``in_order``; each request's k in ``ks``) is it;
-        else None, and the queued round is dropped. Raises RuntimeError for a verify of a request
-        a miscounted round wrote (``PendingRound.miscounted``): never a silently wrong token."""
+    def take(self, ids: tuple[str, ...], rows: list[Row], reqs: list, on_device: tuple | None) -> PendingRound | None:
+        """The queued round, when the verify of ``reqs`` (``VerifyRequest``; ``ids`` theirs, ``rows``
+        their verify rows) is it: its drafts the queued ones (``on_device``: the drafts tensor and
+        each request's row of it, in the requests' order); else None, and the queued round is
+        dropped. Raises RuntimeError for a verify of a request a miscounted round wrote
+        (``PendingRound.miscounted``): never a silently wrong token."""
         chained, self.pending = self.pending, None
         if chained is not None:
             self._judge(chained)
@@ -292,7 +292,8 @@ class RoundChain:
                                "host's; the round queued on them may have written committed KV rows")
         if chained is None:
             return None
-        if drafts is not None and in_order and chained.matches(ids, starts, drafts, ks):
+        if (on_device is not None and on_device[1].tolist() == list(range(len(reqs)))
+                and chained.matches(ids, tuple(r.start for r in rows), on_device[0], [len(r.drafts) for r in reqs])):
             self.stats.used += 1
             self._gate.record(True)
             return chained

@@ -339,9 +339,7 @@ class TargetEngine:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
         pending = self._pending
-        chained = self.rounds.take(ids, tuple(r.start for r in rows), None if on_device is None else on_device[0],
-                                   on_device is not None and on_device[1].tolist() == list(range(len(reqs))),
-                                   [len(r.drafts) for r in reqs])
+        chained = self.rounds.take(ids, rows, reqs, on_device)
         tokens_dev = None                          # the verify's token rows on the device (drafts there)
         if chained is not None:
             self._drop_step()
