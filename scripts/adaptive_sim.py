@@ -55,9 +55,11 @@ def draws(rng, a: float, k: int, decl: float) -> int:
 
 
 def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
-        regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY), watch: float | None = None) -> dict:
+        regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY), watch: float | None = None,
+        entry: float = 0.0) -> dict:
     """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's). ``watch``: watch probes
-    on (``round_plan``), each costing its target-only round that many seconds more."""
+    on (``round_plan``), each costing its target-only round that many seconds more; ``entry``: what a
+    drafting round right after one that did not draft costs more (nothing queued ahead for it)."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
@@ -70,6 +72,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
         for easy, hard_rate in reqs:
             pol = None if costs is None else (loop.new_policy(k_req) if loop else mod.AdaptiveK(k_req))
             out, pending, hard, watched = 1, 1, False, None    # watched: [k, accepted, tokens until known]
+            drafted = False                                    # did the request's last round draft?
             while out < max_tokens:
                 wk = 0
                 if costs is None:
@@ -95,7 +98,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                         dur, over = dur + watch, over + watch
                 else:
                     draft_s = (td * k + (wide if pending > CAPTURED else 0.0)) * noise
-                    dur = fixed * noise + draft_s
+                    dur = fixed * noise + draft_s + (entry if not drafted else 0.0)
                     verify_s, over, pending = verify, dur - draft_s - verify, 0
                 if costs is not None:
                     if wk > 0:
@@ -109,6 +112,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                             pol.observe(watched[0], watched[1])
                             watched = None
                 t += dur
+                drafted = k > 0
                 out += acc + 1
                 pending += acc + 1
             toks += min(out, max_tokens)
@@ -133,6 +137,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="the three sets served this many times in turn by one loop (as bench adaptive --repeats "
                          "does: the second heldout comes after the first mix); tokens/s per set over all")
+    ap.add_argument("--entry", type=float, default=0.0, metavar="SECONDS",
+                    help="a drafting round right after a target-only one costs this much more (with rounds queued "
+                         "ahead on the device, runtime/round_ahead.py, nothing was queued for it)")
     ap.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="watch probes on (runtime.adaptive_k.round_plan), each adding SECONDS to its round")
     args = ap.parse_args()
@@ -147,7 +154,7 @@ def main() -> int:
                                        for n, reqs in (("heldout", held), ("random", rand), ("mix", mix))]
         for p in (0, 1, 2, 3, "adaptive"):
             for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens,
-                               regime=tuple(args.regime), watch=args.watch).items():
+                               regime=tuple(args.regime), watch=args.watch, entry=args.entry).items():
                 rates.setdefault(name.split("#")[0], {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):
