@@ -58,7 +58,8 @@ class DraftWorker(Worker):
                           ahead_drafting=self.cfg.spec.ahead_drafting, fused_propose=g.fused_propose,
                           prefill_widths=g.prefill_widths_on(self.cfg.runtime.device), prefill_tokens=g.prefill_tokens,
                           round_ahead=self.chain_rounds)
-        eng.next_guard = self._next_guard(eng)
+        if eng.chain is not None:
+            eng.chain.guard = self._next_guard(eng)
         return eng
 
     def _next_guard(self, eng: DraftEngine) -> Callable[[Callable[[], Any]], Any]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +58,7 @@ from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import MTP_LAYER_PREFIX, Params, Rope, build_attn_meta, fuse_projections, lm_head, mtp_forward
 from runtime.request_checks import check_batch, check_hidden, check_token_range
-from runtime.round_ahead import NextPropose, chain_kind, chain_kind_name, chain_step
+from runtime.round_ahead import DraftChain, NextPropose
 from runtime.target_engine import request_seed
 from runtime.types import DeviceDrafts, DraftPrefillRequest, Proposal, ProposeRequest, hidden_float32
 
@@ -128,23 +128,14 @@ class DraftEngine:
                        if fused_propose and max_k >= 1 else None)
         for kind in self._fused.kinds() if self._fused is not None else ():
             registry.register(kind)
-        # Rounds queued ahead by a target in this process (runtime/round_ahead.py): a ``chain{k}``
-        # kind per k, the propose{k} step behind the catch-up it computes on the device.
-        self._chain = round_ahead and self._fused is not None
-        for k in range(1, max_k + 1) if self._chain else ():
-            registry.register(chain_kind(
-                chain_step(ops, self._fused.step_fn(k), k, self.catchup_width, self.cache.scratch_slot), k,
-                self.catchup_width, cfg.hidden_size, self.cache.scratch_slot, context_spans(cache_cfg.max_len),
-                cache_cfg.max_len))
+        # Rounds queued ahead by a target in this process (runtime/round_ahead.py): its ``chain{k}``
+        # kinds (the propose{k} step behind the catch-up they compute on the device) and the
+        # propose queued for the next round.
+        self.chain = (DraftChain(ops, registry, self._fused, self.cache, self.catchup_width, cfg.hidden_size, max_k)
+                      if round_ahead and self._fused is not None else None)
         # Ahead drafting: the end of each request's last proposal (runtime/draft_ahead.py).
         self._ends = KeptEnds(ops, cache_cfg.max_slots, cfg.hidden_size)
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
-        # The next round's propose, queued on the device by the target's verify (runtime/round_ahead.py).
-        self._next: NextPropose | None = None
-        self.next_taken = 0              # proposes answered with drafts queued ahead
-        # How a target in this process runs ``queue_next``: directly (the in-process engine), or
-        # the owning worker's guard (its device thread idle, weights serving; else nothing runs).
-        self.next_guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
 
     def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
               max_batch: int | None = None, fn: Any = None) -> StepKind:
@@ -239,7 +230,7 @@ class DraftEngine:
 
     def prefill(self, reqs: list[DraftPrefillRequest]) -> None:
         """Allocate each request and write its prompt pairs (h_0,t_1)..(h_{m-1},t_m)."""
-        self._next = None
+        self.drop_pending()
         for r in reqs:
             if self.cache.has(r.request_id):
                 raise ValueError(f"request_id {r.request_id!r} is already active")
@@ -292,8 +283,8 @@ class DraftEngine:
     def propose(self, reqs: list[ProposeRequest]) -> list[Proposal]:
         """Catch-up over each request's new pairs, then k-1 substeps on the MTP's own hidden state.
         Ahead items (``ProposeRequest.ahead``) continue from their last proposal instead."""
-        nxt, self._next = self._next, None
-        if nxt is not None and nxt.matches(reqs):
+        nxt = self.chain.take(reqs) if self.chain is not None else None
+        if nxt is not None:
             return self._take_next(nxt, reqs)
         ahead = [r for r in reqs if r.ahead]
         if ahead:
@@ -517,43 +508,16 @@ class DraftEngine:
         return sampling.sample_token(q, random_stream.uniform(req.seed, position, random_stream.PURPOSE_DRAFT)), q
 
     # --- the next round queued on the device (runtime/round_ahead.py) ------------------------
-    def queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
-        """Queue the next round of ``ids`` (k drafts each): one ``chain{k}`` replay computes round r's
-        accepted counts from its verify's ``tokens`` and argmax ``best`` [B, W], proposes on the
-        catch-up they give (``hidden`` [B, W, d] its hidden rows) and lays out the next verify's
-        rows from ``starts`` (each request's target length + 1). None when that would not replay
-        a graph the host path would (a request unknown here, the cache too short, a context
-        span that depends on the counts), or when the owner's guard declines
-        (``next_guard``)."""
-        return self.next_guard(lambda: self._queue_next(ids, tokens, best, hidden, starts, k))
+    @property
+    def next_taken(self) -> int:
+        """Proposes answered with drafts queued ahead."""
+        return self.chain.taken if self.chain is not None else 0
 
-    def _queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
-        self._next = None
-        # (Greedy by construction: its caller's drafts stayed on the device, which only greedy ones do.)
-        if not self._chain or not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
-            return None
-        states = [self.cache.get(rid) for rid in ids]
-        pairs = [st.length for st in states]
-        top, kind = max(pairs), chain_kind_name(k)
-        # NOTE: as ``propose`` decides: the catch-up's a + 1 pairs end at P + a + 1, its last
-        # substep reads P + a + k rows; for every a in 0..k all of it must sit in one span, the
-        # span the host path would pick whatever a turns out to be.
-        lo, hi = top + 1, top + 2 * k
-        if (top + 2 * k + 1 > self.cache.max_len or not self._fused.one_span(lo, hi)
-                or not self.registry.can_replay(kind, len(ids), hi)):
-            return None
-        (drafts, vtokens, vpositions, counts), replayed = self.registry.run(kind, {
-            "vtokens": tokens, "vbest": best, "vhidden": hidden,
-            "dslot": np.asarray([st.slot for st in states], dtype=np.int64),
-            "pairs": np.asarray(pairs, dtype=np.int64), "tstart": np.asarray(starts, dtype=np.int64)}, need=hi)
-        if not replayed:
-            return None
-        # NOTE: queued right behind the replay, before any later replay rewrites its outputs.
-        kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
-        self.ops.copy_(kept, drafts)
-        fetch = self.ops.to_numpy_many_async([counts])
-        self._next = NextPropose(tuple(ids), tuple(pairs), k, kept, vtokens, vpositions, lambda: fetch()[0])
-        return self._next
+    def queue_next(self, ids: tuple[str, ...], tokens, best, hidden, starts: list[int], k: int) -> NextPropose | None:
+        """Queue the next round of ``ids`` (``DraftChain.queue``) under the owner's guard
+        (``DraftChain.guard``); None where this engine queues no rounds ahead."""
+        chain = self.chain
+        return None if chain is None else chain.guard(lambda: chain.queue(ids, tokens, best, hidden, starts, k))
 
     def _take_next(self, nxt: NextPropose, reqs: list[ProposeRequest]) -> list[Proposal]:
         """Answer a propose with the drafts queued for it (``NextPropose.matches``): its catch-up
@@ -562,16 +526,16 @@ class DraftEngine:
             self._ends.forget(r.request_id)
             self.cache.get(r.request_id).length = p + len(r.tokens)
         self.fused_proposes += 1
-        self.next_taken += 1
         return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(nxt.drafts, i, self))
                 for i, r in enumerate(reqs)]
 
     def drop_pending(self) -> None:
         """Forget a propose queued for the next round (graphs cleared, weights changed)."""
-        self._next = None
+        if self.chain is not None:
+            self.chain.drop()
 
     def release(self, request_id: str) -> bool:
-        self._next = None
+        self.drop_pending()
         self.requests.pop(request_id, None)
         self._ends.forget(request_id)
         return self.cache.free(request_id)

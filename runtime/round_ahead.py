@@ -44,7 +44,7 @@ from typing import Any, Callable
 import numpy as np
 
 from runtime.backends.base import Ops
-from runtime.batch_layout import Row, attend_need, attend_span
+from runtime.batch_layout import Row, attend_need, attend_span, context_spans
 from runtime.decode_ahead import AheadGate, AheadStats
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 
@@ -187,6 +187,73 @@ class NextPropose:
         # NOTE: last, and only here: the counts the queued catch-up used must be the host's (they
         # are by construction). Read now, a round after they were queued, the wait is over.
         return self.counts().tolist() == [len(want) - 1 for want in self.expected]
+
+
+class DraftChain:
+    """The draft's side of rounds queued ahead (``DraftEngine.chain``): its ``chain{k}`` kinds, one per
+    k (registered here, after the propose kinds they build on), the propose it queued for the next
+    round and whether a propose may take it. ``guard`` runs each queue: directly (the in-process
+    engine), or the owning worker's guard (its device thread idle, weights serving; else nothing
+    runs and nothing is queued)."""
+
+    def __init__(self, ops: Ops, registry: GraphRegistry, fused: Any, cache: Any, width: int, hidden_size: int,
+                 max_k: int) -> None:
+        self.ops, self.registry, self.fused, self.cache, self.max_k = ops, registry, fused, cache, max_k
+        scratch = cache.scratch_slot
+        for k in range(1, max_k + 1):
+            registry.register(chain_kind(chain_step(ops, fused.step_fn(k), k, width, scratch), k, width, hidden_size,
+                                         scratch, context_spans(cache.max_len), cache.max_len))
+        self.pending: NextPropose | None = None
+        self.taken = 0                   # proposes answered with drafts queued ahead
+        self.guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
+
+    def queue(self, ids: tuple[str, ...], tokens: Any, best: Any, hidden: Any, starts: list[int], k: int
+              ) -> NextPropose | None:
+        """Queue the next round of ``ids`` (k drafts each): one ``chain{k}`` replay computes round r's
+        accepted counts from its verify's ``tokens`` and argmax ``best`` [B, W], proposes on the
+        catch-up they give (``hidden`` [B, W, d] its hidden rows) and lays out the next verify's
+        rows from ``starts`` (each request's target length + 1). None when that would not replay
+        a graph the host path would (a request unknown here, the cache too short, a context span
+        that depends on the counts). Greedy by construction: its caller's drafts stayed on the
+        device, which only greedy ones do."""
+        self.pending = None
+        if not 1 <= k <= self.max_k or not all(self.cache.has(rid) for rid in ids):
+            return None
+        states = [self.cache.get(rid) for rid in ids]
+        pairs = [st.length for st in states]
+        top, kind = max(pairs), chain_kind_name(k)
+        # NOTE: as ``DraftEngine.propose`` decides: the catch-up's a + 1 pairs end at P + a + 1, its
+        # last substep reads P + a + k rows; for every a in 0..k all of it must sit in one span,
+        # the span the host path would pick whatever a turns out to be.
+        lo, hi = top + 1, top + 2 * k
+        if (top + 2 * k + 1 > self.cache.max_len or not self.fused.one_span(lo, hi)
+                or not self.registry.can_replay(kind, len(ids), hi)):
+            return None
+        (drafts, vtokens, vpositions, counts), replayed = self.registry.run(kind, {
+            "vtokens": tokens, "vbest": best, "vhidden": hidden,
+            "dslot": np.asarray([st.slot for st in states], dtype=np.int64),
+            "pairs": np.asarray(pairs, dtype=np.int64), "tstart": np.asarray(starts, dtype=np.int64)}, need=hi)
+        if not replayed:
+            return None
+        # NOTE: queued right behind the replay, before any later replay rewrites its outputs.
+        kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
+        self.ops.copy_(kept, drafts)
+        fetch = self.ops.to_numpy_many_async([counts])
+        self.pending = NextPropose(tuple(ids), tuple(pairs), k, kept, vtokens, vpositions, lambda: fetch()[0])
+        return self.pending
+
+    def take(self, reqs: list) -> NextPropose | None:
+        """The queued propose when a propose of ``reqs`` (``ProposeRequest``) is it
+        (``NextPropose.matches``), else None; either way nothing stays queued."""
+        nxt, self.pending = self.pending, None
+        if nxt is None or not nxt.matches(reqs):
+            return None
+        self.taken += 1
+        return nxt
+
+    def drop(self) -> None:
+        """Forget the queued propose (a release, graphs cleared, weights changed)."""
+        self.pending = None
 
 
 @dataclass

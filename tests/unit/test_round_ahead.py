@@ -192,11 +192,11 @@ def test_a_draft_that_declines_queues_nothing(engine):
     prompts = [p[:40] for p in _prompts(2)]
     plain = _generate(engine, prompts, 3, 2, ahead=False)
     launched = engine.target.round_stats.launched
-    guard, engine.draft.next_guard = engine.draft.next_guard, lambda fn: None
+    guard, engine.draft.chain.guard = engine.draft.chain.guard, lambda fn: None
     try:
         assert _generate(engine, prompts, 3, 2, ahead=True) == plain
     finally:
-        engine.draft.next_guard = guard
+        engine.draft.chain.guard = guard
     assert engine.target.round_stats.launched == launched
 
 
