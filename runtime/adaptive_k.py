@@ -385,9 +385,7 @@ class AdaptiveLoop(RoundCosts):
 
 
 def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
-    """argmax_k sum_i E_i(min(k, k_i)) / T(k) (the smallest k on ties), as ``_argmax(_rates(..))``,
-    but a loop that drafted last round (``costs.drafted_last``) keeps its best drafting k unless
-    target-only rounds look faster by ``costs.stay_margin``.
+    """argmax_k sum_i E_i(min(k, k_i)) / T(k) (the smallest k on ties), as ``_argmax(_rates(..))``.
 
     Split as rate(0) = n / T(0) (E(0) = 1) against the best k >= 1, which is kept on ``costs``
     until a policy's estimates or T(k > 0) change (their stamps and ``costs.version``): in a
@@ -398,48 +396,17 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     if cached is not None and cached[0] == key:
         k_pos, rate_pos = cached[1], cached[2]
     else:
-        k_pos, rate_pos = _best_drafting(policies, costs)
+        rates = _rates([(p.expected, p.max_k) for p in policies], costs.cost)
+        k_pos, rate_pos = 0, -1.0
+        for k in range(1, len(rates)):                # _argmax's rule, among k >= 1
+            if rates[k] > rate_pos * (1 + 1e-9):
+                k_pos, rate_pos = k, rates[k]
         costs._drafting_best = (key, k_pos, rate_pos)
-    return _k_star(len(policies), k_pos, rate_pos, costs, costs.drafted_last)
-
-
-def _best_drafting(policies: list[AdaptiveK], costs: AdaptiveLoop) -> tuple[int, float]:
-    """The best k >= 1 and its rate (``_argmax``'s rule among k >= 1; (0, -1) where none)."""
-    rates = _rates([(p.expected, p.max_k) for p in policies], costs.cost)
-    k_pos, rate_pos = 0, -1.0
-    for k in range(1, len(rates)):
-        if rates[k] > rate_pos * (1 + 1e-9):
-            k_pos, rate_pos = k, rates[k]
-    return k_pos, rate_pos
-
-
-def _k_star(n: int, k_pos: int, rate_pos: float, costs: AdaptiveLoop, drafted_last: bool) -> int:
-    rate0 = n / max(costs.cost(0), 1e-9)
+    rate0 = len(policies) / max(costs.cost(0), 1e-9)
     # NOTE: a loop that drafted last round keeps drafting unless target-only rounds look faster
     # by its stay margin: stopping costs a probe's extra when drafting pays again.
-    margin = costs.stay_margin if drafted_last else 0.0
+    margin = costs.stay_margin if costs.drafted_last else 0.0
     return k_pos if k_pos > 0 and rate_pos * (1 + margin) > rate0 * (1 + 1e-9) else 0
-
-
-def keeps_drafting(policies: list[AdaptiveK], ks: list[int], costs: AdaptiveLoop) -> bool:
-    """Whether the round after this one (request i drafting ks[i] now; ``policies`` as they are
-    before this round's results) drafts the same k whatever this round accepts: the round's k*
-    is still max(ks) if every request accepts none of its drafts, the worst case for its estimates.
-    Only then is the next round queued on the device before the host has read this one
-    (``VerifyRequest.chain``, runtime/round_ahead.py): a queued round the host does not take still
-    runs on the device, ahead of the round that replaces it (a probe's successor, a loop that
-    stops drafting)."""
-    k = max(ks, default=0)
-    if k == 0:
-        return False
-    worst = []
-    for p, ki in zip(policies, ks):
-        q = AdaptiveK(p.max_k, p.successes, p.trials, pos_successes=list(p.pos_successes),
-                      pos_trials=list(p.pos_trials))        # no loop: the what-if teaches it nothing
-        q.observe(ki, 0)
-        worst.append(q)
-    k_pos, rate_pos = _best_drafting(worst, costs)
-    return _k_star(len(worst), k_pos, rate_pos, costs, True) == k
 
 
 def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:

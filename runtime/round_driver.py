@@ -19,7 +19,7 @@ import numpy as np
 
 from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, keeps_drafting, request_ks, round_plan
+from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, request_ks, round_plan
 from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -343,17 +343,6 @@ def plan_round(seqs: list[Sequence], draft: DraftPort | None, costs: AdaptiveLoo
     return out, {rid: w for rid, w in watched.items() if w > 0 and out[rid] == 0}
 
 
-def chains_next(seqs: list[Sequence], ks: dict[str, int], costs: AdaptiveLoop | None) -> bool:
-    """Whether this round's successor may be queued on the device before the host reads this round
-    (``VerifyRequest.chain``, runtime/round_ahead.py): without adaptive k always (its k is the
-    request's); with it only where the drafting requests' next k does not depend on what this
-    round accepts (``adaptive_k.keeps_drafting``)."""
-    adaptive = [s for s in seqs if s.adaptive is not None and ks[s.request_id] > 0]
-    if costs is None or not adaptive:
-        return True
-    return keeps_drafting([s.adaptive for s in adaptive], [ks[s.request_id] for s in adaptive], costs)
-
-
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
               costs: AdaptiveLoop | None = None, ahead: bool = False) -> dict[str, list[int]]:
     """One speculative round over live sequences; returns tokens emitted per request.
@@ -388,12 +377,10 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     greedy_drafts = ({s.request_id: not (s.params.coupled or (s.params.draft_sampling and not s.params.greedy))
                       for s in seqs} if ahead else {})
     to_propose = [s for s in seqs if ks[s.request_id] > 0 and s.request_id not in proposals]
-    chain = True
     if to_propose:
         # NOTE: drafts left on the device are read by this round's verify, queued right after
         # the propose; never with ahead drafting (its call and its drafts are the host's).
         on_device = not ahead and getattr(draft, "drafts_on_device", False)
-        chain = not on_device or chains_next(seqs, ks, costs)
         for s, p in zip(to_propose, draft.propose(propose_requests(to_propose, ks, greedy_drafts if ahead else None,
                                                                    on_device))):
             proposals[s.request_id] = p
@@ -412,7 +399,7 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     empty = np.zeros(0, dtype=np.int64)
     # Hidden rows only for the requests the draft holds (its next catch-up): a target-only
     # request's (k = 0, no draft, the draft lost) are not fetched at all.
-    vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device, chain=chain)
+    vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device)
              if (p := proposals.get(s.request_id)) is not None else VerifyRequest(s.request_id, empty, None, s.drafting)
              for s in seqs]
     results = target.verify(vreqs)

@@ -77,8 +77,6 @@ class VerifyRequest:
     hidden: bool = True                # the result carries the hidden rows (the draft's next catch-up);
                                        # False where the draft holds nothing of the request
     device: DeviceDrafts | None = None  # the drafts are there (``drafts``: k zeros, their count only)
-    chain: bool = True                 # the next round may be queued on the device ahead of the host
-                                       # (runtime/round_ahead.py); False where its plan may differ
 
 
 @dataclass(slots=True)                 # built per request per round: see the module doc

@@ -11,8 +11,7 @@ import pytest
 from core.params import SamplingParams
 from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_BUDGET, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_BUDGET,
                                 WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
-                                expected_tokens, follow_ups, keeps_drafting, request_ks, round_k_star, round_plan, _argmax,
-                                _rates)
+                                expected_tokens, follow_ups, request_ks, round_k_star, round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
@@ -298,28 +297,6 @@ def test_a_drafting_loop_stops_only_past_its_stay_margin():
     assert round_k_star([slightly], costs) == 3 and round_k_star([clearly], costs) == 0
     _timed(costs, [(0, 2.6e-4)], t)
     assert not costs.drafted_last and round_k_star([slightly], costs) == 0
-
-
-def test_a_round_queues_its_successor_only_when_no_outcome_changes_its_k():
-    """With rounds queued on the device (runtime/round_ahead.py) a round's successor is queued
-    before the host has its results; one the host then does not run still runs on the device.
-    So it is queued only where the next k is this k whatever this round accepts."""
-    costs = AdaptiveLoop()
-    t = _timed(costs, [(0, 2.6e-4)] * 5 + [(3, 1.6e-3)] + [(3, 6.8e-4)] * 4 + [(0, 2.6e-4)] * 5)
-    _timed(costs, [(3, 1.6e-3)] + [(3, 6.8e-4)] * 3, t)
-    sure = AdaptiveK(max_k=3, successes=0.95 * 1e3, trials=1e3)        # drafts well: one miss changes nothing
-    edge = AdaptiveK(max_k=3, successes=0.8 * 20, trials=20.0)         # near break-even: one miss may
-    before = (sure.successes, sure.trials, list(sure.pos_trials))
-    assert keeps_drafting([sure], [3], costs)
-    assert (sure.successes, sure.trials, list(sure.pos_trials)) == before      # a what-if: nothing learnt
-    worst = AdaptiveK(max_k=3, successes=edge.successes, trials=edge.trials)
-    worst.observe(3, 0)
-    assert round_k_star([edge], costs) == 3 and round_k_star([worst], costs) == 0
-    assert not keeps_drafting([edge], [3], costs)
-    assert not keeps_drafting([sure], [0], costs)                     # nothing drafted, nothing queued
-    probe = AdaptiveK(max_k=3, successes=0.0, trials=50.0)            # a probe's round: its k* is 0
-    assert not keeps_drafting([probe], [3], costs)
-    assert keeps_drafting([sure, sure], [3, 3], costs) and not keeps_drafting([sure, probe], [3, 3], costs)
 
 
 def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
