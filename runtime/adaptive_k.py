@@ -124,19 +124,6 @@ most one per ``watch_floor`` target-only rounds (``WATCH_BUDGET``), and
 otherwise probes draft. A request whose last round matched (or accepted) all k
 is watched again as soon as the floor allows, whatever the loop's backoff.
 
-What a probe costs: its first round (``RoundCosts.entry_extra``) carries every pair the
-skipped rounds left and, where rounds are queued ahead on the device (runtime/round_ahead.py),
-nothing was queued for it: on an H100 with the bundled model a steady k = 3 round took 2.6
-target-only rounds and such a first round several more, and probing every ``PROBE_EVERY``
-rounds ran random prompts at 0.84 of target-only (docs/performance.md § Session 29). So probes
-come no oftener than keeps that extra within ``PROBE_BUDGET`` of the target-only decoding
-between them (``probe_floor``), and a loop that drafted last round stops drafting only when
-target-only rounds look faster by that extra spread over the rounds to the next probe
-(``stay_margin``: coming back costs it). In the trace simulation of that regime
-(``scripts/adaptive_sim.py --seeds 40 --regime 0.26e-3 0.62e-3 0.02e-3 0.27e-3 --entry 0.35e-3
---random-rate 0.45 0.6 --decl 0.25 --max-tokens 128 --repeats 2``) held-out / random / mix over
-the best fixed k went from 0.950 / 0.915 / 0.962 to 0.970 / 0.921 / 1.011.
-
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
 adaptive state: those cost estimates, the probe schedule above and the loop's
@@ -160,7 +147,6 @@ WATCH_EVERY = 4              # target-only rounds between two watch probes (modu
 WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that drafting does not pay, up to this many times,
 WATCH_BUDGET = 0.03          # ... and never more often than keeps their measured cost to this share of T(0)
 WATCH_SHARE_MAX = 0.5        # watch while a watch costs less than this share of what a drafting round adds to T(0)
-PROBE_BUDGET = 0.05          # probes never more often than keeps their measured extra cost to this share of T(0)
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
 
@@ -363,25 +349,8 @@ class AdaptiveLoop(RoundCosts):
 
     @property
     def probe_every(self) -> int:
-        """Target-only rounds before the next probe (module doc: backoff from the third probe), and
-        at least ``probe_floor``."""
-        return max(PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX), self.probe_floor)
-
-    @property
-    def probe_floor(self) -> int:
-        """The fewest target-only rounds between two probes that keep a probe's measured extra
-        cost (``entry_extra``: its first round beyond a target-only one) within ``PROBE_BUDGET``
-        of the target-only decoding between them (1 before one was timed)."""
-        extra = self.entry_extra
-        return max(1, math.ceil(extra / (PROBE_BUDGET * max(self.cost(0), 1e-9)))) if extra else 1
-
-    @property
-    def stay_margin(self) -> float:
-        """How much faster target-only rounds must look before a drafting loop stops drafting:
-        coming back costs a probe's extra (``entry_extra``), spread over the target-only rounds
-        until the next probe (``probe_every``) — ``PROBE_BUDGET`` where the floor sets them."""
-        extra = self.entry_extra
-        return extra / (self.probe_every * max(self.cost(0), 1e-9)) if extra else 0.0
+        """Target-only rounds before the next probe (module doc: backoff from the third probe)."""
+        return PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX)
 
 
 def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
@@ -403,10 +372,7 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
                 k_pos, rate_pos = k, rates[k]
         costs._drafting_best = (key, k_pos, rate_pos)
     rate0 = len(policies) / max(costs.cost(0), 1e-9)
-    # NOTE: a loop that drafted last round keeps drafting unless target-only rounds look faster
-    # by its stay margin: stopping costs a probe's extra when drafting pays again.
-    margin = costs.stay_margin if costs.drafted_last else 0.0
-    return k_pos if k_pos > 0 and rate_pos * (1 + margin) > rate0 * (1 + 1e-9) else 0
+    return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
 
 
 def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:

@@ -39,8 +39,7 @@ that did not draft (a probe's first round, the first round of the loop) is
 not steady state — its catch-up carries every pair the skipped rounds left
 (wider than any captured width: the draft runs it eagerly) and the first
 exchange on a fresh stream pays its opening. Its verify time counts, its
-draft and exchange times do not; its period is what a probe's first round
-costs (``entry_extra``, beyond T(0)), which prices the probes (runtime/adaptive_k.py). And no start-to-start period spans a change
+draft and exchange times do not. And no start-to-start period spans a change
 of the batch (requests retired and admitted in between).
 """
 
@@ -124,7 +123,6 @@ class RoundCosts:
         self._prev_watched = False
         self._prev_parts = 0.0                              # the previous round's verify + everything else
         self._watched = Window(self.WINDOW)                # what rounds that carried a watch took
-        self._entry = Window(self.WINDOW)                  # periods of drafting rounds right after none drafted
         self._costs: dict[int, float] = {}   # k -> T(k), until observe changes what it reads
         self.version = 0                      # bumped when T(k > 0) may change (adaptive_k.round_k_star's cache)
         self._line: tuple[float, float] | None = None    # line_fit of the measured draft times, kept
@@ -185,19 +183,6 @@ class RoundCosts:
         return max(self._watched.median - self.cost(0), 0.0) if len(self._watched) else None
 
     @property
-    def entry_extra(self) -> float | None:
-        """What a drafting round right after target-only rounds (a probe's first round) takes beyond
-        a target-only round, T(0); None before one was timed. More than a steady drafting round
-        costs: its catch-up carries every pair the skipped rounds left, and where rounds are queued
-        ahead on the device (runtime/round_ahead.py) nothing was queued for it."""
-        return max(self._entry.median - self.cost(0), 0.0) if len(self._entry) else None
-
-    @property
-    def drafted_last(self) -> bool:
-        """Did the last observed round draft?"""
-        return self._prev_k > 0
-
-    @property
     def _periods_measured(self) -> bool:
         return len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS
 
@@ -253,8 +238,6 @@ class RoundCosts:
                 self._period0.append(period)
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
-            else:
-                self._entry.append(period)
         elif prev_watched:               # its period where there is one, else its parts
             self._watched.append(started - prev_start if same_batch else self._prev_parts)
         self._prev_parts = verify_s + overhead_s
