@@ -165,15 +165,19 @@ def test_micro_batches_with_the_colocated_draft_are_exact():
 
 
 def test_adaptive_k_with_the_colocated_draft_is_exact():
-    """Adaptive k (watch probes on) over the in-process draft, on random-byte prompts where drafting
-    soon stops paying: every token is target-only's (whether the loop watched or drafted here
-    depends on this CPU's timing; the policy's choices are tests/unit/test_scheduler.py's)."""
-    with _colocated(adaptive_k=True) as (rounds, port, _):
+    """Adaptive k (watch probes on) over the in-process draft, rounds queued ahead where the next
+    round's k cannot change (graphs captured, as on a GPU), on random-byte prompts where drafting
+    soon stops paying and held-out ones where it pays: every token is target-only's (whether the
+    loop watched or drafted here depends on this CPU's timing; the policy's choices are
+    tests/unit/test_scheduler.py's)."""
+    with _colocated(adaptive_k=True, round_ahead=True) as (rounds, port, target):
         rng = np.random.default_rng(5)
-        prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(3)]
+        prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(2)] + _prompts(2)
         rounds.configure("", 4, 8, TIMEOUT)
         ref = _generate(rounds, prompts, 3, max_tokens=64)
         assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
+        target.worker.capture_graphs()
+        target.hosted.worker.capture_graphs()
         got = [_generate(rounds, [p], 3, max_tokens=64)[0] for p in prompts]       # one at a time: batch 1
         assert _tokens(got) == _tokens(ref)
         assert rounds.status().active_requests == 0
