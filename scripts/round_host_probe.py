@@ -23,7 +23,9 @@ then runs mostly target-only rounds with the draft holding the request).
 Prints tokens/s and the scheduler's round wall / draft / target / overhead per round and the
 steps queued ahead (and the gate's pauses); with --profile N, the scheduler thread's cProfile (top N
 by own time); with --torch-profile N, a Torch profiler pass over the run (GPU busy and host gap
-per round, the top N kernels per round).
+per round, the top N kernels per round). Each phase also prints the process's CPU time per round
+and the threads that used most of it (a thread busy beside the round loop takes the interpreter
+from it).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
@@ -130,6 +132,26 @@ def _print_split(rows: list) -> None:
         med = [statistics.median(x[i] for x in xs) for i in range(3)]
         print(f"  verify drafted={drafted!s:5s} ahead used={used!s:5s} {len(xs):5d} calls: before the wait "
               f"{med[0]:.3f} ms, waiting {med[1]:.3f}, after {med[2]:.3f} (medians)")
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds each live thread has used (its name and id -> seconds; Linux thread clocks)."""
+    out = {}
+    for th in threading.enumerate():
+        try:
+            out[f"{th.name}#{th.ident}"] = time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+        except (OSError, TypeError, AttributeError):
+            pass
+    return out
+
+
+def _print_cpu(before: dict[str, float], after: dict[str, float], p0, p1, rounds: int) -> None:
+    """The process's CPU time per round and the threads that used the most of it in the phase: a
+    thread that burns CPU beside the round loop competes with it for the interpreter."""
+    used = sorted(((after[n] - before.get(n, 0.0), n) for n in after), reverse=True)
+    proc = (p1.user + p1.system) - (p0.user + p0.system)
+    top = ", ".join(f"{n.split('#')[0]} {1e3 * s / rounds:.3f}" for s, n in used[:5] if s > 0)
+    print(f"  cpu ms a round: process {1e3 * proc / rounds:.3f}; threads {top}")
 
 
 def _torch_profiler():
@@ -297,6 +319,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
                 counts[i] += one(f"q{label}{i}-{n}")
         tm = host.scheduler.timing
         r0, w0, t0s, d0, o0 = tm.rounds, tm.wall_s, tm.target_s, tm.draft_s, tm.overhead_s
+        cpu0, proc0 = _thread_cpu(), os.times()
         prof = _torch_profiler() if label == "profiled" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with prof:
@@ -312,6 +335,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
               f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
               f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}; "
               f"rounds queued ahead {worker.engine.round_stats}")
+        _print_cpu(cpu0, _thread_cpu(), proc0, os.times(), r)
         if label == "profiled":
             from bench.profile_round import _host_summary, _kernel_summary
             got = _kernel_summary(prof, dt, a.torch_profile)
