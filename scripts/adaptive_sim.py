@@ -22,6 +22,11 @@ machine's CPU cannot show (there drafting almost always pays).
 
     python scripts/adaptive_sim.py [--code DIR] [--seeds 80] [--wide 1e-3] [--decl 0.1]
                                    [--regime T0 FIXED TD VERIFY] [--random-rate LO HI] [--max-tokens 64]
+                                   [--entry SECONDS]
+
+With rounds queued ahead on the device (H100, docs/performance.md § Session 29) the regime is about
+``--regime 0.26e-3 0.62e-3 0.02e-3 0.27e-3 --entry 0.35e-3``: its figures did not predict the GPU's
+there (what a dropped queued round costs is not modelled).
 
 Must not know: how the policy decides.
 """
