@@ -2,8 +2,9 @@
 before the host has read this one's tokens.
 
 Owns: the pending step of a target-only greedy batch — which requests it continues,
-the committed lengths it assumes, the device outputs its graph replay writes — and
-the rule that decides whether a verify may take it (``PendingStep.matches``).
+the committed lengths it assumes, the device outputs its graph replay writes — the
+rule that decides whether a verify may take it (``PendingStep.matches``), and the
+target engine's side of it (``StepChain``: queue, take, drop, counts, gate).
 
 Why: a target-only round is one verify graph plus host work on both sides of it
 (layout and upload before, the D2H copy, acceptance, the scheduler and the token
@@ -37,6 +38,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from runtime.batch_layout import Row, layout_rows
+from runtime.graphs import GraphRegistry
 
 WINDOW = 16      # the last queued steps whose fate the gate looks at
 PAUSE = 64       # eligible rounds without queuing ahead after the window saw mostly drops ...
@@ -100,3 +104,53 @@ class AheadGate:
             self._outcomes.clear()
         elif dropped <= WINDOW // 4:
             self._next_pause = PAUSE
+
+
+class StepChain:
+    """The target engine's side of decode-ahead (``TargetEngine.steps``): the pending step, whether
+    a verify may take it, the counts (``stats``: launched / used / dropped) and the gate."""
+
+    def __init__(self, registry: GraphRegistry, kind: str, scratch: int, max_len: int) -> None:
+        self.registry, self.kind, self.scratch, self.max_len = registry, kind, scratch, max_len
+        self.pending: PendingStep | None = None
+        self.stats = AheadStats()
+        self.gate = AheadGate()
+
+    def queue(self, ids: tuple[str, ...], rows: list[Row], best: Any) -> None:
+        """Queue the next target-only step of these verify ``rows``, when the gate allows: each
+        row's token is this step's argmax at its first position (k = 0: no draft, the bonus is it),
+        written one position further. Nothing when that step would not replay a graph or would
+        not fit a row's cache. best: argmax int64 [B, W] (device) of the step just queued."""
+        if not self.gate.allow():
+            return
+        nxt = [Row(r.slot, r.start + 1, r.tokens[:1]) for r in rows]
+        need = max(r.start + 1 for r in nxt)
+        if need > self.max_len or not self.registry.can_replay(self.kind, len(rows), need):
+            return
+        lay = layout_rows(nxt, 1, self.scratch, self.max_len)
+        # NOTE: the replay copies the token column into its static input before it
+        # overwrites ``best`` (stream order), and after the host copies of this step.
+        outputs, replayed = self.registry.run(self.kind, {
+            "tokens": best[:, :1], "write_slots": lay.write_slots, "positions": lay.positions,
+            "read_slots": lay.read_slots}, need=need)
+        if replayed:
+            self.stats.launched += 1
+            self.pending = PendingStep(ids, tuple(r.start for r in nxt), tuple(outputs))
+
+    def take(self, ids: tuple[str, ...], lengths: tuple[int, ...], drafted: bool) -> tuple[Any, ...] | None:
+        """The pending step's outputs when a verify of ``ids`` at ``lengths`` (``drafted``: any row
+        has drafts) is it (``PendingStep.matches``); else None, and it stays pending (``drop``)."""
+        pending = self.pending
+        if pending is None or not pending.matches(ids, lengths, drafted):
+            return None
+        self.pending = None
+        self.stats.used += 1
+        self.gate.record(True)
+        return pending.outputs
+
+    def drop(self) -> None:
+        """Forget the pending step (the engine's state changed, or a verify ran something else)."""
+        if self.pending is not None:
+            self.pending = None
+            self.stats.dropped += 1
+            self.gate.record(False)

@@ -40,7 +40,7 @@ from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, 
                                   prefill_width)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
-from runtime.decode_ahead import AheadGate, AheadStats, PendingStep
+from runtime.decode_ahead import AheadStats, StepChain
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError
 from runtime.model import Params, Rope, build_attn_meta, fuse_projections, head_argmax, lm_head, target_forward
@@ -74,10 +74,7 @@ class TargetEngine:
         on_gpu = ops.device.startswith("cuda")
         self.decode_ahead = on_gpu if decode_ahead is None else decode_ahead
         self.round_ahead = on_gpu if round_ahead is None else round_ahead
-        self._pending: PendingStep | None = None
-        self.ahead_stats = AheadStats()
         self.device_draft_verifies = 0           # verifies that read their drafts on the device (device_drafts)
-        self._ahead_gate = AheadGate()
         self._fetch_ring = ops.fetch_ring()      # a verify's read-back buffers, reused (torch_host.FetchRing)
         # Checkpoint names (views after fusing: in-place updates go through them)
         # plus the fused q/k/v and gate/up buffers the forward uses.
@@ -109,6 +106,7 @@ class TargetEngine:
         # detached draft) runs the width-1 step, never the max_k + 1 one padded: at batch 8 of
         # the bundled float32 model a padded step was 32 rows, on a slower GEMM than 8 rows'.
         self._verify_kind, self._decode_kind = f"verify{max_k + 1}", "verify1"
+        self.steps = StepChain(registry, self._decode_kind, scratch, cache_cfg.max_len)
         self._widths = {"verify1": 1, self._verify_kind: max_k + 1}
         # Prefill graphs: one kind per prompt width, captured at the buckets that fit
         # prefill_tokens; a prompt is padded to the smallest width that holds it. A prefill
@@ -338,22 +336,19 @@ class TargetEngine:
             elif not req.params.greedy:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
-        pending = self._pending
         chained = self.rounds.take(ids, rows, reqs, on_device)
+        stepped = None if chained is not None else self.steps.take(ids, tuple(row.start for row in rows), drafted)
         tokens_dev = None                          # the verify's token rows on the device (drafts there)
         if chained is not None:
-            self._drop_step()
+            self.steps.drop()
             hidden, best, logits = chained.outputs     # queued by the previous verify (runtime/round_ahead.py)
             tokens_dev, replayed = chained.tokens, True
             lay = layout_rows(rows, self._widths[self._verify_kind], self.cache.scratch_slot, self.cache.max_len)
-        elif pending is not None and pending.matches(ids, tuple(row.start for row in rows), drafted):
-            self._pending = None
-            hidden, best, logits = pending.outputs         # queued by the previous verify (no drafts: matches)
+        elif stepped is not None:
+            hidden, best, logits = stepped                 # queued by the previous verify (no drafts: matches)
             replayed = True
-            self.ahead_stats.used += 1
-            self._ahead_gate.record(True)
         else:
-            self._drop_step()
+            self.steps.drop()
             kind = self._verify_kind if drafted else self._decode_kind
             lay = layout_rows(rows, self._widths[kind], self.cache.scratch_slot, self.cache.max_len)
             tokens = lay.tokens if on_device is None else device_drafts.verify_tokens(self.ops, lay.tokens, *on_device)
@@ -380,9 +375,8 @@ class TargetEngine:
         tail = [] if on_device is None else [on_device[0]]
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra, *tail] if want_hidden else [best, *extra, *tail],
                                              bf16_bits=True, ring=self._fetch_ring)
-        go_ahead = replayed and self.decode_ahead and not (drafted or sampled or coupled)
-        if go_ahead and self._ahead_gate.allow():
-            self._pending = self._queue_next(reqs, rows, best)
+        if replayed and self.decode_ahead and not (drafted or sampled or coupled):
+            self.steps.queue(ids, rows, best)
         # With the drafts' source able to queue a propose (the draft in this process), a greedy
         # round of one k queues the next round now (runtime/round_ahead.py), behind these copies.
         k0 = len(reqs[0].drafts)
@@ -447,26 +441,10 @@ class TargetEngine:
             self.rounds.pending = queued
         return out
 
-    def _queue_next(self, reqs: list[VerifyRequest], rows: list[Row], best) -> PendingStep | None:
-        """Queue the next target-only step of these rows (runtime/decode_ahead.py): each row's
-        token is this step's argmax at its first position (k = 0: no draft, the bonus is it),
-        written one position further. None when that step would not replay a graph or would
-        not fit a row's cache. best: argmax int64 [B, W] (device) of the step just queued."""
-        b = len(rows)
-        nxt = [Row(r.slot, r.start + 1, r.tokens[:1]) for r in rows]
-        need = max(r.start + 1 for r in nxt)
-        if need > self.cache.max_len or not self.registry.can_replay(self._decode_kind, b, need):
-            return None
-        lay = layout_rows(nxt, 1, self.cache.scratch_slot, self.cache.max_len)
-        # NOTE: the replay copies the token column into its static input before it
-        # overwrites ``best`` (stream order), and after the host copies of this step.
-        outputs, replayed = self.registry.run(self._decode_kind, {
-            "tokens": best[:, :1], "write_slots": lay.write_slots, "positions": lay.positions,
-            "read_slots": lay.read_slots}, need=need)
-        if not replayed:
-            return None
-        self.ahead_stats.launched += 1
-        return PendingStep(tuple(r.request_id for r in reqs), tuple(r.start for r in nxt), tuple(outputs))
+    @property
+    def ahead_stats(self) -> AheadStats:
+        """Target-only steps queued ahead (runtime/decode_ahead.py): launched / used / dropped."""
+        return self.steps.stats
 
     @property
     def round_stats(self) -> AheadStats:
@@ -475,14 +453,8 @@ class TargetEngine:
 
     def drop_pending(self) -> None:
         """Forget a step or round queued ahead: the engine's state changes (prefill, release, new weights)."""
-        self._drop_step()
+        self.steps.drop()
         self.rounds.drop()
-
-    def _drop_step(self) -> None:
-        if self._pending is not None:
-            self._pending = None
-            self.ahead_stats.dropped += 1
-            self._ahead_gate.record(False)
 
     def _verify_on_device(self, reqs, states, starts: list[int], sampled: list[int], logits):
         """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.

@@ -333,7 +333,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         print(f"{label}: batch {a.batch} {sum(counts) / dt:.1f} tok/s; {r} rounds, round wall "
               f"{1e3 * (tm.wall_s - w0) / r:.3f} ms, draft {1e3 * (tm.draft_s - d0) / r:.3f}, target "
               f"{1e3 * (tm.target_s - t0s) / r:.3f}, overhead {1e3 * (tm.overhead_s - o0) / r:.3f} ms; "
-              f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine._ahead_gate.pauses}; "
+              f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine.steps.gate.pauses}; "
               f"rounds queued ahead {worker.engine.round_stats}")
         _print_cpu(cpu0, _thread_cpu(), proc0, os.times(), r)
         if label == "profiled":

@@ -57,7 +57,7 @@ def test_drafting_rounds_queue_nothing_and_mixed_batches_stay_exact(engine):
     tgt = engine.target
     _prefill(tgt, "d", prompts[0])
     tgt.verify([VerifyRequest("d", np.asarray([5, 6], dtype=np.int64), None)])
-    assert tgt._pending is None                 # a verify with drafts queues nothing
+    assert tgt.steps.pending is None                 # a verify with drafts queues nothing
     tgt.release("d")
 
 
@@ -96,20 +96,20 @@ def test_prefill_release_and_weight_changes_drop_the_pending_step(engine):
     prompt = _prompts(1)[0][:30]
     _prefill(tgt, "a", prompt)
     tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
-    assert tgt._pending is not None
+    assert tgt.steps.pending is not None
     dropped = tgt.ahead_stats.dropped
     _prefill(tgt, "b", prompt)                                   # another request joins
-    assert tgt._pending is None and tgt.ahead_stats.dropped == dropped + 1
+    assert tgt.steps.pending is None and tgt.ahead_stats.dropped == dropped + 1
     tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
     tgt.drop_pending()                                           # what the worker does before new weights
-    assert tgt._pending is None
+    assert tgt.steps.pending is None
     used = tgt.ahead_stats.used
     res = tgt.verify([VerifyRequest("a", np.zeros(0, dtype=np.int64), None)])
     assert tgt.ahead_stats.used == used                          # ran afresh, not the dropped step
     assert len(res[0].tokens) == 1
     tgt.release("a")
     tgt.release("b")
-    assert tgt._pending is None
+    assert tgt.steps.pending is None
 
 
 def test_a_verify_with_other_rows_or_lengths_does_not_take_the_step(engine):
@@ -164,7 +164,7 @@ def test_rounds_that_alternate_with_drafting_stop_queuing_ahead(engine):
 
     tgt = engine.target
     tgt.decode_ahead = True
-    tgt._ahead_gate = da.AheadGate()                 # no history from the other tests
+    tgt.steps.gate = da.AheadGate()                 # no history from the other tests
     _prefill(tgt, "alt", _prompts(1)[0][:20])
     launched = tgt.ahead_stats.launched
     none, two = np.zeros(0, dtype=np.int64), np.asarray([3, 4], dtype=np.int64)
@@ -174,7 +174,7 @@ def test_rounds_that_alternate_with_drafting_stop_queuing_ahead(engine):
     # Queued on the first window's target-only rounds (each dropped by the drafting round after
     # it), then paused: fewer launches than target-only rounds.
     assert tgt.ahead_stats.launched - launched == da.WINDOW
-    assert tgt._ahead_gate.pauses == 1
+    assert tgt.steps.gate.pauses == 1
     tgt.release("alt")
 
 
@@ -204,14 +204,14 @@ def test_the_worker_drops_a_queued_step_before_new_weights_and_before_clearing_g
 
     def queued_after_verify():
         w.verify([VerifyRequest("q", none, None)])
-        return w.engine._pending is not None
+        return w.engine.steps.pending is not None
 
     assert queued_after_verify()
     w.load_weights(str(tiny), "", "v2", in_place=True)
-    assert w.engine._pending is None
+    assert w.engine.steps.pending is None
     assert queued_after_verify()
     w.clear_graphs()
-    assert w.engine._pending is None
+    assert w.engine.steps.pending is None
     w.release(["q"])
     w.release_weights()
 
