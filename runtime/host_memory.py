@@ -1,7 +1,8 @@
 """Returning freed host memory to the operating system after large, rare operations.
 
-Owns: ``pin_mmap_threshold()`` (each service process, at start) and ``trim()``
-(after a weight load / release and after a reload has finished).
+Owns: ``pin_mmap_threshold()`` (each service process, at start), ``loading()`` (the
+window a checkpoint's host arrays are allocated and freed in) and ``trim()`` (after a
+weight load / release and after a reload has finished).
 
 Why: glibc's malloc raises its mmap threshold (up to 32 MiB on 64-bit) each
 time a large mmapped block is freed. After the first reload the next
@@ -19,18 +20,32 @@ the OS when freed. ``malloc_trim(0)`` then returns what small-block churn
 leaves free in the arenas (madvise on whole free pages, not only the top).
 An explicit ``MALLOC_MMAP_THRESHOLD_`` in the environment wins over the pin.
 
+But a threshold of 128 KiB for the whole process also maps and unmaps every step's larger
+host buffers, each time paying fresh pages: on the CPU backend a 128-token prefill of the
+bundled model took 28.6 ms instead of 19.7 with it pinned there (SpecEngine alone, 2-core
+CPU), and the colocated services' request ran ~12 ms behind the in-process engine's for
+it. So the threshold is 128 KiB only while a checkpoint's host arrays are made
+(``loading()``: reading a checkpoint, installing or copying it in), where the growth came
+from, and ``SERVING_THRESHOLD_BYTES`` otherwise (glibc's own ceiling for its dynamic
+threshold, kept fixed: no freed block moves it): a step's buffers are reused from the
+arenas as they were before any pin.
+
 Must not know: models, gRPC. A no-op where glibc is not the allocator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+import threading
+from typing import Iterator
 
 M_MMAP_THRESHOLD = -3          # mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 128 * 1024
+MMAP_THRESHOLD_BYTES = 128 * 1024          # while a checkpoint's host arrays are made (``loading``)
+SERVING_THRESHOLD_BYTES = 32 * 1024 * 1024  # otherwise (glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 
 _libc = None
 if sys.platform.startswith("linux"):
@@ -49,9 +64,39 @@ def trim() -> bool:
     return bool(_libc.malloc_trim(0)) if _libc is not None else False
 
 
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Blocks of at least ``nbytes`` are always mmapped (and unmapped when freed); True when set.
-    Left alone when the environment sets MALLOC_MMAP_THRESHOLD_ (the operator's choice)."""
+_pinned = False                # this process pins its threshold (``pin_mmap_threshold``)
+_serving = SERVING_THRESHOLD_BYTES   # ... at this outside ``loading`` windows
+_loads = 0                     # ``loading`` windows open now (threads may overlap them)
+_lock = threading.Lock()
+
+
+def pin_mmap_threshold(nbytes: int = SERVING_THRESHOLD_BYTES) -> bool:
+    """Fix the threshold at ``nbytes`` (no dynamic adjustment), and at ``MMAP_THRESHOLD_BYTES``
+    inside ``loading`` windows; True when set. Left alone when the environment sets
+    MALLOC_MMAP_THRESHOLD_ (the operator's choice)."""
+    global _pinned, _serving
     if _libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    return bool(_libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+    with _lock:
+        _pinned, _serving = True, nbytes
+        return bool(_libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES if _loads else nbytes))
+
+
+@contextlib.contextmanager
+def loading() -> Iterator[None]:
+    """A window in which a checkpoint's host arrays are allocated (and freed): every block of at
+    least ``MMAP_THRESHOLD_BYTES`` is its own mapping, given back to the OS when freed, whatever
+    the threshold is then. A no-op unless ``pin_mmap_threshold`` pinned it. Windows may overlap
+    (a preload beside an apply): the threshold goes back up when the last one closes."""
+    global _loads
+    with _lock:
+        _loads += 1
+        if _pinned and _loads == 1:
+            _libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        with _lock:
+            _loads -= 1
+            if _pinned and _loads == 0:
+                _libc.mallopt(M_MMAP_THRESHOLD, _serving)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from core.errors import FailedPrecondition
+from runtime import host_memory
 from runtime.backends import make_tp_group
 from runtime.checkpoint import CheckpointError
 from runtime.config import ModelConfig
@@ -281,7 +282,8 @@ class TPTargetWorker(TargetWorker):
     def _follow_lifecycle(self, verb: str, args: tuple) -> None:
         if verb == STAGE:
             checked, in_place = args
-            self._staged = (self.read_weights(checked), checked.cfg, in_place)
+            with host_memory.loading():
+                self._staged = (self.read_weights(checked), checked.cfg, in_place)
         elif verb == DROP:
             self._staged = None
         elif verb == COMMIT:
@@ -290,10 +292,12 @@ class TPTargetWorker(TargetWorker):
                 raise LifecycleError("commit without staged weights")
             arrays, cfg, in_place = self._staged
             self._staged = None
-            if in_place:
-                self.lifecycle.apply(LOAD_WEIGHTS_IN_PLACE, lambda: self._copy_in_place(cfg, arrays, version), version)
-            else:
-                self.lifecycle.apply(LOAD_WEIGHTS, lambda: self._install(cfg, arrays, version), version)
+            with host_memory.loading():
+                if in_place:
+                    self.lifecycle.apply(LOAD_WEIGHTS_IN_PLACE, lambda: self._copy_in_place(cfg, arrays, version),
+                                         version)
+                else:
+                    self.lifecycle.apply(LOAD_WEIGHTS, lambda: self._install(cfg, arrays, version), version)
         elif verb == RELEASE:
             self.lifecycle.apply(RELEASE_WEIGHTS, self._drop_engine)
         elif verb == CAPTURE:

@@ -177,8 +177,9 @@ class Worker:
         if validate_only:
             self.log.info("weights_validated", target_path=target_path, weights_version=version)
             return
-        self.apply_weights(checked, self.in_place_source(checked) if in_place else self.read_weights(checked),
-                           version, in_place, (target_path, draft_path))
+        with host_memory.loading():
+            self.apply_weights(checked, self.in_place_source(checked) if in_place else self.read_weights(checked),
+                               version, in_place, (target_path, draft_path))
 
     def read_weights(self, checked: CheckedCheckpoint) -> dict[str, np.ndarray]:
         """A validated checkpoint's tensors in host memory (on the caller's thread: serving goes

@@ -113,7 +113,8 @@ class WeightSwaps:
             if diff:
                 raise FailedPrecondition(f"the new checkpoint does not fit the {w.role}'s running tensors "
                                          f"(config differs in {diff})")
-        arrays = w.read_weights(checked) if preload else None
+        with host_memory.loading():
+            arrays = w.read_weights(checked) if preload else None
         with self._lock:
             old, self._staged = self._staged, Staged(version, mode, (target_path, draft_path), checked, arrays)
         if old is not None and old.arrays is not None:
@@ -213,14 +214,15 @@ class WeightSwaps:
 
     def _load(self, staged: Staged, in_place: bool) -> None:
         arrays: Mapping[str, np.ndarray]
-        if staged.arrays is not None:
-            arrays = staged.arrays
-        else:
-            # NOTE: an in-place copy streams the tensors (read on access, straight from the
-            # files through pinned buffers where the backend can); a new load reads them first.
-            arrays = self.w.in_place_source(staged.checked) if in_place else self.w.read_weights(staged.checked)
-        staged.arrays = None
-        self.w.apply_weights(staged.checked, arrays, staged.version, in_place, staged.source)
+        with host_memory.loading():
+            if staged.arrays is not None:
+                arrays = staged.arrays
+            else:
+                # NOTE: an in-place copy streams the tensors (read on access, straight from the
+                # files through pinned buffers where the backend can); a new load reads them first.
+                arrays = self.w.in_place_source(staged.checked) if in_place else self.w.read_weights(staged.checked)
+            staged.arrays = None
+            self.w.apply_weights(staged.checked, arrays, staged.version, in_place, staged.source)
 
 
 def _phase(name: str, fn: Callable[[], Any], only_if_changed: bool = False) -> Generator[Phase, Any, bool]:
