@@ -139,9 +139,10 @@ class StepChain:
 
     def take(self, ids: tuple[str, ...], lengths: tuple[int, ...], drafted: bool) -> tuple[Any, ...] | None:
         """The pending step's outputs when a verify of ``ids`` at ``lengths`` (``drafted``: any row
-        has drafts) is it (``PendingStep.matches``); else None, and it stays pending (``drop``)."""
+        has drafts) is it (``PendingStep.matches``); else None, and the pending step is dropped."""
         pending = self.pending
         if pending is None or not pending.matches(ids, lengths, drafted):
+            self.drop()
             return None
         self.pending = None
         self.stats.used += 1

@@ -337,10 +337,11 @@ class TargetEngine:
                 sampled.append(i)
         ids = tuple(r.request_id for r in reqs)
         chained = self.rounds.take(ids, rows, reqs, on_device)
+        if chained is not None:
+            self.steps.drop()
         stepped = None if chained is not None else self.steps.take(ids, tuple(row.start for row in rows), drafted)
         tokens_dev = None                          # the verify's token rows on the device (drafts there)
         if chained is not None:
-            self.steps.drop()
             hidden, best, logits = chained.outputs     # queued by the previous verify (runtime/round_ahead.py)
             tokens_dev, replayed = chained.tokens, True
             lay = layout_rows(rows, self._widths[self._verify_kind], self.cache.scratch_slot, self.cache.max_len)
@@ -348,7 +349,6 @@ class TargetEngine:
             hidden, best, logits = stepped                 # queued by the previous verify (no drafts: matches)
             replayed = True
         else:
-            self.steps.drop()
             kind = self._verify_kind if drafted else self._decode_kind
             lay = layout_rows(rows, self._widths[kind], self.cache.scratch_slot, self.cache.max_len)
             tokens = lay.tokens if on_device is None else device_drafts.verify_tokens(self.ops, lay.tokens, *on_device)
