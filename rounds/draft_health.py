@@ -178,6 +178,17 @@ class DraftLink:
         self.scheduler.at_round_boundary(detach)
         self._wake.set()
 
+    def attach_now(self, timeout: float) -> bool:
+        """Attach the draft at the current address at the next round boundary if it serves now
+        (waits up to ``timeout``); False: the reconnect loop goes on trying. An address change
+        (``set_address``) then takes effect before its caller answers, instead of a round or a
+        backoff later, so requests admitted right after it draft."""
+        client = self.client
+        st = self._usable(client) if client is not None else None
+        # NOTE: queued after set_address's detach: boundary calls run in order, so the old
+        # draft is gone before this one attaches (``_attach`` is a no-op if the loop won).
+        return st is not None and self._attach_at_boundary(client, st, timeout)
+
     def _set_available(self, available: bool, error: str) -> None:
         changed = available != self.available
         self.available, self.last_error = available, error
@@ -220,10 +231,11 @@ class DraftLink:
                 continue
             delay = min(delay * 2, BACKOFF_S[1])
 
-    def _attach_at_boundary(self, client: Any, status: Any) -> bool:
+    def _attach_at_boundary(self, client: Any, status: Any, timeout: float | None = None) -> bool:
         fut = self.scheduler.at_round_boundary(lambda: self._attach(client, status))
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
-            if self._stop.wait(0.05):
+            if self._stop.wait(0.05) or (deadline is not None and time.monotonic() > deadline):
                 return False
         try:
             return bool(fut.result())

@@ -248,8 +248,9 @@ class RoundHost:
                 # NOTE: the first attach runs between two rounds: the scheduler is already
                 # running here, and its draft port must not change under a round.
                 self._boundary(lambda: self._first_attach(link), timeout)
-            elif draft_address and link is not None:
+            elif draft_address and link is not None and draft_address != link.address:
                 link.set_address(draft_address)
+                link.attach_now(timeout)
             elif not draft_address and link is not None:
                 self.draft_link = None
 
