@@ -95,6 +95,9 @@ class WorkerMetrics:
             self._child(self.fams.graph_steps, "eager").inc(eager_runs - self._eager)
         self._replays, self._eager = replays, eager_runs
 
+    def engine_retired(self) -> None:
+        """The worker drops its engine (release, reload): a role keeps what it counted from it."""
+
     def slots(self, used: int, free: int) -> None:
         self.fams.active_requests.set(used)
         self.fams.free_slots.set(free)

@@ -15,7 +15,7 @@ def _metrics_of(obj) -> list[MetricWrapperBase]:
     return [v for v in values if isinstance(v, MetricWrapperBase)]
 
 
-def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
+def collect() -> list[tuple[str, list]]:
     import draft_service.metrics as draft
     import target_service.metrics as target
     from orchestrator.metrics import OrchestratorMetrics
@@ -34,7 +34,7 @@ def collect() -> list[tuple[str, list[MetricWrapperBase]]]:
     registered = [c for c in orch.registry._collector_to_names if isinstance(c, MetricWrapperBase)]
     return [("orchestrator", registered + admin()),
             ("draft service", _metrics_of(draft) + draft.FAMILIES.all() + admin()),
-            ("target service", _metrics_of(target) + target.FAMILIES.all() + admin())]
+            ("target service", _metrics_of(target) + [target.QUEUED_AHEAD] + target.FAMILIES.all() + admin())]
 
 
 def reference_markdown() -> str:

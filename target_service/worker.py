@@ -24,6 +24,7 @@ from runtime.types import VerifyRequest, VerifyResult
 from runtime.weights import CheckedCheckpoint, check_target
 from target_service.metrics import TargetMetrics
 from worker.base import Worker
+from worker.config import WorkerConfig
 
 VERIFY = "verify"
 
@@ -31,6 +32,16 @@ VERIFY = "verify"
 class TargetWorker(Worker):
     role, metrics_cls = "target", TargetMetrics
     inline_steps = (VERIFY,)        # on the round loop's thread when the device is idle
+
+    def __init__(self, cfg: WorkerConfig, log: Any = None) -> None:
+        super().__init__(cfg, log)
+        if self.metrics is not None:
+            self.metrics.ahead_source = self._ahead_stats
+
+    def _ahead_stats(self) -> dict[str, Any]:
+        """The serving engine's counts of steps and rounds queued ahead (read by a metrics scrape)."""
+        eng = self.engine
+        return {} if eng is None else {"step": eng.ahead_stats, "round": eng.round_stats}
 
     # --- Worker hooks ----------------------------------------------------------
     def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:

@@ -255,6 +255,8 @@ class Worker:
             # is not live in EMPTY, so dropping them is allowed.
             self.registry.unregister_all()
             raise
+        if self.engine is not None and self.metrics is not None:
+            self.metrics.engine_retired()
         self.engine, self.model_cfg, self.weights_version = engine, model_cfg, version
 
     def release_weights(self) -> bool:
@@ -270,6 +272,8 @@ class Worker:
         assert not self.registry.live, "graphs must be cleared before weights are released"
         dropped = len(self.engine.cache.request_ids()) if self.engine is not None else 0
         self.registry.unregister_all()
+        if self.engine is not None and self.metrics is not None:
+            self.metrics.engine_retired()
         self.engine = None
         self.model_cfg = None
         self.weights_version = ""

@@ -151,6 +151,32 @@ def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
         assert engine.device_draft_verifies == chained           # sampled: drafts through the host
 
 
+def test_rounds_queued_ahead_are_counted_when_scraped():
+    """``specsplit_target_queued_ahead_total{kind, outcome}`` reads the engine's counts of rounds
+    queued ahead when scraped, and keeps them when the engine goes (a release)."""
+    from prometheus_client import REGISTRY
+
+    from target_service.metrics import OUTCOMES
+
+    def scraped() -> dict[str, float]:
+        return {o: REGISTRY.get_sample_value("specsplit_target_queued_ahead_total",
+                                             {"kind": "round", "outcome": o}) or 0.0 for o in OUTCOMES}
+
+    with _colocated(round_ahead=True) as (rounds, port, target):
+        before = scraped()
+        assert rounds.configure(f"127.0.0.1:{port}", 4, 8, TIMEOUT).draft_in_process
+        target.worker.capture_graphs()
+        target.hosted.worker.capture_graphs()
+        _generate(rounds, _prompts(3), 3)
+        st = target.worker.engine.round_stats
+        counted = {o: scraped()[o] - before[o] for o in OUTCOMES}
+        assert st.used > 0 and counted == {"launched": st.launched, "used": st.used, "dropped": st.dropped}
+        target.worker.clear_graphs()
+        target.worker.release_weights()
+        assert target.worker.engine is None
+        assert {o: scraped()[o] - before[o] for o in OUTCOMES} == counted
+
+
 def test_micro_batches_with_the_colocated_draft_are_exact():
     """Two micro-batches: on the target's device the draft's Propose of one runs before the
     verify of the other (``LocalDraft.propose_async`` with ``inline``)."""
