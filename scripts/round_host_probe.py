@@ -15,7 +15,8 @@ scripts/draft_profile).
 With ``--colocated``: the draft worker in this process on DEVICE (``colocated_draft``: the round loop
 calls it directly; graphs of both captured) and k=3 requests; the Torch profiler pass then sees the
 draft's kernels too. ``--host-drafts``: its drafts through the host (``colocated_device_drafts`` off);
-``--no-round-ahead``: no greedy round queued ahead (``graphs.round_ahead`` off). ``--switch-interval
+``--no-round-ahead``: no greedy round queued ahead (``graphs.round_ahead`` off; ``--round-ahead``: on,
+on any device, e.g. a CPU profile of the GPU's host path). ``--switch-interval
 S``: the interpreter's thread switch interval for the run.
 With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
 prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
@@ -30,7 +31,13 @@ from it).
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
                                           [--verify-split] [--draft-profile N]
-                                          [--colocated [--host-drafts] [--no-round-ahead]] [--switch-interval S]
+                                          [--colocated [--host-drafts] [--no-round-ahead | --round-ahead]] [--switch-interval S]
+                                          [--host-only]
+With ``--host-only`` (a device without CUDA graphs, e.g. the CPU): each phase also prints the round
+loop's host time a round outside the graphs' eager stand-ins (median and p10 of its rounds): the
+Python, numpy and copies around the steps, which on a GPU host set the pace once the steps are
+queued ahead (docs/performance.md § Session 30).
+
 Diagnostic only (docs/performance.md § Session 10); nothing imports it.
 """
 
@@ -224,11 +231,18 @@ def main() -> int:
                     help="with --draft: the draft process's cProfile of its round messages, top N")
     ap.add_argument("--colocated", action="store_true",
                     help="the draft worker in this process, on DEVICE (colocated_draft); not with --draft")
-    ap.add_argument("--no-round-ahead", action="store_true",
-                    help="with --colocated: no greedy round queued ahead (graphs.round_ahead off)")
+    ahead = ap.add_mutually_exclusive_group()
+    ahead.add_argument("--no-round-ahead", action="store_true",
+                       help="with --colocated: no greedy round queued ahead (graphs.round_ahead off)")
+    ahead.add_argument("--round-ahead", action="store_true",
+                       help="with --colocated: rounds queued ahead on any device (graphs.round_ahead on; "
+                            "the CPU's host profile of the GPU's path)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval seconds for the run (the interpreter's default 0.005): does a "
                          "round loop that rarely blocks starve the client threads of the interpreter?")
+    ap.add_argument("--host-only", action="store_true",
+                    help="on a device without CUDA graphs: also print the round loop's host time a round "
+                         "outside the graphs' eager stand-ins")
     ap.add_argument("--host-drafts", action="store_true",
                     help="with --colocated: drafts through the host (colocated_device_drafts off)")
     a = ap.parse_args()
@@ -236,6 +250,8 @@ def main() -> int:
         sys.setswitchinterval(a.switch_interval)
     if a.colocated and a.draft:
         ap.error("--colocated and --draft: one draft or the other")
+    if a.host_only and a.device.startswith("cuda"):
+        ap.error("--host-only: a device without CUDA graphs (on CUDA the replays are asynchronous: use --torch-profile)")
     if not a.draft:
         return probe(a, None)
     opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
@@ -270,11 +286,12 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         _late_handles()
     if a.profile:
         _profile_scheduler(a.profile)
+    ahead = False if a.no_round_ahead else (True if a.round_ahead else None)   # None: the device's default
     cfg = WorkerConfig(role="target", target_path=a.model, weights_version="v1",
                        runtime=RuntimeConfig(backend="torch", device=a.device, dtype="float32"),
                        spec=SpecConfig(max_k=3, default_k=3, adaptive_k=a.adaptive),
                        cache=CacheConfig(max_slots=max(a.batch, 8), max_len=1024),
-                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8), round_ahead=False if a.no_round_ahead else None),
+                       graphs=GraphConfig(batch_buckets=(1, 2, 4, 8), round_ahead=ahead),
                        capture_on_start=True,
                        server=ServerConfig(host="127.0.0.1", port=0), security=SecurityConfig(),
                        colocated_draft=a.colocated, colocated_device_drafts=not a.host_drafts)
@@ -288,6 +305,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         # No server here to ask for the draft's instance id: the probe hands its draft over as is.
         host._draft_client = lambda _address: local
     host.configure("in-process" if local is not None else draft.address if draft else "", a.batch, 64, 30.0)
+    clock = _HostClock() if a.host_only else None
     box = EventOutbox() if a.outbox else None
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
@@ -320,6 +338,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         tm = host.scheduler.timing
         r0, w0, t0s, d0, o0 = tm.rounds, tm.wall_s, tm.target_s, tm.draft_s, tm.overhead_s
         cpu0, proc0 = _thread_cpu(), os.times()
+        if clock is not None:
+            clock.rounds.clear()
         prof = _torch_profiler() if label == "profiled" else contextlib.nullcontext()
         t0 = time.perf_counter()
         with prof:
@@ -336,6 +356,8 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
               f"queued ahead {worker.engine.ahead_stats}, gate pauses {worker.engine.steps.gate.pauses}; "
               f"rounds queued ahead {worker.engine.round_stats}")
         _print_cpu(cpu0, _thread_cpu(), proc0, os.times(), r)
+        if clock is not None:
+            clock.report()
         if label == "profiled":
             from bench.profile_round import _host_summary, _kernel_summary
             got = _kernel_summary(prof, dt, a.torch_profile)
@@ -356,6 +378,49 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
         local.worker.close()
     worker.close()
     return 0
+
+
+class _HostClock:
+    """--host-only: the scheduler's rounds timed less the time spent in the graphs' eager
+    stand-ins (``_EagerGraph.replay``) and eager steps (``GraphRegistry._eager``): what is left is
+    the round loop's host work (on a CPU the steps' compute is synchronous and hides it)."""
+
+    def __init__(self) -> None:
+        from runtime import graphs
+
+        self.rounds: list[float] = []
+        self._in_steps = 0.0
+        replay, eager, run_round = graphs._EagerGraph.replay, graphs.GraphRegistry._eager, \
+            scheduler_mod.Scheduler._run_round
+        clock = self
+
+        def timed_replay(graph) -> None:
+            t = time.perf_counter()
+            try:
+                replay(graph)
+            finally:
+                clock._in_steps += time.perf_counter() - t
+
+        def timed_eager(registry, kind, inputs):
+            t = time.perf_counter()
+            try:
+                return eager(registry, kind, inputs)
+            finally:
+                clock._in_steps += time.perf_counter() - t
+
+        def timed_round(sched, live) -> None:
+            clock._in_steps = 0.0
+            t = time.perf_counter()
+            run_round(sched, live)
+            clock.rounds.append(time.perf_counter() - t - clock._in_steps)
+        graphs._EagerGraph.replay, graphs.GraphRegistry._eager = timed_replay, timed_eager
+        scheduler_mod.Scheduler._run_round = timed_round
+
+    def report(self) -> None:
+        xs = sorted(self.rounds)
+        if xs:
+            print(f"  host outside the steps: median {1e6 * xs[len(xs) // 2]:.0f} us a round, p10 "
+                  f"{1e6 * xs[len(xs) // 10]:.0f} us ({len(xs)} rounds)")
 
 
 def _colocated_draft(cfg: WorkerConfig) -> LocalDraft:
