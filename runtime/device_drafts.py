@@ -2,8 +2,8 @@
 
 Owns: what the target engine does with ``VerifyRequest.device`` (drafts a draft engine in this
 process left on the device, ``ProposeRequest.on_device``): whether a verify can read them
-there, the verify's token rows built on the device from them, and the requests with their
-drafts once the verify has brought them to the host beside its own outputs.
+there, the verify's token rows built on the device from them, and the greedy acceptance of
+those drafts once the verify has brought them to the host beside its own outputs.
 
 Why: with the draft in the target's process on the target's device (``colocated_draft``), a
 round synchronised with the host twice: after the propose (its drafts to the host) and after
@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from core.params import SamplingParams
+from runtime import acceptance
 from runtime.backends.base import Ops
 from runtime.types import VerifyRequest
 
@@ -78,17 +79,10 @@ def _upload(ops: Ops, arr: np.ndarray) -> Any:
     return out
 
 
-def with_drafts(reqs: list[VerifyRequest], drafts: np.ndarray, rows: np.ndarray,
-                host_tokens: np.ndarray) -> list[VerifyRequest]:
-    """The requests with their drafts from the host copy of the drafts tensor, each also written
-    into its row of the layout's host tokens (where the greedy acceptance reads them)."""
-    out = []
-    for i, r in enumerate(reqs):
-        k = len(r.drafts)
-        if r.device is None or not k:
-            out.append(r)
-            continue
-        got = drafts[rows[i], :k].astype(np.int64)
-        host_tokens[i, 1: 1 + k] = got
-        out.append(dataclasses.replace(r, drafts=got, device=None))
-    return out
+def accepted(drafts: np.ndarray, rows: np.ndarray, ks: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """Each request's greedy accepted count, from the host copy of the drafts tensor (request i's
+    drafts are its row ``rows[i]``, first ``ks[i]`` columns) and the verify's argmax ``best``
+    [B, W]: ``acceptance.accepted_greedy_rows`` on those rows. Neither the requests nor a host
+    layout are rebuilt with the drafts (per request and round, that was the larger part of a
+    chained verify's host work at batch 8)."""
+    return acceptance.accepted_greedy_rows(drafts[rows], ks, best)

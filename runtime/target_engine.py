@@ -344,7 +344,6 @@ class TargetEngine:
         if chained is not None:
             hidden, best, logits = chained.outputs     # queued by the previous verify (runtime/round_ahead.py)
             tokens_dev, replayed = chained.tokens, True
-            lay = layout_rows(rows, self._widths[self._verify_kind], self.cache.scratch_slot, self.cache.max_len)
         elif stepped is not None:
             hidden, best, logits = stepped                 # queued by the previous verify (no drafts: matches)
             replayed = True
@@ -385,9 +384,9 @@ class TargetEngine:
                  and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self.rounds.allow())
         queued = self.rounds.queue(ids, rows, tokens_dev, hidden, best, k0, source) if chain else None
         got = fetch()
+        drafts_np = None
         if on_device is not None:
             *got, drafts_np = got
-            reqs = device_drafts.with_drafts(reqs, drafts_np, on_device[1], lay.tokens)
         hidden_np, (best_np, *rest) = (got[0], got[1:]) if want_hidden else (None, got)
         if sample_on_device:
             if sampled:
@@ -398,9 +397,15 @@ class TargetEngine:
             logits_np = rest[0]                                            # [B, k+1, V]
         # Greedy rows of a batch: every row's accepted count in one pass (row i emits
         # best[i, : a_i + 1]; the layout's tokens are [t_n, d_1..d_k, padding] per row). A lone
-        # request takes the per-row rule: the same result, fewer numpy calls for one row.
-        greedy_a = (acceptance.accepted_greedy_rows(lay.tokens[:, 1:], lay.lengths - 1, best_np)
-                    if drafted and len(reqs) > 1 else None)
+        # request takes the per-row rule: the same result, fewer numpy calls for one row. Drafts
+        # that stayed on the device are counted from their host copy, at any batch: only greedy
+        # rows draft in such a batch (device_drafts.chain_or_fetch), so no row reads ``r.drafts``.
+        if drafts_np is not None:
+            ks = np.fromiter((len(r.drafts) for r in reqs), dtype=np.int64, count=len(reqs))
+            greedy_a = device_drafts.accepted(drafts_np, on_device[1], ks, best_np)
+        else:
+            greedy_a = (acceptance.accepted_greedy_rows(lay.tokens[:, 1:], lay.lengths - 1, best_np)
+                        if drafted and len(reqs) > 1 else None)
         out = []
         for i, (r, req) in enumerate(zip(reqs, states)):
             k = len(r.drafts)

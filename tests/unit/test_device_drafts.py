@@ -3,7 +3,8 @@
 What is shown: the verify's token rows built from a drafts tensor put each request's drafts in
 its columns 1..k whatever the tensor's row order, with the host's columns around them; a verify
 reads them there only when every drafting request's drafts are rows of one tensor and it
-verifies greedily (else they come to the host first); and the engine gives target-only's tokens
+verifies greedily (else they come to the host first); each request's greedy count comes from its
+row of the tensor's host copy; and the engine gives target-only's tokens
 with its drafts on the device, with mixed k, in a batch that also samples, on both backends.
 """
 
@@ -17,6 +18,7 @@ import pytest
 
 from core.params import SamplingParams
 from runtime import device_drafts
+from runtime.acceptance import accept_greedy_ids
 from runtime.backends import make_ops
 from runtime.config import CacheConfig, EngineConfig, RuntimeConfig, SpecConfig
 from runtime.engine import GenRequest, SpecEngine
@@ -50,14 +52,17 @@ def test_the_verify_tokens_take_each_requests_row_of_the_drafts(ops):
     assert same.tolist() == [[1, 11, 12], [2, 21, 22]]
 
 
-def test_drafts_come_back_into_the_requests_and_the_host_layout(ops):
-    t = _drafts(ops, [[5, 6, 7], [8, 9, 10]])
-    reqs = [_vreq("a", 2, DeviceDrafts(t, 1)), _vreq("b", 0), _vreq("c", 3, DeviceDrafts(t, 0))]
-    host = np.zeros((3, 4), np.int64)
-    out = device_drafts.with_drafts(reqs, ops.to_numpy(t), np.array([1, 0, 0]), host)
-    assert [r.drafts.tolist() for r in out] == [[8, 9], [], [5, 6, 7]]
-    assert all(r.device is None for r in out) and reqs[0].device is not None      # new records
-    assert host.tolist() == [[0, 8, 9, 0], [0, 0, 0, 0], [0, 5, 6, 7]]
+def test_accepted_counts_read_each_requests_row_of_the_drafts(ops):
+    """Request i's drafts are row rows[i] of the host copy, its first k_i columns; its count is
+    the leading run of them equal to its argmax row (the per-row rule's)."""
+    drafts = ops.to_numpy(_drafts(ops, [[5, 6, 7], [8, 9, 10]]))
+    best = np.array([[8, 9, 4, 0], [1, 2, 3, 4], [5, 0, 7, 7]], np.int64)       # [B, k + 1]
+    rows, ks = np.array([1, 0, 0]), np.array([2, 0, 3])
+    got = device_drafts.accepted(drafts, rows, ks, best)
+    assert got.tolist() == [2, 0, 1]
+    for i in range(3):
+        want = accept_greedy_ids(drafts[rows[i], : ks[i]].tolist(), best[i, : ks[i] + 1])
+        assert got[i] == want.num_accepted
 
 
 def test_a_verify_reads_device_drafts_only_when_all_of_them_can_be(ops):
