@@ -23,7 +23,7 @@ fits the narrow width and whose steps share one context span replays one
 ``propose{k}`` graph (catch-up, argmax and k-1 substeps); otherwise the
 catch-up graph and k-1 substep graphs run. Sampled drafts
 (``draft_sampling``) and coupled drafts (``sampling_mode`` "coupled") need q
-on the host, so that path reads the logits back after every substep.
+on the host, so that path reads the logits back after every substep (runtime/draft_sampled.py).
 
 Randomness (runtime/random_stream.py): the draft at absolute token position
 p uses the draws of (seed, p, purpose): PURPOSE_DRAFT for a sampled draft,
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime import random_stream, sampling
+from runtime.draft_sampled import SampledDrafts
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width, single_token_places)
@@ -135,6 +135,8 @@ class DraftEngine:
                       if round_ahead and self._fused is not None else None)
         # Ahead drafting: the end of each request's last proposal (runtime/draft_ahead.py).
         self._ends = KeptEnds(ops, cache_cfg.max_slots, cfg.hidden_size)
+        # Sampled or coupled drafts: q on the host after every substep (runtime/draft_sampled.py).
+        self._sampled = SampledDrafts(ops, registry, self.cache, cfg.hidden_size, SUBSTEP)
         self.fused_proposes = 0          # propose calls that replayed one propose{k} graph
 
     def _kind(self, name: str, width: int, spans: tuple[int, ...] | None = None,
@@ -325,7 +327,7 @@ class DraftEngine:
             state.length += len(r.tokens)
         if not host_side:
             return self._propose_greedy(reqs, slots, g, logits)
-        return self._propose_sampled(reqs, slots, g, logits)
+        return self._sampled.propose(self.requests, reqs, slots, g, logits)
 
     def _catch_up_head(self, reqs: list[ProposeRequest], starts: list[int], slots: list[int]
                        ) -> tuple[list[ProposeRequest], list[int]]:
@@ -455,57 +457,6 @@ class DraftEngine:
             "write_slots": write_slots, "positions": positions,
             "read_slots": read_slots, "last_index": last_index}, need=need)
         return g, self.ops.argmax(logits, -1)
-
-    def _propose_sampled(self, reqs: list[ProposeRequest], slots: list[int], g, logits) -> list[Proposal]:
-        """Some row samples (or couples) its draft from q: q comes to the host after every substep.
-        Draft s of request i sits at token position pairs_i + s (see the module docstring)."""
-        drafts = [[] for _ in reqs]
-        probs: list[list[np.ndarray]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))                                  # rows of g/logits -> request index
-        for s in range(1, max(r.k for r in reqs) + 1):
-            # Greedy drafts need only the argmax ([A] to the host); the full
-            # logits ([A, V]) come over only when some row samples its draft.
-            states = [self.requests[reqs[i].request_id] for i in active]
-            sampled = [st.on_host for st in states]
-            greedy = self.ops.to_numpy(self.ops.argmax(logits, -1))       # [A]
-            logits_np = self.ops.to_numpy(logits) if any(sampled) else None  # [A, V]
-            for row, i in enumerate(active):
-                if sampled[row]:
-                    tok, q = self._sample_draft(logits_np[row], states[row],
-                                                self.cache.get(reqs[i].request_id).length + s)
-                    if q is not None:
-                        probs[i].append(q)
-                else:
-                    tok = int(greedy[row])
-                drafts[i].append(tok)
-            keep = [row for row, i in enumerate(active) if reqs[i].k > s]
-            if not keep:
-                break
-            if len(keep) != len(active):
-                g = self.ops.index_select(g, self.ops.from_numpy(np.asarray(keep, dtype=np.int64), "int64"), 0)
-            active = [active[row] for row in keep]
-            # Substep s: pair (g_s, d_s) at position pairs + s - 1.
-            rows = [Row(slots[i], self.cache.get(reqs[i].request_id).length + s - 1,
-                        np.asarray([drafts[i][-1]], dtype=np.int64)) for i in active]
-            lay = layout_rows(rows, 1, self.cache.scratch_slot, self.cache.max_len)
-            (g, logits), _ = self.registry.run(SUBSTEP, {
-                "prev_hidden": self.ops.reshape(g, (len(active), 1, self.cfg.hidden_size)),
-                "tokens": lay.tokens, "write_slots": lay.write_slots, "positions": lay.positions,
-                "read_slots": lay.read_slots, "last_index": lay.last_index})
-        return [Proposal(r.request_id, np.asarray(drafts[i], dtype=np.int64),
-                         np.stack(probs[i]).astype(np.float32) if probs[i] else None)
-                for i, r in enumerate(reqs)]
-
-    def _sample_draft(self, logits: np.ndarray, req: _DraftRequest, position: int) -> tuple[int, np.ndarray | None]:
-        """The draft at ``position`` from q. Coupled: argmax(log q + g) with the target's noise at
-        that position (nothing sent: the target does not use q). Sampled: the inverse-CDF draw
-        of the position's PURPOSE_DRAFT uniform (q is sent along for rejection sampling). Greedy
-        drafts (q one-hot, nothing sent) are the device-side argmax in ``propose``."""
-        p = req.params
-        q = sampling.process_logits(logits, p.temperature, p.top_k, p.top_p)
-        if p.coupled:
-            return sampling.coupled_token(q, random_stream.gumbel(req.seed, position, q.shape[-1])), None
-        return sampling.sample_token(q, random_stream.uniform(req.seed, position, random_stream.PURPOSE_DRAFT)), q
 
     # --- the next round queued on the device (runtime/round_ahead.py) ------------------------
     @property

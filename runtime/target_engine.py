@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime import acceptance, device_drafts, random_stream, sampling
+from runtime import acceptance, device_drafts, random_stream, sampling, verify_sampled
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width)
@@ -359,9 +359,9 @@ class TargetEngine:
         extra, device_acc, device_coupled, logits_np = [], None, None, None
         sample_on_device = self.ops.sampler is not None
         if sampled and sample_on_device:
-            extra += list(self._verify_on_device(reqs, states, starts, sampled, logits))
+            extra += list(verify_sampled.rejection_on_device(self.ops, reqs, states, starts, sampled, logits))
         if coupled and sample_on_device:
-            extra.append(self._coupled_on_device(reqs, states, starts, coupled, logits))
+            extra.append(verify_sampled.coupled_on_device(self.ops, reqs, states, starts, coupled, logits))
         if (sampled or coupled) and not sample_on_device:
             extra = [logits]
         # NOTE: one synchronisation per verify, after everything is enqueued:
@@ -460,44 +460,6 @@ class TargetEngine:
         """Forget a step or round queued ahead: the engine's state changes (prefill, release, new weights)."""
         self.steps.drop()
         self.rounds.drop()
-
-    def _verify_on_device(self, reqs, states, starts: list[int], sampled: list[int], logits):
-        """Leviathan acceptance of the sampled rows on the device -> (a [S], token [S]) tensors.
-        Row j of a request decides position starts[i] + j: its counter-based uniforms come along
-        (u_acc [S, kmax] and u_tok [S, kmax+1]; padding past a row's k is never read)."""
-        width = self.ops.shape(logits)[1]
-        kmax = max(len(reqs[i].drafts) for i in sampled)
-        drafts = np.zeros((len(sampled), kmax), dtype=np.int64)
-        for row, i in enumerate(sampled):
-            drafts[row, : len(reqs[i].drafts)] = reqs[i].drafts
-        ps = [states[i].params for i in sampled]
-        pos = np.asarray([starts[i] for i in sampled], dtype=np.int64)[:, None] + np.arange(kmax + 1)  # [S, kmax+1]
-        u_acc = np.stack([random_stream.uniforms(states[i].seed, pos[row, :kmax], random_stream.PURPOSE_ACCEPT)
-                          for row, i in enumerate(sampled)])                                      # [S, kmax]
-        u_tok = np.stack([random_stream.uniforms(states[i].seed, pos[row], random_stream.PURPOSE_SAMPLE)
-                          for row, i in enumerate(sampled)])                                      # [S, kmax+1]
-        rows = self.ops.from_numpy(np.asarray(sampled, dtype=np.int64), "int64")
-        sel = self.ops.index_select(logits, rows, 0)                                     # [S, k+1, V]
-        if kmax + 1 < width:
-            sel = sel[:, : kmax + 1]
-        return self.ops.sampler.verify(sel, drafts, np.asarray([len(reqs[i].drafts) for i in sampled]),
-                                       [reqs[i].draft_probs for i in sampled], [p.temperature for p in ps],
-                                       [p.top_k for p in ps], [p.top_p for p in ps], u_acc, u_tok)
-
-    def _coupled_on_device(self, reqs, states, starts: list[int], coupled: list[int], logits):
-        """The coupled rows' Gumbel-max choices at every verified position -> int64 [C, width]
-        (row j of request i decides position starts[i] + j; columns past its k are unused)."""
-        width = self.ops.shape(logits)[1]
-        ps = [states[i].params for i in coupled]
-        rows = self.ops.from_numpy(np.asarray(coupled, dtype=np.int64), "int64")
-        sel = self.ops.index_select(logits, rows, 0)                                     # [C, width, V]
-        c, v = len(coupled), self.ops.shape(sel)[-1]
-        rep = lambda xs: np.repeat(np.asarray(xs), width)  # noqa: E731  per request -> per row
-        choices = self.ops.sampler.coupled(
-            self.ops.reshape(sel, (c * width, v)), rep([p.temperature for p in ps]), rep([p.top_k for p in ps]),
-            rep([p.top_p for p in ps]), rep([states[i].seed for i in coupled]),
-            (np.asarray([starts[i] for i in coupled], dtype=np.int64)[:, None] + np.arange(width)).reshape(-1))
-        return self.ops.reshape(choices, (c, width))
 
     def release(self, request_id: str) -> bool:
         self.drop_pending()
