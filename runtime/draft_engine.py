@@ -77,6 +77,14 @@ class _DraftRequest:
         return self.params.coupled or (self.params.draft_sampling and not self.params.greedy)
 
 
+def _zeros(k: int) -> np.ndarray:
+    """A read-only int64 [k] of zeros: the drafts of a proposal whose drafts stay on the device
+    (their count only), one array shared by a round's requests."""
+    z = np.zeros(k, dtype=np.int64)
+    z.flags.writeable = False
+    return z
+
+
 class DraftEngine:
     # The round driver's port question (``run_round``): may greedy drafts stay on the device for
     # the verify? Only an owner that runs the verify in this process on this device sets it
@@ -477,8 +485,8 @@ class DraftEngine:
             self._ends.forget(r.request_id)
             self.cache.get(r.request_id).length = p + len(r.tokens)
         self.fused_proposes += 1
-        return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(nxt.drafts, i, self))
-                for i, r in enumerate(reqs)]
+        counts = _zeros(nxt.k)                 # every request's k is the queued one's (matches)
+        return [Proposal(r.request_id, counts, None, DeviceDrafts(nxt.drafts, i, self)) for i, r in enumerate(reqs)]
 
     def drop_pending(self) -> None:
         """Forget a propose queued for the next round (graphs cleared, weights changed)."""

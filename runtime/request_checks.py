@@ -27,11 +27,17 @@ def check_request_id(request_id: str, field: str) -> None:
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, field: str) -> None:
     """Every id in [0, vocab_size); names the first offender."""
-    if tokens.size == 0:
+    n = tokens.size
+    if n == 0:
         return
-    # NOTE: the common case in one reduction (every round checks every item): int64 ids seen as
-    # unsigned put the negative ones above any vocabulary.
-    if tokens.dtype == np.int64 and tokens.view(np.uint64).max() < vocab_size:
+    # NOTE: the common case at once (every round checks every item): a round's few ids as Python
+    # ints (a third of a numpy reduction's time up to ~16 ids on the 2-core CPU), more in one
+    # reduction, int64 ids seen as unsigned putting the negative ones above any vocabulary.
+    if n <= 16 and tokens.dtype.kind in "iu":
+        ids = tokens.tolist()
+        if min(ids) >= 0 and max(ids) < vocab_size:
+            return
+    elif tokens.dtype == np.int64 and tokens.view(np.uint64).max() < vocab_size:
         return
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
     if bad.size:

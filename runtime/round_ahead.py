@@ -182,7 +182,7 @@ class NextPropose:
             return False
         for r, rid, p, want in zip(reqs, self.ids, self.pairs, self.expected):
             if (r.request_id != rid or r.start_position != p or r.k != self.k or not r.on_device or r.ahead
-                    or r.keep_tail or len(r.tokens) != len(want) or tuple(int(t) for t in r.tokens) != want):
+                    or r.keep_tail or len(r.tokens) != len(want) or tuple(r.tokens.tolist()) != want):
                 return False
         # NOTE: last, and only here: the counts the queued catch-up used must be the host's (they
         # are by construction). Read now, a round after they were queued, the wait is over.
