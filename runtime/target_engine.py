@@ -406,12 +406,16 @@ class TargetEngine:
         else:
             greedy_a = (acceptance.accepted_greedy_rows(lay.tokens[:, 1:], lay.lengths - 1, best_np)
                         if drafted and len(reqs) > 1 else None)
+        # Per row below: Python lists of the argmax rows (one conversion for the batch), and the
+        # hidden rows as views of one copy out of the fetch ring's buffer (which a later fetch reuses).
+        best_rows = best_np.tolist() if greedy_a is not None else None
+        hidden_kept = hidden_np.copy() if hidden_np is not None else None
         out = []
         for i, (r, req) in enumerate(zip(reqs, states)):
             k = len(r.drafts)
             if req.params.greedy and greedy_a is not None:
                 a = int(greedy_a[i])
-                acc = acceptance.Acceptance(a, tuple(best_np[i, : a + 1].tolist()))
+                acc = acceptance.Acceptance(a, tuple(best_rows[i][: a + 1]))
             elif req.params.greedy:
                 acc = acceptance.accept_greedy_ids(r.drafts, best_np[i, : k + 1])
             elif device_coupled is not None and i in device_coupled:
@@ -436,8 +440,7 @@ class TargetEngine:
             # (all committed); rows past n+a are stale and get overwritten.
             kvs[i].length += a + 1
             req.last_token = acc.tokens[-1]
-            out.append(VerifyResult(r.request_id, a, tuple(acc.tokens),
-                                    hidden_np[i, : a + 1].copy() if r.hidden else None))
+            out.append(VerifyResult(r.request_id, a, tuple(acc.tokens), hidden_kept[i, : a + 1] if r.hidden else None))
         if queued is not None:
             # NOTE: what the host committed; the draft takes its queued propose only if the counts
             # the device used agree (``NextPropose.matches``), else it proposes afresh and the
