@@ -53,58 +53,71 @@ def accepted_counts(ops: Ops, tokens: Any, best: Any, k: int) -> Any:
     """Greedy acceptance on the device: a [B] int64, the number of leading drafts equal to the
     target's argmax. tokens [B, W] = [t_n, d_1..d_k, padding], best [B, W]: row j's argmax is
     the target's token after d_j, so d_{j+1} is accepted iff it equals best[:, j] and every
-    draft before it was. a = sum over j < k of prod over l <= j of match_l (k is small: a few tiny ops)."""
-    diff = tokens[:, 1:k + 1] - best[:, :k]                             # [B, k]
-    match = 1 - ops.clip(diff * diff, 0, 1)                             # 1 where d_{j+1} == best_j
-    run = match[:, 0]
-    a = run
-    for j in range(1, k):
-        run = run * match[:, j]
-        a = a + run
-    return a
+    draft before it was: a = the length of the leading run of matches (``Ops.leading_equal``)."""
+    return ops.leading_equal(tokens[:, 1:k + 1], best[:, :k])
+
+
+@dataclass(frozen=True)
+class ChainConsts:
+    """The device constants of a chain step (k drafts, verify width W), made once: inside a
+    captured graph every ``arange`` is a kernel at each replay, and a round's chain is a few
+    dozen tiny kernels whose launches set much of a batch-1 round's device time (~250 kernels a
+    round on the H100, docs/performance.md § Session 28)."""
+
+    ramp: Any            # int64 [W]: 0..W-1
+    ramp_k: Any          # int64 [W]: min(j, k)
+    sub_zero: Any        # int64 [k-1]: zeros
+    sub_one: Any         # int64 [k-1]: 1..k-1
+
+
+def chain_consts(ops: Ops, k: int, width: int) -> ChainConsts:
+    ramp = ops.arange(width)
+    sub = ops.arange(max(k - 1, 0))
+    return ChainConsts(ramp, ops.clip(ramp, 0, k), sub * 0, sub + 1)
 
 
 def catchup_inputs(ops: Ops, a: Any, best: Any, hidden: Any, slots: Any, pairs: Any, k: int,
-                   width: int, scratch: int) -> dict[str, Any]:
+                   width: int, scratch: int, c: ChainConsts | None = None) -> dict[str, Any]:
     """The inputs of the draft's ``propose{k}`` step for the next round (runtime/fused_propose.py):
     row i catches up its a_i + 1 committed pairs (h_{n+j}, best_j), j = 0..a_i, from position P_i,
     padded to ``width`` as ``batch_layout.layout_rows`` pads (token 0, the scratch slot, the
     position clamped at the row's last one, a zero hidden row), then k - 1 substeps from
     position P_i + a_i + 1. best [B, W >= width] int64, hidden [B, W, d], ``slots`` and ``pairs``
-    [B] int64 (the draft's slot and pair count P of each row): all device tensors."""
+    [B] int64 (the draft's slot and pair count P of each row): all device tensors; ``c`` the
+    step's constants (made here when not given)."""
+    c = c or chain_consts(ops, k, width)
     b = ops.shape(best)[0]
-    ramp = ops.arange(width)                                 # [W]
     a_col = ops.reshape(a, (b, 1))
-    over = ops.clip(ramp - a_col, 0, width)                  # [B, W]: j - a past the accepted rows, else 0
-    keep = 1 - ops.clip(over, 0, 1)                         # 1 on rows 0..a
+    keep = ops.less_equal(c.ramp, a_col)                     # [B, W]: rows 0..a are the catch-up's
     slot_col, pairs_col = ops.reshape(slots, (b, 1)), ops.reshape(pairs, (b, 1))
-    hid = hidden[:, :width]
-    keep_h = ops.reshape(ops.cast(keep, ops.dtype_name(hid)), (b, width, 1))
-    out = {"prev_hidden": hid * keep_h,
-           "tokens": best[:, :width] * keep,
-           "write_slots": keep * (slot_col - scratch) + scratch,
-           "positions": pairs_col + ramp - over,             # min(P + j, P + a)
+    last = ops.arange(b) * width + a                         # each row's last catch-up row, flat
+    out = {"prev_hidden": ops.where(ops.reshape(keep, (b, width, 1)), hidden[:, :width], 0.0),
+           "tokens": ops.where(keep, best[:, :width], 0),
+           "write_slots": ops.where(keep, slot_col, scratch),
+           "positions": pairs_col + ops.minimum(c.ramp, a_col),    # min(P + j, P + a)
            "read_slots": slots,
-           "last_index": ops.arange(b) * width + a}
+           "last_index": last}
     if k > 1:
-        sub = ramp[: k - 1]                                  # [k-1]
-        out["sub_write_slots"] = slot_col + sub * 0
-        out["sub_positions"] = pairs_col + a_col + 1 + sub   # substep s at P + a + 1 + s - 1
+        out["sub_write_slots"] = slot_col + c.sub_zero                 # [B, k-1]
+        out["sub_positions"] = (pairs_col + a_col) + c.sub_one         # substep s at P + a + 1 + s - 1
     return out
 
 
-def next_verify(ops: Ops, a: Any, best: Any, drafts: Any, starts: Any, k: int, width: int) -> tuple[Any, Any]:
+def next_verify(ops: Ops, a: Any, best: Any, drafts: Any, starts: Any, k: int, width: int,
+                c: ChainConsts | None = None, last_index: Any = None) -> tuple[Any, Any]:
     """The next round's verify rows: row i verifies [best_{a_i}, d'_1..d'_k] from its new committed
     length n_i + a_i + 1, padded to ``width`` as ``layout_rows`` pads -> (tokens, positions)
     [B, width]. drafts [B, >= k], ``starts`` [B] = n_i + 1 (device). Its write and read slots are
-    the host's (they do not depend on the counts)."""
+    the host's (they do not depend on the counts). ``last_index``: i * W + a_i, when the caller
+    has it (``catchup_inputs``' ``last_index``)."""
+    c = c or chain_consts(ops, k, width)
     b = ops.shape(best)[0]
-    last = ops.index_select(ops.reshape(best[:, :width], (b * width,)), ops.arange(b) * width + a, 0)   # [B]
+    flat = last_index if last_index is not None else ops.arange(b) * width + a
+    last = ops.index_select(ops.reshape(best[:, :width], (b * width,)), flat, 0)   # [B]
     parts = [ops.reshape(last, (b, 1)), drafts[:, :k]]
     if k + 1 < width:
         parts.append(ops.zeros((b, width - 1 - k), "int64"))
-    ramp = ops.clip(ops.arange(width), 0, k)                                 # min(j, k)
-    return ops.cat(parts, 1), ops.reshape(starts + a, (b, 1)) + ramp          # min(n' + j, n' + k)
+    return ops.cat(parts, 1), ops.reshape(starts + a, (b, 1)) + c.ramp_k       # min(n' + j, n' + k)
 
 
 def verify_places(slots: list[int], k: int, width: int, scratch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,11 +134,13 @@ def chain_step(ops: Ops, propose: Callable[..., tuple], k: int, width: int, scra
     (vtokens, vbest [B, W] int64, vhidden [B, W, d]: round r's verify input and outputs;
     dslot, pairs, tstart [B] int64: the draft's slot and pair count, the target's length + 1)
     -> drafts [B, k], next verify tokens [B, W], its positions [B, W], the counts a [B]."""
+    c = chain_consts(ops, k, width)       # NOTE: made here, before any capture: static in the graphs
+
     def step(vtokens, vbest, vhidden, dslot, pairs, tstart, attend_len=None):
         a = accepted_counts(ops, vtokens, vbest, k)
-        inputs = catchup_inputs(ops, a, vbest, vhidden, dslot, pairs, k, width, scratch)
+        inputs = catchup_inputs(ops, a, vbest, vhidden, dslot, pairs, k, width, scratch, c)
         drafts, _g, _tok = propose(**inputs, attend_len=attend_len)
-        tokens, positions = next_verify(ops, a, vbest, drafts, tstart, k, width)
+        tokens, positions = next_verify(ops, a, vbest, drafts, tstart, k, width, c, inputs["last_index"])
         return drafts, tokens, positions, a
     return step
 

@@ -126,6 +126,12 @@ class Ops(Protocol):
         greedy token, in one pass where the backend has a kernel for it. The argmax of the
         cast values is the argmax of x (the cast is exact and keeps the order, ties too)."""
     def clip(self, x: Tensor, lo: int, hi: int) -> Tensor: ...
+    def minimum(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise min (broadcasting)."""
+    def where(self, cond: Tensor, a: Tensor, b: Tensor | float | int) -> Tensor:
+        """a where cond else b (broadcasting; ``b`` may be a Python number of a's dtype)."""
+    def leading_equal(self, a: Tensor, b: Tensor) -> Tensor:
+        """int64 [...]: how many leading positions of the last axis have a == b (a, b [..., n])."""
 
     # --- memory / device ---------------------------------------------------
     def bind_thread(self) -> None:

@@ -205,6 +205,17 @@ class PaddleOps:
     def clip(self, x, lo, hi):
         return paddle.clip(x, lo, hi)
 
+    def minimum(self, a, b):
+        return paddle.minimum(a, b)
+
+    def where(self, cond, a, b):
+        if not isinstance(b, paddle.Tensor):
+            b = paddle.full([1], b, dtype=a.dtype)
+        return paddle.where(cond, a, b)
+
+    def leading_equal(self, a, b):
+        return paddle.cumprod(paddle.cast(paddle.equal(a, b), "int64"), dim=-1).sum(-1)
+
     # --- memory / device ---------------------------------------------------
     def bind_thread(self):
         """Paddle's device choice is process-wide (set in __init__): nothing per thread."""

@@ -329,6 +329,15 @@ class TorchOps:
     def clip(self, x, lo, hi):
         return torch.clamp(x, lo, hi)
 
+    def minimum(self, a, b):
+        return torch.minimum(a, b)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, a, b)
+
+    def leading_equal(self, a, b):
+        return (a == b).cumprod(-1).sum(-1)             # bool -> int64 running product: 3 kernels
+
     # --- memory / device ---------------------------------------------------
     def bind_thread(self):
         """Make this ops object's device the calling thread's current device."""

@@ -8,7 +8,8 @@ on both backends; the accepted counts are the host's; an engine run with rounds 
 gives target-only's tokens and the very drafts of a run without (same acceptance, position by
 position), and takes most queued rounds; anything between two rounds drops the queued one; a
 draft that declines, or a queue that fails, leaves the rounds as they were; a queued round whose
-counts disagree with the host's is never taken and its requests' next verify fails loudly.
+counts disagree with the host's is never taken and its requests' next verify fails loudly; the
+chain step's glue around its propose stays about twenty device kernels.
 """
 
 from __future__ import annotations
@@ -108,6 +109,37 @@ def test_the_next_verify_inputs_are_the_host_layouts(ops):
         got = {"tokens": _np(ops, toks), "positions": _np(ops, pos), "write_slots": write, "read_slots": read}
         for name, value in got.items():
             assert value.tolist() == getattr(lay, name).tolist(), (k, name)
+
+
+def test_the_chain_glue_is_a_score_of_kernels():
+    """The chain step around its propose (counts, catch-up, next verify rows) is ~20 device
+    kernels at any batch (its constants made once, not at each replay: every kernel of a
+    captured graph is a launch, and a batch-1 round's device time is mostly launches); 38
+    before session 30. Counted as Torch dispatches them on the CPU, views aside."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kernels: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in {"slice", "view", "alias", "select", "scalar_tensor", "_unsafe_view", "expand"}:
+                self.kernels.append(name)
+            return func(*args, **(kwargs or {}))
+
+    ops = make_ops(RuntimeConfig(backend="torch"))
+    tokens, best, hidden = _case(ops, [0, 1, 2, 3, 3, 0, 1, 2])
+    c = round_ahead.chain_consts(ops, K, WIDTH)
+    t, b, h = torch.from_numpy(tokens), torch.from_numpy(best), torch.from_numpy(hidden)
+    slots, ints = torch.arange(8), torch.full((8,), 40)
+    with Count() as count:
+        a = round_ahead.accepted_counts(ops, t, b, K)
+        inputs = round_ahead.catchup_inputs(ops, a, b, h, slots, ints, K, WIDTH, SCRATCH, c)
+        round_ahead.next_verify(ops, a, b, t[:, 1:], ints, K, WIDTH, c, inputs["last_index"])
+    assert len(count.kernels) <= 20, count.kernels
 
 
 # --- the engine -------------------------------------------------------------------------------
