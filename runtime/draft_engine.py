@@ -46,13 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from runtime.draft_sampled import SampledDrafts
 from runtime.backends.base import Ops
 from runtime.batch_layout import (Row, attend_need, attend_span, context_spans, layout_rows, prefill_graph_widths,
                                   prefill_width, single_token_places)
 from core.params import SamplingParams
 from runtime.config import CacheConfig, ModelConfig
 from runtime.draft_ahead import KeptEnds
+from runtime.draft_sampled import SampledDrafts
 from runtime.fused_propose import FusedPropose, propose_kind_name, substep_places
 from runtime.graphs import GraphRegistry, InputSpec, StepKind
 from runtime.kv_cache import CapacityError, KVCache, UnknownRequestError

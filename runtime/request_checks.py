@@ -34,7 +34,7 @@ def check_token_range(tokens: np.ndarray, vocab_size: int, field: str) -> None:
     # ints (a third of a numpy reduction's time up to ~16 ids on the 2-core CPU), more in one
     # reduction, int64 ids seen as unsigned putting the negative ones above any vocabulary.
     if n <= 16 and tokens.dtype.kind in "iu":
-        ids = tokens.tolist()
+        ids = tokens.reshape(-1).tolist()
         if min(ids) >= 0 and max(ids) < vocab_size:
             return
     elif tokens.dtype == np.int64 and tokens.view(np.uint64).max() < vocab_size:
