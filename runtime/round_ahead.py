@@ -190,9 +190,19 @@ class NextPropose:
     positions: Any
     counts: Callable[[], list[int]]      # may be called more than once (read from the device once)
     expected: tuple[tuple[int, ...], ...] | None = None
+    _judged: tuple[tuple, Any, bool] | None = field(default=None, repr=False)   # (reqs, expected, verdict)
 
     def matches(self, reqs: list) -> bool:
-        """Whether a propose of ``reqs`` (``ProposeRequest``) is this one."""
+        """Whether a propose of ``reqs`` (``ProposeRequest``) is this one. Asked again of the very
+        same requests (a batch's check, then its propose) before anything changed, the answer
+        is the first's."""
+        j = self._judged
+        if (j is None or j[1] is not self.expected or len(j[0]) != len(reqs)
+                or not all(a is b for a, b in zip(j[0], reqs))):
+            j = self._judged = (tuple(reqs), self.expected, self._matches(reqs))
+        return j[2]
+
+    def _matches(self, reqs: list) -> bool:
         if self.expected is None or len(reqs) != len(self.ids):
             return False
         for r, rid, p, want in zip(reqs, self.ids, self.pairs, self.expected):
@@ -268,6 +278,11 @@ class DraftChain:
             return read[0]
         self.pending = NextPropose(tuple(ids), tuple(pairs), k, kept, vtokens, vpositions, device_counts)
         return self.pending
+
+    def answers(self, reqs: list) -> bool:
+        """Whether the queued propose is the one of ``reqs`` (``NextPropose.matches``), without
+        taking it."""
+        return self.pending is not None and self.pending.matches(reqs)
 
     def take(self, reqs: list) -> NextPropose | None:
         """The queued propose when a propose of ``reqs`` (``ProposeRequest``) is it

@@ -9,7 +9,8 @@ gives target-only's tokens and the very drafts of a run without (same acceptance
 position), and takes most queued rounds; anything between two rounds drops the queued one; a
 draft that declines, or a queue that fails, leaves the rounds as they were; a queued round whose
 counts disagree with the host's is never taken and its requests' next verify fails loudly; the
-chain step's glue around its propose stays about twenty device kernels.
+chain step's glue around its propose stays about twenty device kernels; a propose the queued
+round answers is checked by that match alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from runtime.decode_ahead import AheadGate
 from runtime.device_thread import DeviceThread
 from runtime.engine import GenRequest
 from runtime.fused_propose import substep_places
+from runtime.types import ProposeRequest
 from tests.unit.test_engine_bundled import _engine, _prompts
 
 SCRATCH, WIDTH, K, D = 9, 4, 3, 5
@@ -185,6 +187,27 @@ def test_anything_between_two_rounds_drops_the_queued_one(engine):
     got = _generate(engine, prompts, 3, 3, ahead=True)        # the 4th joins when the first finishes
     assert [t for t, _, _ in got] == ref and st.dropped > dropped
     assert engine.target.rounds.pending is None or engine.target.rounds.pending.lengths is not None
+
+
+def test_a_propose_the_queued_round_answers_is_checked_by_that_match(engine):
+    """``DraftEngine.check_propose``: a batch the queued propose answers (the very requests, pair
+    counts, k and catch-up tokens, the device's counts the host's) passes on that match alone;
+    any other batch gets every item check (here: an id out of the vocabulary, a request never
+    prefilled). The match is judged again once the host has settled the round."""
+    chain, d = engine.draft.chain, engine.draft.cfg.hidden_size
+    nxt = round_ahead.NextPropose(("q0",), (5,), 2, None, None, None, lambda: [1])
+    saved, chain.pending = chain.pending, nxt
+    try:
+        good = [ProposeRequest("q0", 5, np.array([7, 8]), np.zeros((2, d), np.float32), 2, on_device=True)]
+        assert not nxt.matches(good)                           # not settled yet
+        nxt.expected = ((7, 8),)                               # the host accepted: 1 draft + bonus
+        assert nxt.matches(good) and chain.answers(good)
+        assert engine.draft.check_propose([(0, good[0])]) == ([(0, good[0])], {})
+        bad = ProposeRequest("q0", 5, np.array([7, 10**6]), np.zeros((2, d), np.float32), 2, on_device=True)
+        ok, refused = engine.draft.check_propose([(0, bad)])
+        assert not ok and "unknown here" in str(refused[0])
+    finally:
+        chain.pending = saved
 
 
 def test_a_round_whose_counts_are_not_the_hosts_fails_loudly(monkeypatch):
