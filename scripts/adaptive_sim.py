@@ -22,11 +22,11 @@ machine's CPU cannot show (there drafting almost always pays).
 
     python scripts/adaptive_sim.py [--code DIR] [--seeds 80] [--wide 1e-3] [--decl 0.1]
                                    [--regime T0 FIXED TD VERIFY] [--random-rate LO HI] [--max-tokens 64]
-                                   [--entry SECONDS]
+                                   [--entry SECONDS] [--leave SECONDS]
 
 With rounds queued ahead on the device (H100, docs/performance.md § Session 29) the regime is about
 ``--regime 0.26e-3 0.62e-3 0.02e-3 0.27e-3 --entry 0.35e-3``: its figures did not predict the GPU's
-there (what a dropped queued round costs is not modelled).
+there; ``--leave`` adds what the round a drafting round queued costs when the next one does not draft.
 
 Must not know: how the policy decides.
 """
@@ -61,10 +61,12 @@ def draws(rng, a: float, k: int, decl: float) -> int:
 
 def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
         regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY), watch: float | None = None,
-        entry: float = 0.0) -> dict:
+        entry: float = 0.0, leave: float = 0.0) -> dict:
     """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's). ``watch``: watch probes
     on (``round_plan``), each costing its target-only round that many seconds more; ``entry``: what a
-    drafting round right after one that did not draft costs more (nothing queued ahead for it)."""
+    drafting round right after one that did not draft costs more (nothing queued ahead for it);
+    ``leave``: what a target-only round right after a drafting one costs more (the round that one
+    queued ahead still runs on the device first)."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
@@ -97,6 +99,8 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                 noise = rng.lognormal(0, 0.05)
                 if k == 0:
                     dur, draft_s, verify_s, over = t0 * noise, 0.0, verify * 0.87, t0 * 0.15
+                    if drafted:
+                        dur, over = dur + leave, over + leave
                     if wk > 0:                      # the draft drafts on the side; the verdict comes later
                         got = draws(rng, a, wk, decl)
                         watched, pending = [wk, got, min(got + 1, wk)], 0
@@ -145,6 +149,9 @@ def main() -> int:
     ap.add_argument("--entry", type=float, default=0.0, metavar="SECONDS",
                     help="a drafting round right after a target-only one costs this much more (with rounds queued "
                          "ahead on the device, runtime/round_ahead.py, nothing was queued for it)")
+    ap.add_argument("--leave", type=float, default=0.0, metavar="SECONDS",
+                    help="a target-only round right after a drafting one costs this much more (the round queued "
+                         "ahead for the drafting loop still runs on the device first)")
     ap.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="watch probes on (runtime.adaptive_k.round_plan), each adding SECONDS to its round")
     args = ap.parse_args()
@@ -159,7 +166,8 @@ def main() -> int:
                                        for n, reqs in (("heldout", held), ("random", rand), ("mix", mix))]
         for p in (0, 1, 2, 3, "adaptive"):
             for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens,
-                               regime=tuple(args.regime), watch=args.watch, entry=args.entry).items():
+                               regime=tuple(args.regime), watch=args.watch, entry=args.entry,
+                               leave=args.leave).items():
                 rates.setdefault(name.split("#")[0], {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):
