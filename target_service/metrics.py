@@ -11,6 +11,7 @@ Must not know: gRPC, models, frameworks.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -62,22 +63,36 @@ REGISTRY.register(QUEUED_AHEAD)
 class TargetMetrics(WorkerMetrics):
     def __init__(self) -> None:
         super().__init__(FAMILIES)
-        # kind -> the serving engine's AheadStats (launched / used / dropped); set by the worker.
-        self.ahead_source: Callable[[], dict[str, Any]] = dict
+        # (the serving engine or None, kind -> its AheadStats: launched / used / dropped); set by the worker.
+        self.ahead_source: Callable[[], tuple[Any, dict[str, Any]]] = lambda: (None, {})
         self._retired: dict[tuple[str, str], int] = {}     # the counts of engines gone (reloads)
+        self._counted: Any = None                          # weakref to the engine they include last
+        self._lock = threading.Lock()                      # scrapes (their thread) against a retirement
         QUEUED_AHEAD.workers.add(self)
 
     def ahead_totals(self) -> dict[tuple[str, str], int]:
         """(kind, outcome) -> count, over this worker's engines so far."""
+        with self._lock:
+            return self._totals()
+
+    def engine_retired(self) -> None:
+        """The engine is going (release, reload): its counts stay in the totals.
+        NOTE: the worker still holds it until just after this call: a scrape in between must not
+        count it twice (``_counted``, a weak reference: a released engine is freed)."""
+        with self._lock:
+            self._retired = self._totals()
+            engine, _ = self.ahead_source()
+            self._counted = None if engine is None else weakref.ref(engine)
+
+    def _totals(self) -> dict[tuple[str, str], int]:
         out = dict(self._retired)
-        for kind, stats in self.ahead_source().items():
+        engine, by_kind = self.ahead_source()
+        if engine is None or (self._counted is not None and self._counted() is engine):
+            return out
+        for kind, stats in by_kind.items():
             for outcome in OUTCOMES:
                 out[(kind, outcome)] = out.get((kind, outcome), 0) + getattr(stats, outcome)
         return out
-
-    def engine_retired(self) -> None:
-        """The engine is going (release, reload): its counts stay in the totals."""
-        self._retired = self.ahead_totals()
 
     def verified(self, drafted: int, accepted: int) -> None:
         VERIFIED_DRAFTS.inc(drafted)

@@ -38,10 +38,10 @@ class TargetWorker(Worker):
         if self.metrics is not None:
             self.metrics.ahead_source = self._ahead_stats
 
-    def _ahead_stats(self) -> dict[str, Any]:
-        """The serving engine's counts of steps and rounds queued ahead (read by a metrics scrape)."""
+    def _ahead_stats(self) -> tuple[Any, dict[str, Any]]:
+        """The serving engine and its counts of steps and rounds queued ahead (read by a metrics scrape)."""
         eng = self.engine
-        return {} if eng is None else {"step": eng.ahead_stats, "round": eng.round_stats}
+        return eng, ({} if eng is None else {"step": eng.ahead_stats, "round": eng.round_stats})
 
     # --- Worker hooks ----------------------------------------------------------
     def validate_checkpoint(self, target: Path, draft_path: str, running: ModelConfig | None) -> CheckedCheckpoint:

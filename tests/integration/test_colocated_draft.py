@@ -153,7 +153,7 @@ def test_greedy_drafts_reach_the_verify_on_the_device(on_device):
 
 def test_rounds_queued_ahead_are_counted_when_scraped():
     """``specsplit_target_queued_ahead_total{kind, outcome}`` reads the engine's counts of rounds
-    queued ahead when scraped, and keeps them when the engine goes (a release)."""
+    queued ahead when scraped, and keeps them when the engine goes (a release), once."""
     from prometheus_client import REGISTRY
 
     from target_service.metrics import OUTCOMES
@@ -174,6 +174,9 @@ def test_rounds_queued_ahead_are_counted_when_scraped():
         target.worker.clear_graphs()
         target.worker.release_weights()
         assert target.worker.engine is None
+        assert {o: scraped()[o] - before[o] for o in OUTCOMES} == counted
+        target.worker.load_weights(target.worker.cfg.target_path, "", "v2")    # a new engine counts from there
+        assert target.worker.engine is not None
         assert {o: scraped()[o] - before[o] for o in OUTCOMES} == counted
 
 
