@@ -1,4 +1,6 @@
-"""Where a round's host time goes, by part: ``python scripts/round_host_phases.py MODEL cpu BATCH TOKENS [probe flags]``.
+"""Where a round's host time goes, by part.
+
+    python scripts/round_host_phases.py MODEL cpu BATCH TOKENS [round_host_probe flags]
 
 Runs ``scripts/round_host_probe.py`` with the same arguments (e.g. ``--outbox --colocated --round-ahead``)
 and times, exclusive of one another, the parts of the rounds of BATCH requests: the scheduler and

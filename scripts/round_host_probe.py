@@ -31,8 +31,8 @@ from it).
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
                                           [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
                                           [--verify-split] [--draft-profile N]
-                                          [--colocated [--host-drafts] [--no-round-ahead | --round-ahead]] [--switch-interval S]
-                                          [--host-only]
+                                          [--colocated [--host-drafts] [--no-round-ahead | --round-ahead]]
+                                          [--switch-interval S] [--host-only]
 With ``--host-only`` (a device without CUDA graphs, e.g. the CPU): each phase also prints the round
 loop's host time a round outside the graphs' eager stand-ins (median and p10 of its rounds): the
 Python, numpy and copies around the steps, which on a GPU host set the pace once the steps are
@@ -251,7 +251,8 @@ def main() -> int:
     if a.colocated and a.draft:
         ap.error("--colocated and --draft: one draft or the other")
     if a.host_only and a.device.startswith("cuda"):
-        ap.error("--host-only: a device without CUDA graphs (on CUDA the replays are asynchronous: use --torch-profile)")
+        ap.error("--host-only: a device without CUDA graphs (on CUDA the replays are asynchronous: "
+                 "use --torch-profile)")
     if not a.draft:
         return probe(a, None)
     opts = StackOptions(model=a.model, backend="torch", k=3, max_slots=max(a.batch, 8))
