@@ -435,13 +435,12 @@ class DraftEngine:
         request lets them stay on the device (``ProposeRequest.on_device``), they stay there
         instead: a copy of them that no later step overwrites, no host synchronisation."""
         if all(r.on_device for r in reqs):
-            kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
             # NOTE: the copy is queued right behind the replay, before this call returns: the
             # next replay of the propose graph rewrites ``drafts`` (a graph's static output)
             # only after it, in stream order.
-            self.ops.copy_(kept, drafts)
-            return [Proposal(r.request_id, np.zeros(r.k, dtype=np.int64), None, DeviceDrafts(kept, i, self))
-                    for i, r in enumerate(reqs)]
+            kept = self.ops.clone(drafts)
+            counts = {k: _zeros(k) for k in {r.k for r in reqs}}
+            return [Proposal(r.request_id, counts[r.k], None, DeviceDrafts(kept, i, self)) for i, r in enumerate(reqs)]
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 

@@ -265,8 +265,7 @@ class DraftChain:
         if not replayed:
             return None
         # NOTE: queued right behind the replay, before any later replay rewrites its outputs.
-        kept = self.ops.zeros(tuple(self.ops.shape(drafts)), "int64")
-        self.ops.copy_(kept, drafts)
+        kept = self.ops.clone(drafts)
         fetch = self.ops.to_numpy_many_async([counts], ring=self._ring)
         read: list[list[int]] = []
 

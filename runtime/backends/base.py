@@ -68,6 +68,8 @@ class Ops(Protocol):
         """int64 [n] = 0..n-1"""
     def copy_(self, dst: Tensor, src: Tensor) -> None:
         """In-place copy (dst keeps its address). Shapes must match."""
+    def clone(self, x: Tensor) -> Tensor:
+        """A new tensor with x's values (one device copy, queued in stream order)."""
     def copy_from_numpy(self, dst: Tensor, arr: np.ndarray) -> None:
         """Host array straight into an existing device tensor (one copy, address kept)."""
     def fill_from_files(self, items: list[tuple[Tensor, str, int, int, str]]) -> list[bool]:

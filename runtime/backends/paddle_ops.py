@@ -100,6 +100,9 @@ class PaddleOps:
     def arange(self, n):
         return paddle.arange(n, dtype="int64")
 
+    def clone(self, x):
+        return x.clone()
+
     def copy_(self, dst, src):
         paddle.assign(src.astype(dst.dtype) if src.dtype != dst.dtype else src, output=dst)
 

@@ -140,6 +140,9 @@ class TorchOps:
     def arange(self, n):
         return torch.arange(n, dtype=torch.int64, device=self._dev)
 
+    def clone(self, x):
+        return x.clone()
+
     def copy_(self, dst, src):
         dst.copy_(src)
 
