@@ -13,7 +13,8 @@ metrics on), then for each batch size decoding the same held-out prompts
 twice — k=0 (target-only) and k — with that many concurrent clients, side by
 side; tokens/s of both, the speedup, identical greedy output (within the
 stack and against the first variant's target-only run), how often ahead
-drafts were used, and the per-round time split read from the orchestrator's
+drafts were used, how many speculative rounds queued ahead the next round used (the target's
+``specsplit_target_queued_ahead_total``), and the per-round time split read from the orchestrator's
 Prometheus metrics (draft compute, target compute, everything else — for
 the round loop in the target that is the draft exchange's transport and the
 host work).
@@ -55,6 +56,24 @@ def round_split(metrics_port: int) -> dict[str, float]:
         elif (m := _FIRST.match(line)):
             out[f"first_token_{m.group(1)}"] = float(m.group(2))
     return out
+
+
+_QUEUED = re.compile(r'^specsplit_target_queued_ahead_total\{kind="round",outcome="(\w+)"\} ([0-9.e+]+)$')
+
+
+def rounds_ahead(metrics_port: int | None) -> dict[str, float]:
+    """The target's speculative rounds queued ahead so far (launched, used, dropped:
+    runtime/round_ahead.py), from its /metrics; {} without a port."""
+    if not metrics_port:
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _QUEUED.match(line))}
+
+
+def _ahead_delta(before: dict[str, float], after: dict[str, float]) -> str:
+    """used/launched (dropped) of the rounds queued ahead between two ``rounds_ahead`` readings."""
+    d = {k: int(after.get(k, 0) - before.get(k, 0)) for k in ("launched", "used", "dropped")}
+    return f"{d['used']}/{d['launched']} ({d['dropped']} dropped)"
 
 
 def first_token_ms(before: dict[str, float], after: dict[str, float]) -> float:
@@ -152,6 +171,7 @@ def main(args) -> int:
         with Stack(_stack_options(args, model, batches, variant, tp, si, poll, draft_dtype)) as stack:
             address = stack.orchestrator_address
             mport = stack.children["orchestrator"].metrics_port
+            tport = stack.children["target"].metrics_port
             desc = f"bench services ({variant}, TP={tp}, SI={si}, poll={poll} us, draft {draft_dtype or 'as-is'})"
             for batch in progress(batches, desc=desc, unit="batch size"):
                 n = max(batch, args.prompts) if batch > 1 else args.prompts
@@ -159,9 +179,9 @@ def main(args) -> int:
                 _decode(address, prompts[:batch], 8, args.k, batch)            # warm-up
                 m0 = round_split(mport)
                 ref, t_ref = _decode(address, prompts, args.max_tokens, 0, batch)
-                m1 = round_split(mport)
+                m1, q1 = round_split(mport), rounds_ahead(tport)
                 spec, t_spec = _decode(address, prompts, args.max_tokens, args.k, batch)
-                m2 = round_split(mport)
+                m2, q2 = round_split(mport), rounds_ahead(tport)
                 toks_ref = sum(len(r.tokens) for r in ref)
                 toks_spec = sum(len(r.tokens) for r in spec)
                 drafted = sum(r.drafted for r in spec)
@@ -176,6 +196,7 @@ def main(args) -> int:
                     "acceptance_rate": round(sum(r.accepted for r in spec) / drafted, 4) if drafted else 0.0,
                     "tokens_per_round": round(toks_spec / max(1, sum(r.rounds for r in spec)), 3),
                     "ahead_used": f"{sum(r.ahead_used for r in spec)}/{sum(r.ahead_asked for r in spec)}",
+                    "rounds_queued_ahead": _ahead_delta(q1, q2),
                     "round_ms_target_only": _per_round_ms(m0, m1), "round_ms_spec": _per_round_ms(m1, m2),
                     "in_rounds_spec": in_rounds(_per_round_ms(m1, m2), t_spec),
                     "first_token_ms_spec": first_token_ms(m1, m2), "first_token_ms_target": first_token_ms(m0, m1),
@@ -200,7 +221,8 @@ def main(args) -> int:
         t = r["round_ms_target_only"]
         print(f"{'':>24s} {'':2s} {'':3s} {'':5s} {'':8s} {'':5s} target-only round ms: target / overhead / total = "
               f"{t.get('target', 0):.2f} / {t.get('overhead', 0):.2f} / {t.get('total', 0):.2f}, first token "
-              f"{r['first_token_ms_target']:.2f} ms")
+              f"{r['first_token_ms_target']:.2f} ms; spec rounds queued ahead used/launched "
+              f"{r['rounds_queued_ahead']}")
     if any(v.startswith("colocated") and not {"host-drafts", "ahead"} & set(v.split("+")) for v in variants):
         print("colocated rows: greedy drafts reach the verify on the device (colocated_device_drafts): on a GPU a "
               "round's draft part is the host's share of the propose, its kernels are timed in the target part")
