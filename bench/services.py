@@ -42,10 +42,15 @@ VARIANTS = ("fixed", "ahead", "adaptive", "ahead+adaptive", "micro", "micro+adap
             "colocated+adaptive", "colocated+micro", "colocated+host-drafts", "colocated+no-round-ahead")
 
 
+def _metrics_text(port: int) -> str:
+    """A service's Prometheus text (its /metrics on loopback)."""
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 def round_split(metrics_port: int) -> dict[str, float]:
     """Cumulative (sum, count) of round time per part from the orchestrator's /metrics, and the
     request-rounds that drafted at each position j (``drafted_j``: at batch 1, the rounds whose k >= j)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    text = _metrics_text(metrics_port)
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -66,7 +71,7 @@ def rounds_ahead(metrics_port: int | None) -> dict[str, float]:
     runtime/round_ahead.py), from its /metrics; {} without a port."""
     if not metrics_port:
         return {}
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    text = _metrics_text(metrics_port)
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _QUEUED.match(line))}
 
 
