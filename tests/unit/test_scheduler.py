@@ -509,8 +509,15 @@ def test_adaptive_k_changes_only_the_speed_never_the_tokens(engines, reference, 
 
 class _OffByOneDrafts:
     """The draft engine with every draft moved off what it proposed ((d + 1) mod 256): the target
-    rejects nearly all of them, so on an adaptive loop drafting never pays, whatever the timing.
-    Its drafts are changed on the host, so none may stay on the device."""
+    rejects nearly all of them. Its drafts are changed on the host, so none may stay on the device.
+
+    Each propose also costs ``DRAFT_COST`` seconds (a remote draft's round trip): on this model a
+    draft is nearly free beside the target's step, and on a loaded 2-core CPU the loop measured a
+    k = 1 round at about its target-only one (8 ms each); an acceptance estimate decaying toward 0
+    from its prior then still paid for k = 1, and the loop rightly kept drafting (28 of 39 rounds).
+    With a draft that costs something, drafting stops paying after a few rejected rounds."""
+
+    DRAFT_COST = 5e-3
 
     drafts_on_device = False
 
@@ -521,6 +528,7 @@ class _OffByOneDrafts:
         return getattr(self.draft, name)
 
     def propose(self, reqs):
+        time.sleep(self.DRAFT_COST)        # the draft's cost, not a wait on anything
         return [dataclasses.replace(p, drafts=(p.drafts + 1) % 256) for p in self.draft.propose(reqs)]
 
 
