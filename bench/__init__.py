@@ -41,6 +41,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--small", action="store_true", help="reload bench: a small config instead of ~1B (CPU); peer: the bundled model only; "
                    "profile: the bundled model in process at each --batch; gemm: the bundled model's float32 projections")
+    p.add_argument("--large", action="store_true", help="peer: the ~1B random bf16 config only (not the bundled model)")
     p.add_argument("--compile", action="store_true", help="attention: also time torch.compile of the verify step; graphs / profile / peer: "
                    "run the engines and services with runtime.compile on")
     p.add_argument("--sweep", action="store_true", help="gemm: also time a grid of split-K launch shapes for each "

@@ -260,7 +260,9 @@ def main(args) -> int:
     draft_device = "cuda:1" if device.startswith("cuda") and torch.cuda.device_count() > 1 else device
     batches = args.batch or [1, 8]
     rows = []
-    which = [("tiny", TINY, "float32")]
+    if args.small and args.large:
+        raise SystemExit("bench peer: --small (the bundled model only) and --large (the ~1B config only) exclude each other")
+    which = [] if args.large else [("tiny", TINY, "float32")]
     if not args.small:
         which.append(("1b", None, "bfloat16"))
     with tempfile.TemporaryDirectory() as tmp:
