@@ -2,8 +2,8 @@
 # Session 31 on one GPU (issue 10; docs/gpu.md § Session 31): session 30's code (chain glue in 19 kernels, the chained
 # verify's host cuts) had not run on a GPU. One call (`all`: the two below, cut to fit 585 s) or two:
 #
-#   bash bench/gpu_session31.sh OUT_DIR all     # ~1B peer at batch 1, the gpu tests, the round host at batch 8,
-#                                               # bench services at batch 8 and 1
+#   bash bench/gpu_session31.sh OUT_DIR all     # the gpu tests, bench services at batch 8 and 1, then the ~1B peer
+#                                               # at batch 1 while time is left
 #   bash bench/gpu_session31.sh OUT_DIR first   # the gpu tests of rounds queued ahead, decode ahead and the fused
 #                                               # propose; the round host at batch 1 and 8 (draft in the process, each
 #                                               # phase's CPU by thread); bench services at batch 1 and 8 (target-only,
@@ -22,13 +22,11 @@ gpu_tests() {  # pytest -m gpu on the files given: $1 the log's name, $2 its sec
     | grep -E "passed|failed|error|Error|assert|\[gpu " | tail -12
 }
 if [ "$mode" = all ]; then
-  timeout 200 python3 -m specsplit bench peer --large --device cuda:0 --batch 1 2>&1 | quiet \
-    | tee "$out/peer_large.txt" | tail -6
   gpu_tests gpu_tests_first 170 tests/gpu/test_round_ahead_gpu.py tests/gpu/test_decode_ahead_gpu.py \
     tests/gpu/test_propose_gpu.py
-  HEAD=8 probe ahead_b8 40 8 128 --outbox --colocated
-  [ "$(left)" -gt 100 ] && svc services "$(( $(left) - 5 ))" --device cuda:0 --batch 8 1 \
-    --variants colocated+no-round-ahead colocated
+  svc services 200 --device cuda:0 --batch 8 1 --variants colocated+no-round-ahead colocated
+  [ "$(left)" -gt 150 ] && timeout "$(( $(left) - 5 ))" python3 -m specsplit bench peer --large --device cuda:0 \
+    --batch 1 2>&1 | quiet | tee "$out/peer_large.txt" | tail -6
 elif [ "$mode" = first ]; then
   gpu_tests gpu_tests_first 200 tests/gpu/test_round_ahead_gpu.py tests/gpu/test_decode_ahead_gpu.py \
     tests/gpu/test_propose_gpu.py
