@@ -15,8 +15,11 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
 
 from runtime.backends import torch_attention, torch_gemm  # noqa: E402
 from runtime.backends.torch_kernels import Kernels  # noqa: E402
@@ -24,6 +27,26 @@ from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.model import apply_rope  # noqa: E402
 from core.params import SamplingParams  # noqa: E402
 
+
+
+def _exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's ``tl.dot`` for float32 tiles, its bits independent of the tile's shape.
+
+    Triton's interpreter multiplies a tile with numpy's ``matmul`` in float32, and which BLAS
+    kernel that takes (so the order of a dot's additions) depends on the tile's rows and on the
+    CPU: two kernels that give the same bits on a GPU (the split-K GEMM, and SwiGLU with it as
+    its prologue, whose tiles have other row counts) gave the same bits on one x86 CPU and not
+    on another (an AMD EPYC: 5.4e-7 apart). Here each product of two float32 values is exact in
+    float64 and a tile's row of at most a few hundred of them sums there before one rounding to
+    float32: whatever the order, the same float32 (barring a tie at a float32 half-way point)."""
+    if a.data.dtype != np.float32 or b.data.dtype != np.float32 or d.data.dtype != np.float32:
+        return _interpreter_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+    return interpreter.TensorHandle(prod + d.data, d.dtype.scalar)
+
+
+_interpreter_dot = interpreter.InterpreterBuilder.create_dot
+interpreter.InterpreterBuilder.create_dot = _exact_dot
 
 def kernel_errors() -> dict[str, float]:
     """Worst absolute difference of each kernel from the plain ops (float32)."""
@@ -333,6 +356,9 @@ def engine_tokens(n_prompts: int, max_tokens: int) -> dict[str, object]:
     # (its d=256 would not split at the GPU's 512) so the partials and counters run in the model
     kernels.linear_dtypes = (torch.float32,)
     torch_gemm._MIN_SPLIT_K = 128
+    # SwiGLU in 64-wide weight tiles (kernel_errors has both widths' bits): half the interpreted
+    # programs of the default 32, and the gate/up GEMM was most of this run's time
+    kernels.swiglu_block_n = 64
     for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "cache_attention", "linear", "qkv_rope", "argmax",
                  "swiglu", "rms_norm", "float_argmax"):
         def counted(*a, _f=getattr(kernels, name), _n=name, **kw):
