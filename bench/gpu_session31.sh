@@ -16,11 +16,6 @@
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-first}"
 gpu_prologue
-gpu_tests() {  # pytest -m gpu on the files given: $1 the log's name, $2 its seconds
-  local name="$1" limit="$2"; shift 2
-  timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -m gpu "$@" 2>&1 | tee "$out/$name.log" \
-    | grep -E "passed|failed|error|Error|assert|\[gpu " | tail -12
-}
 if [ "$mode" = all ]; then
   gpu_tests gpu_tests_first 170 tests/gpu/test_round_ahead_gpu.py tests/gpu/test_decode_ahead_gpu.py \
     tests/gpu/test_propose_gpu.py
