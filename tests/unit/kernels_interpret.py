@@ -20,13 +20,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-
 from runtime.backends import torch_attention, torch_gemm  # noqa: E402
 from runtime.backends.torch_kernels import Kernels  # noqa: E402
 from runtime.backends.torch_ops import TorchOps  # noqa: E402
 from runtime.model import apply_rope  # noqa: E402
 from core.params import SamplingParams  # noqa: E402
-
 
 
 def _exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -47,6 +45,7 @@ def _exact_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
 
 _interpreter_dot = interpreter.InterpreterBuilder.create_dot
 interpreter.InterpreterBuilder.create_dot = _exact_dot
+
 
 def kernel_errors() -> dict[str, float]:
     """Worst absolute difference of each kernel from the plain ops (float32)."""
