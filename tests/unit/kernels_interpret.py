@@ -1,8 +1,9 @@
 """Run by ``test_fused_kernels.py`` in a subprocess with ``TRITON_INTERPRET=1`` (Triton reads
-it when the kernels are defined): the fused decoder-layer kernels on CPU tensors, each
-against the plain ops it replaces, a fused propose against the per-substep path at batch 3,
-then the bundled model's greedy decoding with the kernels on against the same engine with them
-off. Prints one JSON object.
+it when the kernels are defined). ``kernels``: the fused decoder-layer kernels on CPU tensors,
+each against the plain ops it replaces, and a fused propose against the per-substep path at
+batch 3; ``engine PROMPTS TOKENS``: the bundled model's greedy decoding with the kernels on
+against the same engine with them off (``test_fused_kernels_engine.py``: a file of its own, so
+the two minutes-long halves can run on two test workers). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -418,5 +419,7 @@ def fused_propose_rows(rounds: int = 2) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"errors": kernel_errors(), "invariance": invariance(), "fused_propose": fused_propose_rows(),
-                      "engine": engine_tokens(int(sys.argv[1]), int(sys.argv[2]))}))
+    if sys.argv[1] == "kernels":
+        print(json.dumps({"errors": kernel_errors(), "invariance": invariance(), "fused_propose": fused_propose_rows()}))
+    else:
+        print(json.dumps({"engine": engine_tokens(int(sys.argv[2]), int(sys.argv[3]))}))
