@@ -66,13 +66,15 @@ def round_split(metrics_port: int) -> dict[str, float]:
 _QUEUED = re.compile(r'^specsplit_target_queued_ahead_total\{kind="round",outcome="(\w+)"\} ([0-9.e+]+)$')
 
 
-def rounds_ahead(metrics_port: int | None) -> dict[str, float]:
-    """The target's speculative rounds queued ahead so far (launched, used, dropped:
-    runtime/round_ahead.py), from its /metrics; {} without a port."""
-    if not metrics_port:
-        return {}
-    text = _metrics_text(metrics_port)
+def queued_ahead(text: str) -> dict[str, float]:
+    """outcome -> count of the speculative rounds queued ahead (launched, used, dropped:
+    runtime/round_ahead.py) in a target's Prometheus text."""
     return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _QUEUED.match(line))}
+
+
+def rounds_ahead(metrics_port: int | None) -> dict[str, float]:
+    """``queued_ahead`` of the target's /metrics now; {} without a port."""
+    return queued_ahead(_metrics_text(metrics_port)) if metrics_port else {}
 
 
 def _ahead_delta(before: dict[str, float], after: dict[str, float]) -> str:

@@ -41,6 +41,7 @@ the next catch-up overwrites it (DESIGN § The speculative round, steps 1-2).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +78,10 @@ class _DraftRequest:
         return self.params.coupled or (self.params.draft_sampling and not self.params.greedy)
 
 
+@functools.lru_cache(maxsize=None)
 def _zeros(k: int) -> np.ndarray:
     """A read-only int64 [k] of zeros: the drafts of a proposal whose drafts stay on the device
-    (their count only), one array shared by a round's requests."""
+    (their count only), one array per k shared by every such proposal."""
     z = np.zeros(k, dtype=np.int64)
     z.flags.writeable = False
     return z
@@ -439,8 +441,7 @@ class DraftEngine:
             # next replay of the propose graph rewrites ``drafts`` (a graph's static output)
             # only after it, in stream order.
             kept = self.ops.clone(drafts)
-            counts = {k: _zeros(k) for k in {r.k for r in reqs}}
-            return [Proposal(r.request_id, counts[r.k], None, DeviceDrafts(kept, i, self)) for i, r in enumerate(reqs)]
+            return [Proposal(r.request_id, _zeros(r.k), None, DeviceDrafts(kept, i, self)) for i, r in enumerate(reqs)]
         (all_np,) = self.ops.to_numpy_many([drafts], ring=self._fetch_ring)
         return [Proposal(r.request_id, all_np[i, : r.k].astype(np.int64), None) for i, r in enumerate(reqs)]
 

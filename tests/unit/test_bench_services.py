@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.services import _QUEUED, _ahead_delta
+from bench.services import _ahead_delta, queued_ahead
 from runtime.decode_ahead import AheadStats
 from target_service.metrics import QueuedAhead, TargetMetrics
 
@@ -17,11 +17,8 @@ def test_a_runs_rounds_queued_ahead_come_from_the_targets_metrics_text():
     metrics.ahead_source = lambda: (engine, {"round": stats, "step": AheadStats(launched=9)})
     family.workers.add(metrics)
 
-    def read() -> dict[str, float]:
-        text = generate_latest(registry).decode()
-        return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := _QUEUED.match(line))}
-    before = read()
+    before = queued_ahead(generate_latest(registry).decode())
     stats.launched, stats.used, stats.dropped = 12, 10, 2
-    after = read()
+    after = queued_ahead(generate_latest(registry).decode())
     assert before == {"launched": 0.0, "used": 0.0, "dropped": 0.0}
     assert _ahead_delta(before, after) == "10/12 (2 dropped)"
