@@ -12,6 +12,7 @@ decodes with no draft configured.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -335,11 +336,26 @@ def adaptive_stack():
     yield from _services(adaptive_k=True)              # spec.watch_probes on by default
 
 
-def test_watch_probes_over_grpc_change_no_token(adaptive_stack):
+DRAFT_COST = 20e-3      # seconds a Propose costs in the watch test (a remote draft's round trip, above the CPU's noise)
+
+
+def test_watch_probes_over_grpc_change_no_token(adaptive_stack, monkeypatch):
     """Adaptive k's watch probes through the services: on prompts of random bytes drafting soon stops
     paying and the loop watches instead (the draft drafts beside a target-only step, over the same
     Propose stream, and nothing of it is verified); every token equals target-only's, the final
-    stats count the watches, and the draft's caches follow (no request fails a later Propose)."""
+    stats count the watches, and the draft's caches follow (no request fails a later Propose).
+
+    Each Propose costs ``DRAFT_COST`` more here: on this tiny model a drafting round costs about a
+    target-only one on a loaded 2-core CPU, and drafting on then rightly never stops (no watch)."""
+    from draft_service.worker import DraftWorker
+
+    propose = DraftWorker.propose
+
+    def dear_propose(self, items, round_=0, inline=None):
+        time.sleep(DRAFT_COST)              # the draft's cost, not a wait on anything
+        return propose(self, items, round_, inline=inline)
+
+    monkeypatch.setattr(DraftWorker, "propose", dear_propose)
     rounds, draft_address = adaptive_stack
     rng = np.random.default_rng(5)
     prompts = [tuple(int(t) for t in rng.integers(32, 256, 40)) for _ in range(3)]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 32 on one GPU (issue 10; docs/gpu.md § Session 32): the figures issue 10 asks that session 31's run
+# (bench/gpu_session31.sh all) left out, on the same code.
+#
+#   bash bench/gpu_session32.sh OUT_DIR measure   # bench graphs on the ~1B config (the verify step against the
+#                                                 # weight floor at contexts 256 and 2,048), bench services at
+#                                                 # batch 8 twice more (the x1.8 goal), then bench adaptive
+#                                                 # (same stack, colocated draft) while time is left
+#   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
+#                                                 # checkout ALT (a worktree inside the tree), interleaved
+#
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
+source "$(dirname "$0")/gpu_env.sh" "$@"
+mode="${2:-measure}"
+gpu_prologue
+if [ "$mode" = measure ]; then
+  timeout 200 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/graphs.txt" | tail -16
+  for n in 1 2; do svc "services_b8_$n" 100 --device cuda:0 --batch 8 --variants colocated; done
+  [ "$(left)" -gt 120 ] && timeout "$(( $(left) - 5 ))" python3 -m specsplit bench adaptive --backend torch \
+    --device cuda:0 --same-stack --repeats 2 --colocated-draft 2>&1 | quiet | tee "$out/adaptive.txt" | tail -20
+elif [ "$mode" = ab ]; then
+  alt="${3:?ALT: the other checkout (a directory inside the tree)}"
+  [ -e "$alt/models" ] || ln -s ../models "$alt/models"
+  for tree in . "$alt" . "$alt"; do
+    tag=$([ "$tree" = . ] && echo tree || echo alt)
+    (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" svc "ab_${tag}_$SECONDS" 130 --device cuda:0 \
+      --batch 8 1 --variants colocated)
+  done
+else
+  echo "unknown mode $mode"; exit 2
+fi
