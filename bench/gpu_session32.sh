@@ -6,18 +6,36 @@
 #                                                 # weight floor at contexts 256 and 2,048), bench services at
 #                                                 # batch 8 twice more (the x1.8 goal), then bench adaptive
 #                                                 # (same stack, colocated draft) while time is left
+#   bash bench/gpu_session32.sh OUT_DIR trace ALT # bench adaptive (same stack, colocated draft) with its rounds
+#                                                 # traced (scripts/round_probe, scripts/round_trace.py --groups)
+#                                                 # on this tree and on ALT, then every one-GPU test file but the
+#                                                 # loop file while time is left
 #   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
 #                                                 # checkout ALT (a worktree inside the tree), interleaved
 #
 # Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-measure}"
+ROOT="$PWD"
 gpu_prologue
 if [ "$mode" = measure ]; then
   timeout 200 python3 -m specsplit bench graphs --device cuda:0 2>&1 | quiet | tee "$out/graphs.txt" | tail -16
   for n in 1 2; do svc "services_b8_$n" 100 --device cuda:0 --batch 8 --variants colocated; done
   [ "$(left)" -gt 120 ] && timeout "$(( $(left) - 5 ))" python3 -m specsplit bench adaptive --backend torch \
     --device cuda:0 --same-stack --repeats 2 --colocated-draft 2>&1 | quiet | tee "$out/adaptive.txt" | tail -20
+elif [ "$mode" = trace ]; then
+  alt="${3:?ALT: the other checkout (a directory inside the tree)}"
+  [ -e "$alt/models" ] || ln -s ../models "$alt/models"
+  for tree in . "$alt"; do
+    tag=$([ "$tree" = . ] && echo tree || echo alt)
+    rm -rf "/tmp/rt_$tag" && mkdir -p "/tmp/rt_$tag"
+    (cd "$tree" && ROUND_PROBE_DIR="/tmp/rt_$tag" PYTHONPATH="$ROOT/scripts/round_probe:/tmp/site:$PWD" \
+      timeout 150 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --same-stack --repeats 2 \
+      --colocated-draft 2>&1 | quiet | tee "$out/adaptive_$tag.txt" | tail -9)
+    python3 scripts/round_trace.py "/tmp/rt_$tag" --groups warm:2,heldout:8,random:8,mix:8 | tee "$out/trace_$tag.txt"
+  done
+  [ "$(left)" -gt 150 ] && timeout "$(( $(left) - 10 ))" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu \
+    --ignore tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -12
 elif [ "$mode" = ab ]; then
   alt="${3:?ALT: the other checkout (a directory inside the tree)}"
   [ -e "$alt/models" ] || ln -s ../models "$alt/models"

@@ -124,6 +124,14 @@ most one per ``watch_floor`` target-only rounds (``WATCH_BUDGET``), and
 otherwise probes draft. A request whose last round matched (or accepted) all k
 is watched again as soon as the floor allows, whatever the loop's backoff.
 
+Probe rounds queue nothing ahead (``AdaptiveLoop.probing``, read by the round driver as
+``VerifyRequest.chain``): with the draft in the target's process a greedy round queues the next
+one on the device before the host reads it (runtime/round_ahead.py), and after a probe the next
+round most likely does not draft, so the queued round would be dropped after running on the
+device ahead of the target-only step. And after a target-only round that came right after a
+drafting one, k* waits for one more target-only round while T(0) has no steady figure
+(``RoundCosts.target_only_unsteady``).
+
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
 adaptive state: those cost estimates, the probe schedule above and the loop's
@@ -317,6 +325,7 @@ class AdaptiveLoop(RoundCosts):
         self.probes_in_a_row = 0       # probes since measured acceptance last said drafting pays
         self.loop = LoopAcceptance()   # new requests' prior (module doc)
         self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
+        self.probing = False           # the last round planned drafts only as a probe (k* = 0): queue nothing ahead
 
     @property
     def watch_every(self) -> int:
@@ -379,12 +388,19 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     """k* for a round of these requests (module doc), with a full-k probe after
     ``costs.probe_every`` rounds that would otherwise not draft."""
     k = round_k_star(policies, costs)
+    if k > 0 and costs.target_only_unsteady:
+        # NOTE: a target-only round right after a drafting one is timed with what that round left
+        # on the device (a round it queued ahead, runtime/round_ahead.py): one more target-only
+        # round gives T(0) its first steady figure (RoundCosts.t_round0) before k* may draft again.
+        k = 0
     top = max((p.max_k for p in policies), default=0)
     if k == 0 and top > 0:
         if costs.probe_rounds_left > 0:
             costs.probe_rounds_left -= 1
+            costs.probing = True
             return top
         costs.target_only_rounds += 1
+        costs.probing = False
         if costs.target_only_rounds >= costs.probe_every:
             costs.target_only_rounds = 0
             costs.probes_in_a_row += 1
@@ -394,9 +410,11 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
             # eager catch-up is not observed (module doc). After that one round: its acceptance
             # is what the probe is for, and the next round's choice already sees it.
             costs.probe_rounds_left = 0 if costs.drafting_measured else 1
+            costs.probing = True
             return top
     else:
         costs.probe_rounds_left = 0
+        costs.probing = False
         # NOTE: the backoff ends only when measured acceptance says drafting pays, not when a
         # new request's prior does (the loop's prior, or 0.8 before anything was measured).
         measured = [p for p in policies if p.measured]
@@ -438,6 +456,7 @@ def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
     # follow-up continues a probe that paid: it does not).
     costs.target_only_rounds = 0
     costs.probes_in_a_row += 1 if new else 0
+    costs.probing = True
     probed = {id(p) for p in follow + new}
     return [p.max_k if id(p) in probed else 0 for p in policies]
 
@@ -455,6 +474,7 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
     if not costs.watch or watchable is None or not costs.watching_pays(max((p.max_k for p in policies), default=0)):
         return request_ks(policies, costs), [0] * n
     k = round_k_star(policies, costs)
+    costs.probing = False                  # a round here drafts at k* or not at all
     for p in policies:
         p.newcomer = False                 # a newcomer is watched, not drafted
     if k > 0:

@@ -39,8 +39,14 @@ that did not draft (a probe's first round, the first round of the loop) is
 not steady state — its catch-up carries every pair the skipped rounds left
 (wider than any captured width: the draft runs it eagerly) and the first
 exchange on a fresh stream pays its opening. Its verify time counts, its
-draft and exchange times do not. And no start-to-start period spans a change
-of the batch (requests retired and admitted in between).
+draft and exchange times do not. Nor is a target-only round right after a
+drafting one: with rounds queued ahead (runtime/round_ahead.py) it waits for
+the round the drafting one queued, which it drops. Its parts stand for T(0)
+only while no steady target-only round was timed, and its period never does
+(``target_only_unsteady``; regression in tests/unit/test_adaptive_k.py: on an
+H100 such rounds made T(0) dear and the loop drafted where k = 0 was 1.2x
+faster). And no start-to-start period spans a change of the batch (requests
+retired and admitted in between).
 """
 
 from __future__ import annotations
@@ -107,8 +113,10 @@ class RoundCosts:
     def __init__(self, t_verify: float = 1e-3, t_draft: float = 1e-4, t_exchange: float = 3e-4) -> None:
         self._verify = Window(self.WINDOW)                 # drafting rounds' verify (max_k + 1 positions)
         self._verify_guess = t_verify                      # ... before any round was timed
-        self._verify0 = Window(self.WINDOW)                # target-only rounds' one-position step ...
+        self._verify0 = Window(self.WINDOW)                # steady target-only rounds' one-position step ...
         self._overhead0 = Window(self.WINDOW)              # ... and what they cost around it
+        self._verify0_after = Window(self.WINDOW)          # the same of target-only rounds right after a
+        self._overhead0_after = Window(self.WINDOW)        # drafting round (used while no steady one was timed)
         self._draft = Window(self.WINDOW, [t_draft])
         self._draft_by_k: dict[int, collections.deque[float]] = {}     # k -> steady rounds' draft seconds
         self._draft_median: dict[int, float] = {}    # k -> their median, once MIN_PERIODS were timed
@@ -120,6 +128,8 @@ class RoundCosts:
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
+        self._prev_steady0 = False                           # the previous round: target-only after target-only
+        self._prev_after = False                             # ... target-only right after a drafting round
         self._prev_watched = False
         self._prev_parts = 0.0                              # the previous round's verify + everything else
         self._watched = Window(self.WINDOW)                # what rounds that carried a watch took
@@ -137,14 +147,19 @@ class RoundCosts:
 
     @property
     def t_verify0(self) -> float:
-        """A round's verify when nobody drafts (the target's one-position step); a drafting
-        round's, which is never less, until one was timed."""
-        return self._verify0.median if len(self._verify0) else self.t_verify
+        """A round's verify when nobody drafts (the target's one-position step): of steady
+        target-only rounds, else of those right after a drafting round, else a drafting round's,
+        which is never less, until one was timed."""
+        for w in (self._verify0, self._verify0_after):
+            if len(w):
+                return w.median
+        return self.t_verify
 
     @property
     def t_round0(self) -> float:
         """A target-only round by its parts: the one-position step and the host work around it."""
-        return self.t_verify0 + (self._overhead0.median if len(self._overhead0) else 0.0)
+        over = self._overhead0 if len(self._overhead0) else self._overhead0_after
+        return self.t_verify0 + (over.median if len(over) else 0.0)
 
     @property
     def t_draft(self) -> float:
@@ -175,6 +190,12 @@ class RoundCosts:
     def drafting_measured(self) -> bool:
         """Have enough steady drafting rounds been timed for the cost model?"""
         return len(self._fixed_spec) >= MIN_PERIODS
+
+    @property
+    def target_only_unsteady(self) -> bool:
+        """Was the last round target-only, right after a drafting one, with no steady target-only
+        round timed yet? (Its time holds what the drafting round left on the device: not T(0).)"""
+        return self._prev_k == 0 and self._prev_after and not len(self._verify0)
 
     @property
     def watch_extra(self) -> float | None:
@@ -235,7 +256,8 @@ class RoundCosts:
         if same_batch and not prev_watched:
             period = started - prev_start
             if prev_k == 0:
-                self._period0.append(period)
+                if self._prev_steady0:
+                    self._period0.append(period)
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
         elif prev_watched:               # its period where there is one, else its parts
@@ -243,10 +265,15 @@ class RoundCosts:
         self._prev_parts = verify_s + overhead_s
         if k_max > 0:
             self._verify.append(verify_s)
-        elif not watched:
+        elif not watched and not self._drafted_last:
             self._verify0.append(verify_s)
             self._overhead0.append(overhead_s)
-        steady = self._drafted_last        # module doc: the first drafting round after none is not
+        elif not watched:
+            self._verify0_after.append(verify_s)
+            self._overhead0_after.append(overhead_s)
+        self._prev_after = k_max == 0 and not watched and self._drafted_last
+        steady = self._drafted_last        # module doc: neither round right after a change of kind is
+        self._prev_steady0 = k_max == 0 and not steady and not watched
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
         if k_max > 0 and steady:

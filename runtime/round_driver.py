@@ -399,7 +399,10 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     empty = np.zeros(0, dtype=np.int64)
     # Hidden rows only for the requests the draft holds (its next catch-up): a target-only
     # request's (k = 0, no draft, the draft lost) are not fetched at all.
-    vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device)
+    # NOTE: a probe's round (adaptive k drafting where k* = 0) queues no round ahead: the next one
+    # most likely does not draft, and a queued round it drops still runs on the device before it.
+    chain = costs is None or not costs.probing
+    vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device, chain=chain)
              if (p := proposals.get(s.request_id)) is not None else VerifyRequest(s.request_id, empty, None, s.drafting)
              for s in seqs]
     results = target.verify(vreqs)

@@ -381,7 +381,7 @@ class TargetEngine:
         k0 = len(reqs[0].drafts)
         source = reqs[0].device.source if on_device is not None and reqs[0].device is not None else None
         chain = (source is not None and self.round_ahead and replayed and k0 >= 1 and not (sampled or coupled)
-                 and all(len(r.drafts) == k0 and r.hidden for r in reqs) and self.rounds.allow())
+                 and all(len(r.drafts) == k0 and r.hidden and r.chain for r in reqs) and self.rounds.allow())
         queued = self.rounds.queue(ids, rows, tokens_dev, hidden, best, k0, source) if chain else None
         got = fetch()
         drafts_np = None

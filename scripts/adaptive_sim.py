@@ -66,7 +66,8 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
     on (``round_plan``), each costing its target-only round that many seconds more; ``entry``: what a
     drafting round right after one that did not draft costs more (nothing queued ahead for it);
     ``leave``: what a target-only round right after a drafting one costs more (the round that one
-    queued ahead still runs on the device first)."""
+    queued ahead still runs on the device first); a probe's round (``AdaptiveLoop.probing``) queues
+    none, so the round after it pays no ``leave`` and, if it drafts, the ``entry``."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
@@ -79,7 +80,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
         for easy, hard_rate in reqs:
             pol = None if costs is None else (loop.new_policy(k_req) if loop else mod.AdaptiveK(k_req))
             out, pending, hard, watched = 1, 1, False, None    # watched: [k, accepted, tokens until known]
-            drafted = False                                    # did the request's last round draft?
+            queued = False               # did the request's last round queue the next one ahead (it drafted, no probe)?
             while out < max_tokens:
                 wk = 0
                 if costs is None:
@@ -99,7 +100,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                 noise = rng.lognormal(0, 0.05)
                 if k == 0:
                     dur, draft_s, verify_s, over = t0 * noise, 0.0, verify * 0.87, t0 * 0.15
-                    if drafted:
+                    if queued:
                         dur, over = dur + leave, over + leave
                     if wk > 0:                      # the draft drafts on the side; the verdict comes later
                         got = draws(rng, a, wk, decl)
@@ -107,7 +108,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                         dur, over = dur + watch, over + watch
                 else:
                     draft_s = (td * k + (wide if pending > CAPTURED else 0.0)) * noise
-                    dur = fixed * noise + draft_s + (entry if not drafted else 0.0)
+                    dur = fixed * noise + draft_s + (entry if not queued else 0.0)
                     verify_s, over, pending = verify, dur - draft_s - verify, 0
                 if costs is not None:
                     if wk > 0:
@@ -121,7 +122,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                             pol.observe(watched[0], watched[1])
                             watched = None
                 t += dur
-                drafted = k > 0
+                queued = k > 0 and not getattr(costs, "probing", False)
                 out += acc + 1
                 pending += acc + 1
             toks += min(out, max_tokens)

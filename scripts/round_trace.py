@@ -12,7 +12,10 @@ under adaptive k also what the cost model estimated (T(0), T(max k)) against the
 and the requests' estimated E(max k) in the rounds that did and did not draft.
 
     ROUND_PROBE_DIR=/tmp/rt PYTHONPATH=scripts/round_probe python -m specsplit bench adaptive ...
-    python scripts/round_trace.py /tmp/rt
+    python scripts/round_trace.py /tmp/rt [--groups warm:2,heldout:8,random:8,mix:8]
+
+``--groups``: also the adaptive requests' rounds by kind and by the kind before, per group of
+requests (``transitions``): target-only, drafting at k* and probes, and what a change costs.
 
 Diagnostic only (docs/performance.md § Session 12); nothing imports it.
 """
@@ -65,8 +68,52 @@ def summarize(rows: list) -> list[str]:
     return out
 
 
+def _kind(row: list) -> str:
+    """T: target-only; D: drafting at the model's k*; P: drafting as a probe (rows of adaptive k)."""
+    return "T" if row[2] == 0 else ("P" if len(row) > 13 and row[13] else "D")
+
+
+def transitions(rows: list, groups: list[tuple[str, int]]) -> list[str]:
+    """Per group of adaptive requests (in the order they started; the first group once, then the
+    others in turn, as ``bench adaptive`` sends them: warm-up, then heldout / random / mix per
+    repeat): rounds by kind (``_kind``) and by the kind of the request's round before, with the
+    median period (end to end, where that leaves under 2 ms outside the round): what a change of
+    kind costs beside a round of the same kind in a row."""
+    by_req: dict[str, list] = {}
+    for r in rows:
+        if len(r) > 10:
+            by_req.setdefault(r[1], []).append(r)
+    names, cycle = [], groups[1:] or groups
+    while len(names) < len(by_req):
+        for name, n in (groups[:1] if not names else cycle):
+            names += [name] * n
+    pairs: dict[str, dict[str, list[float]]] = {}
+    kinds: dict[str, dict[str, int]] = {}
+    for name, rounds in zip(names, by_req.values()):
+        for prev, cur in zip([None] + rounds[:-1], rounds):
+            kinds.setdefault(name, {}).setdefault(_kind(cur), 0)
+            kinds[name][_kind(cur)] += 1
+            if prev is not None:
+                period = (cur[0] - prev[0]) / 1e6
+                if period - cur[7] * 1e3 < 2.0:
+                    pairs.setdefault(name, {}).setdefault(_kind(prev) + _kind(cur), []).append(period)
+    out = []
+    for name, counts in kinds.items():
+        total = sum(counts.values())
+        cells = "  ".join(f"{p} {len(v)} {statistics.median(v):.3f}" for p, v in sorted(pairs.get(name, {}).items()))
+        out.append(f"{name:>8s}: {total} rounds, " + " ".join(f"{k} {c / total:.2f}" for k, c in sorted(counts.items()))
+                   + f"; by the kind before, count and median period ms: {cells}")
+    return out
+
+
 def main() -> int:
-    folder = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("ROUND_PROBE_DIR", "")
+    args = sys.argv[1:]
+    groups = []
+    if "--groups" in args:          # e.g. --groups warm:2,heldout:8,random:8,mix:8
+        spec = args.pop(args.index("--groups") + 1)
+        args.remove("--groups")
+        groups = [(g.split(":")[0], int(g.split(":")[1])) for g in spec.split(",")]
+    folder = args[0] if args else os.environ.get("ROUND_PROBE_DIR", "")
     files = sorted(glob.glob(os.path.join(folder, "rounds-*.jsonl")))
     if not files:
         print(f"round_trace: no rounds-*.jsonl in {folder!r}")
@@ -76,6 +123,8 @@ def main() -> int:
             rows = [json.loads(line) for line in f if line.endswith("\n")]     # not a line being written
         print(f"{os.path.basename(path)}: {len(rows)} request-rounds")
         print("\n".join("  " + line for line in summarize(rows)))
+        if groups:
+            print("\n".join("  " + line for line in transitions(rows, groups)))
     return 0
 
 

@@ -266,6 +266,71 @@ def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
     assert {len(r) for r in runs if r} == {1}
 
 
+def test_a_target_only_round_right_after_a_drafting_one_is_not_steady_time():
+    """Regression (H100, rounds queued ahead; ``scripts/adaptive_sim.py --leave``): a target-only
+    round right after a drafting round waits for the round that one queued ahead on the device.
+    Timed as T(0) it made T(0) dear, drafting looked cheap beside it and the loop drafted on
+    prompts where fixed k = 0 ran 1.2x faster (adaptive 0.82 of target-only on random bytes). Such a
+    round feeds T(0) only while no steady one was timed, and k* waits one more target-only round
+    for that steady figure before it drafts again."""
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    pol = AdaptiveK(max_k=3, successes=45.0, trials=50.0)        # drafting pays by its estimate
+    t = 0.0
+    for k, verify in ((3, 2e-3), (3, 2e-3), (3, 2e-3), (0, 2.5e-3)):
+        costs.observe(k, 3e-4 if k else 0.0, verify, 1e-4, started=t)
+        t += 3e-3
+    assert costs.target_only_unsteady and costs.t_verify0 == pytest.approx(2.5e-3)   # the only one yet
+    assert choose_round_k([pol], costs) == 0 and not costs.probing                    # one more, steady
+    costs.observe(0, 0.0, 1e-3, 1e-4, started=t)
+    assert not costs.target_only_unsteady and costs.t_verify0 == pytest.approx(1e-3)
+    assert choose_round_k([pol], costs) == 3
+    for verify in (2.5e-3, 1e-3, 1e-3):                          # later leave-rounds change nothing
+        costs.observe(3, 3e-4, 2e-3, 1e-4)
+        costs.observe(0, 0.0, verify, 1e-4)
+    assert costs.t_verify0 == pytest.approx(1e-3) and costs.cost(0) == pytest.approx(1.1e-3)
+
+
+def test_probe_rounds_say_so_and_queue_no_round_ahead():
+    """``AdaptiveLoop.probing``: a round that drafts only as a probe (newcomer, periodic or follow-up:
+    k* = 0 by the estimates) is marked, and the round driver's verify then asks for no round queued
+    ahead (``VerifyRequest.chain``): the next round most likely does not draft, and a queued round it
+    drops still runs on the device first. A round at k* > 0 chains as before."""
+    costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    old = costs.loop.new_policy(3)
+    for _ in range(60):
+        old.observe(3, 0)
+    new = costs.loop.new_policy(3)
+    assert request_ks([old, new], costs) == [0, 3] and costs.probing          # the newcomer probe
+    new.observe(3, 0)
+    assert request_ks([old, new], costs) == [0, 0] and not costs.probing
+    good = costs.loop.new_policy(3)
+    for _ in range(60):
+        good.observe(3, 3)
+    assert request_ks([good], costs) == [3] and not costs.probing
+
+    from runtime import round_driver as rd
+    from tests.unit.test_engine_bundled import _engine, _prompts
+
+    eng = _engine("torch", max_k=3)
+    target, draft = eng.target, eng.draft
+    chains: list[bool] = []
+    verify = target.verify
+    target.verify = lambda reqs: (chains.append(all(r.chain for r in reqs if len(r.drafts))), verify(reqs))[1]
+    loop = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
+    for _ in range(60):
+        loop.loop.observe(3, 0)                                    # the loop's prior: drafting does not pay
+    seq = rd.Sequence("p", np.asarray(_prompts(1)[0], dtype=np.int64), SamplingParams(max_tokens=8), 3)
+    seq.adaptive = loop.loop.new_policy(3)
+    rd.admit(target, draft, [seq])
+    rd.run_round(target, draft, [seq], costs=loop)
+    assert seq.stats.spec_rounds == 1 and chains == [False]       # the newcomer probe drafted, unchained
+    for _ in range(60):
+        seq.adaptive.observe(3, 3)
+    rd.run_round(target, draft, [seq], costs=loop)
+    assert seq.stats.spec_rounds == 2 and chains[-1] is True
+    rd.release(target, draft, seq)
+
+
 def test_expected_tokens_per_position_follow_where_drafts_fail():
     """A head whose first draft is always right and whose later drafts rarely are: c = (1, 0.3,
     1/3), E(k) = 2, 2.3, 2.4. The pooled rate (1.4 of 2.3 trials, 0.61) says 1.61, 1.98, 2.21
