@@ -124,6 +124,19 @@ most one per ``watch_floor`` target-only rounds (``WATCH_BUDGET``), and
 otherwise probes draft. A request whose last round matched (or accepted) all k
 is watched again as soon as the floor allows, whatever the loop's backoff.
 
+A change of kind has a price of its own (``RoundCosts.entry_extra``, ``leave_extra``): a drafting
+round right after target-only ones has no round queued ahead and a catch-up over the skipped
+pairs; a target-only round right after a drafting one first waits for the round that one queued.
+k* charges it, spread over ``SWITCH_HORIZON`` rounds, to the k that changes kind: from a drafting
+round that queued this one, T(0) + leave / H against T(k); otherwise T(k) + entry / H against
+T(0). A request near the threshold then keeps what it was doing. In the trace simulation of the
+H100 regime with rounds queued ahead (``scripts/adaptive_sim.py --regime 0.26e-3 0.62e-3 0.02e-3
+0.27e-3 --entry 0.35e-3 --leave 0.35e-3 --watch 0.1e-3 --random-rate 0.45 0.6 --decl 0.25
+--max-tokens 128 --repeats 2 --seeds 40``), held-out / random / mix over the best fixed k: H = 1
+0.86 / 0.98 / 0.98, 4: 0.96 / 0.96 / 0.97, 8: 0.97 / 0.97 / 1.01, 16: 0.97 / 0.97 / 1.02, no
+charge 0.95 / 0.96 / 1.01 (the policy before the entry, leave and probe rules of this paragraph
+and the next: 1.00 / 0.81 / 0.95).
+
 Probe rounds queue nothing ahead (``AdaptiveLoop.probing``, read by the round driver as
 ``VerifyRequest.chain``): with the draft in the target's process a greedy round queues the next
 one on the device before the host reads it (runtime/round_ahead.py), and after a probe the next
@@ -156,6 +169,7 @@ WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that draftin
 WATCH_BUDGET = 0.03          # ... and never more often than keeps their measured cost to this share of T(0)
 WATCH_SHARE_MAX = 0.5        # watch while a watch costs less than this share of what a drafting round adds to T(0)
 PRIOR_TRIALS = 2.0           # the weight of a new request's prior, in trials
+SWITCH_HORIZON = 8.0         # rounds a change between drafting and target-only rounds is charged over (module doc)
 LOOP_WEIGHT = 0.05           # weight of one request-round in the loop's acceptance (~20 request-rounds)
 
 _STAMPS = itertools.count(1)  # one number per state of a policy's estimates (round_k_star's cache key)
@@ -369,18 +383,26 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     until a policy's estimates or T(k > 0) change (their stamps and ``costs.version``): in a
     stretch of target-only rounds only T(0) moves, so a round asks for one division, not every
     T(k) and E(k) (module doc of ``RoundCosts.observe``: the policy's host time per round)."""
-    key = (costs.version, tuple(p._stamp for p in policies))
+    if costs.target_only_unsteady:
+        # NOTE: a target-only round right after a drafting one is timed with what that round left
+        # on the device (a round it queued ahead, runtime/round_ahead.py): one more target-only
+        # round gives T(0) its first steady figure (RoundCosts.t_round0) before k* may draft again.
+        return 0
+    queued = costs.last_k > 0 and not costs.probing       # the last round queued this one ahead
+    enter = 0.0 if queued else costs.entry_extra / SWITCH_HORIZON
+    key = (costs.version, queued, tuple(p._stamp for p in policies))
     cached = costs._drafting_best
     if cached is not None and cached[0] == key:
         k_pos, rate_pos = cached[1], cached[2]
     else:
-        rates = _rates([(p.expected, p.max_k) for p in policies], costs.cost)
+        rates = _rates([(p.expected, p.max_k) for p in policies], lambda k: costs.cost(k) + enter)
         k_pos, rate_pos = 0, -1.0
         for k in range(1, len(rates)):                # _argmax's rule, among k >= 1
             if rates[k] > rate_pos * (1 + 1e-9):
                 k_pos, rate_pos = k, rates[k]
         costs._drafting_best = (key, k_pos, rate_pos)
-    rate0 = len(policies) / max(costs.cost(0), 1e-9)
+    leave = costs.leave_extra / SWITCH_HORIZON if queued else 0.0
+    rate0 = len(policies) / max(costs.cost(0) + leave, 1e-9)
     return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
 
 
@@ -388,11 +410,6 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     """k* for a round of these requests (module doc), with a full-k probe after
     ``costs.probe_every`` rounds that would otherwise not draft."""
     k = round_k_star(policies, costs)
-    if k > 0 and costs.target_only_unsteady:
-        # NOTE: a target-only round right after a drafting one is timed with what that round left
-        # on the device (a round it queued ahead, runtime/round_ahead.py): one more target-only
-        # round gives T(0) its first steady figure (RoundCosts.t_round0) before k* may draft again.
-        k = 0
     top = max((p.max_k for p in policies), default=0)
     if k == 0 and top > 0:
         if costs.probe_rounds_left > 0:

@@ -125,6 +125,10 @@ class RoundCosts:
         # Start-to-start periods: of target-only rounds, and of drafting rounds less their draft time.
         self._period0 = Window(self.WINDOW)
         self._fixed_spec = Window(self.WINDOW)
+        # What a change of kind costs beyond the steady round of the new kind: a drafting round right
+        # after rounds that did not draft (entry), a target-only round right after one that drafted (leave).
+        self._entry = Window(self.WINDOW)
+        self._leave = Window(self.WINDOW)
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
@@ -192,10 +196,28 @@ class RoundCosts:
         return len(self._fixed_spec) >= MIN_PERIODS
 
     @property
+    def last_k(self) -> int:
+        """The k of the last round observed."""
+        return self._prev_k
+
+    @property
+    def entry_extra(self) -> float:
+        """What a drafting round right after one that did not draft costs beyond T(k) (its catch-up
+        carries the skipped pairs; nothing was queued ahead for it): the median, 0 before one was timed."""
+        return self._entry.median if len(self._entry) else 0.0
+
+    @property
+    def leave_extra(self) -> float:
+        """What a target-only round right after a drafting one costs beyond T(0) (it waits for the round
+        that one queued ahead): the median, 0 before one was timed."""
+        return self._leave.median if len(self._leave) else 0.0
+
+    @property
     def target_only_unsteady(self) -> bool:
-        """Was the last round target-only, right after a drafting one, with no steady target-only
-        round timed yet? (Its time holds what the drafting round left on the device: not T(0).)"""
-        return self._prev_k == 0 and self._prev_after and not len(self._verify0)
+        """Is T(0) only what target-only rounds right after a drafting one took (their time holds
+        what that round left on the device), with the last round target-only? Then the next one,
+        if target-only too, gives T(0) its first steady figure."""
+        return self._prev_k == 0 and not len(self._verify0) and len(self._verify0_after) > 0
 
     @property
     def watch_extra(self) -> float | None:
@@ -258,8 +280,12 @@ class RoundCosts:
             if prev_k == 0:
                 if self._prev_steady0:
                     self._period0.append(period)
+                elif self._prev_after and self._periods_measured:
+                    self._leave.append(max(period - self._cost(0), 0.0))
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
+            elif self._periods_measured:
+                self._entry.append(max(period - self._cost(prev_k), 0.0))
         elif prev_watched:               # its period where there is one, else its parts
             self._watched.append(started - prev_start if same_batch else self._prev_parts)
         self._prev_parts = verify_s + overhead_s

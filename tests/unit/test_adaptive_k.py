@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, WATCH_BACKOFF_MAX, WATCH_BUDGET,
-                                WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, SWITCH_HORIZON, WATCH_BACKOFF_MAX,
+                                WATCH_BUDGET, WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
                                 expected_tokens, follow_ups, request_ks, round_k_star, round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
@@ -290,6 +290,36 @@ def test_a_target_only_round_right_after_a_drafting_one_is_not_steady_time():
     assert costs.t_verify0 == pytest.approx(1e-3) and costs.cost(0) == pytest.approx(1.1e-3)
 
 
+def test_a_change_of_kind_is_timed_and_charged_over_the_switch_horizon():
+    """What a change between drafting and target-only rounds costs beyond the steady round of the
+    new kind (a drafting round after target-only ones has nothing queued ahead and a wide catch-up;
+    a target-only round after a drafting one waits for the round it queued) is timed on its own
+    (``entry_extra``, ``leave_extra``) and charged over SWITCH_HORIZON rounds to the k that changes
+    kind: a request near the threshold keeps drafting, or keeps not drafting (hysteresis)."""
+    costs = AdaptiveLoop(t_verify=1e-3, t_draft=1e-4, t_exchange=2e-4)
+    t = 0.0
+
+    def rounds(*spec):                           # (k, period) rounds, one after the other
+        nonlocal t
+        for k, period in spec:
+            costs.observe(k, 3e-4 if k else 0.0, 1e-3, 1e-4, started=t)
+            t += period
+
+    entry, leave = 1.6e-3, 0.8e-3
+    rounds(*[(3, 2e-3)] * 5, *[(0, 1e-3)] * 5, (3, 2e-3 + entry), *[(3, 2e-3)] * 4, (0, 1e-3 + leave),
+           *[(0, 1e-3)] * 3, (3, 2e-3))
+    assert costs.cost(0) == pytest.approx(1e-3) and costs.cost(3) == pytest.approx(2e-3)
+    assert costs.entry_extra == pytest.approx(entry) and costs.leave_extra == pytest.approx(leave)
+    pol = AdaptiveK(max_k=3)
+    pol.pos_successes, pol.pos_trials = [0.55, 0.5, 0.5], [1.0, 1.0, 1.0]
+    e3 = pol.expected(3)                                   # 1.96 tokens in 2 ms: x0.98 of target-only's 1 in 1
+    assert e3 == pytest.approx(1.9625) and e3 / 2e-3 < 1 / 1e-3 < e3 / 2e-3 * (1 + leave / SWITCH_HORIZON / 1e-3)
+    assert costs.last_k == 3 and not costs.probing
+    assert round_k_star([pol], costs) == 3                 # drafting: leaving costs 0.1 ms a round more
+    rounds((0, 1e-3))
+    assert round_k_star([pol], costs) == 0                 # not drafting: entering costs 0.2 ms a round more
+
+
 def test_probe_rounds_say_so_and_queue_no_round_ahead():
     """``AdaptiveLoop.probing``: a round that drafts only as a probe (newcomer, periodic or follow-up:
     k* = 0 by the estimates) is marked, and the round driver's verify then asks for no round queued
@@ -420,12 +450,18 @@ def test_kept_costs_and_expectations_equal_fresh_ones():
                 assert p.expected(k) == fresh.expected(k)
         for k in range(4):
             assert costs.cost(k) == costs._cost(k), (i, k)
+        # k* afresh: the switch costs charged over SWITCH_HORIZON rounds (entry unless the last
+        # round queued this one, leave if it did), and none while T(0) waits for a steady round.
+        queued = costs.last_k > 0 and not costs.probing
+        enter = 0.0 if queued else costs.entry_extra / SWITCH_HORIZON
         fresh_rates = _rates([(lambda k, p=p: AdaptiveK(p.max_k, p.successes, p.trials,
                                                           pos_successes=list(p.pos_successes),
                                                           pos_trials=list(p.pos_trials)).expected(k), p.max_k)
-                              for p in pols], costs._cost)
-        assert round_k_star(pols, costs) == _argmax(fresh_rates), i
-        if len(fresh_rates) > 1:                      # the kept best drafting k and its rate, too
+                              for p in pols], lambda k: costs._cost(k) + (enter if k else 0.0))
+        fresh_rates[0] = len(pols) / (costs._cost(0) + (costs.leave_extra / SWITCH_HORIZON if queued else 0.0))
+        want = 0 if costs.target_only_unsteady else _argmax(fresh_rates)
+        assert round_k_star(pols, costs) == want, i
+        if len(fresh_rates) > 1 and not costs.target_only_unsteady:     # the kept best drafting k and its rate
             best = max(range(1, len(fresh_rates)), key=lambda k: (fresh_rates[k], -k))
             assert costs._drafting_best[1:] == (best, fresh_rates[best]), i
         k = max(ks)
