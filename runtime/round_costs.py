@@ -42,11 +42,15 @@ exchange on a fresh stream pays its opening. Its verify time counts, its
 draft and exchange times do not. Nor is a target-only round right after a
 drafting one: with rounds queued ahead (runtime/round_ahead.py) it waits for
 the round the drafting one queued, which it drops. Its parts stand for T(0)
-only while no steady target-only round was timed, and its period never does
-(``target_only_unsteady``; regression in tests/unit/test_adaptive_k.py: on an
-H100 such rounds made T(0) dear and the loop drafted where k = 0 was 1.2x
-faster). And no start-to-start period spans a change of the batch (requests
-retired and admitted in between).
+only while no steady target-only round was timed (``target_only_unsteady``).
+Regression: in the trace simulation of the H100 regime (docs/performance.md §
+Session 32) such rounds were the only T(0) a mostly drafting loop had, up to
+twice the steady figure, and it drafted on random bytes at 0.78-0.81 of
+target-only's speed (0.82 measured on the H100). What either round of a change
+of kind costs beyond the steady round of its kind is kept apart
+(``entry_extra``, ``leave_extra``: runtime/adaptive_k.py charges it to the k
+that changes kind). And no start-to-start period spans a change of the batch
+(requests retired and admitted in between).
 """
 
 from __future__ import annotations

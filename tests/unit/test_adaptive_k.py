@@ -267,12 +267,12 @@ def test_a_probe_lasts_one_round_once_drafting_rounds_were_timed():
 
 
 def test_a_target_only_round_right_after_a_drafting_one_is_not_steady_time():
-    """Regression (H100, rounds queued ahead; ``scripts/adaptive_sim.py --leave``): a target-only
-    round right after a drafting round waits for the round that one queued ahead on the device.
-    Timed as T(0) it made T(0) dear, drafting looked cheap beside it and the loop drafted on
-    prompts where fixed k = 0 ran 1.2x faster (adaptive 0.82 of target-only on random bytes). Such a
-    round feeds T(0) only while no steady one was timed, and k* waits one more target-only round
-    for that steady figure before it drafts again."""
+    """Regression (the trace simulation of the H100 regime, ``scripts/adaptive_sim.py --leave``; the
+    H100 itself ran adaptive k at 0.82 of target-only on random bytes): a target-only round right
+    after a drafting round waits for the round that one queued ahead on the device. Timed as T(0)
+    it made T(0) dear, drafting looked cheap beside it and the loop kept drafting. Such a round
+    feeds T(0) only while no steady one was timed, and k* waits one more target-only round for
+    that steady figure before it drafts again."""
     costs = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     pol = AdaptiveK(max_k=3, successes=45.0, trials=50.0)        # drafting pays by its estimate
     t = 0.0
