@@ -13,7 +13,7 @@ fi
 # What the session scripts share: NCCL with NVLink multicast off (KINDS.md), the seconds a call has left, a filter
 # for the services' log lines, pytest -m gpu on some files, bench services and the round host probe on the bundled
 # model, and the run's date, GPUs and commit in $out/env.txt.
-left() { echo $(( ${1:-585} - SECONDS )); }   # seconds left of a call's $1 (default 585)
+left() { echo $(( ${1:-${LIMIT:-585}} - SECONDS )); }   # seconds left of a call's $1 (default $LIMIT, else 585)
 quiet() { grep -v -E "^20[0-9][0-9]-|USDT|Warning|warn"; }
 svc() {  # bench services on the bundled model: $1 the output's name, $2 the seconds it may take, then extra flags
   local name="$1" limit="$2"; shift 2

@@ -6,10 +6,13 @@
 #                                                 # weight floor at contexts 256 and 2,048), bench services at
 #                                                 # batch 8 twice more (the x1.8 goal), then bench adaptive
 #                                                 # (same stack, colocated draft) while time is left
-#   bash bench/gpu_session32.sh OUT_DIR trace ALT # bench adaptive (same stack, colocated draft) with its rounds
+#   bash bench/gpu_session32.sh OUT_DIR trace ALT # bench services at batch 8 and 1 (colocated draft) on this
+#                                                 # tree and on the checkout ALT (a worktree inside the tree), then
+#                                                 # bench adaptive (same stack, colocated draft) with its rounds
 #                                                 # traced (scripts/round_probe, scripts/round_trace.py --groups)
 #                                                 # on this tree and on ALT, then every one-GPU test file but the
-#                                                 # loop file while time is left
+#                                                 # loop file while time is left (LIMIT=S: the call's
+#                                                 # seconds, where less device time is left than 585)
 #   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
 #                                                 # checkout ALT (a worktree inside the tree), interleaved
 #
@@ -26,8 +29,11 @@ if [ "$mode" = measure ]; then
 elif [ "$mode" = trace ]; then
   alt="${3:?ALT: the other checkout (a directory inside the tree)}"
   [ -e "$alt/models" ] || ln -s ../models "$alt/models"
+  svc services_tree 110 --device cuda:0 --batch 8 1 --variants colocated
+  (cd "$alt" && PYTHONPATH="/tmp/site:$PWD" svc services_alt 110 --device cuda:0 --batch 8 1 --variants colocated)
   for tree in . "$alt"; do
     tag=$([ "$tree" = . ] && echo tree || echo alt)
+    [ "$tag" = alt ] && [ "$(left)" -lt 200 ] && break
     rm -rf "/tmp/rt_$tag" && mkdir -p "/tmp/rt_$tag"
     (cd "$tree" && ROUND_PROBE_DIR="/tmp/rt_$tag" PYTHONPATH="$ROOT/scripts/round_probe:/tmp/site:$PWD" \
       timeout 150 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --same-stack --repeats 2 \

@@ -349,7 +349,7 @@ def test_probe_rounds_say_so_and_queue_no_round_ahead():
     loop = AdaptiveLoop(t_verify=2e-3, t_draft=1e-4, t_exchange=2e-4)
     for _ in range(60):
         loop.loop.observe(3, 0)                                    # the loop's prior: drafting does not pay
-    seq = rd.Sequence("p", np.asarray(_prompts(1)[0], dtype=np.int64), SamplingParams(max_tokens=8), 3)
+    seq = rd.Sequence("p", np.asarray(_prompts(1)[0], dtype=np.int64), SamplingParams(max_tokens=32), 3)
     seq.adaptive = loop.loop.new_policy(3)
     rd.admit(target, draft, [seq])
     rd.run_round(target, draft, [seq], costs=loop)

@@ -153,10 +153,12 @@ def engine():
     return eng
 
 
-def _generate(engine, prompts, k, max_batch, ahead, max_tokens=24):
+def _generate(engine, prompts, k, max_batch, ahead, max_tokens=24, stops=None):
     engine.target.round_ahead = ahead
     engine.target.rounds._gate = AheadGate()     # each run starts unpaused (a test before may have dropped many)
-    reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), k)
+    stops = stops or {}
+    reqs = [GenRequest(f"p{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                  stop_token_ids=(stops[i],) if i in stops else ()), k)
             for i, p in enumerate(prompts)]
     return [(r.tokens, r.stats.accepted, r.stats.pos_accepted) for r in engine.generate(reqs, max_batch=max_batch)]
 
@@ -179,14 +181,29 @@ def test_rounds_queued_ahead_give_the_same_drafts_and_tokens(engine, max_batch):
 
 def test_anything_between_two_rounds_drops_the_queued_one(engine):
     """A target prefill (a request joining) between two rounds drops the queued round; the
-    rounds after it queue again; the tokens stay target-only's."""
+    rounds after it queue again; the tokens stay target-only's. The first request ends at a stop
+    token (its end unforeseen: a request's end by length queues nothing, the next test)."""
     prompts = [p[:40] for p in _prompts(4)]
     ref = [t for t, _, _ in _generate(engine, prompts, 0, 3, ahead=False)]
+    stop = ref[0][10]
+    end = ref[0].index(stop) + 1
     st = engine.target.round_stats
     dropped = st.dropped
-    got = _generate(engine, prompts, 3, 3, ahead=True)        # the 4th joins when the first finishes
-    assert [t for t, _, _ in got] == ref and st.dropped > dropped
+    got = _generate(engine, prompts, 3, 3, ahead=True, stops={0: stop})   # the 4th joins when the first ends
+    assert [t for t, _, _ in got] == [ref[0][:end]] + ref[1:] and st.dropped > dropped
     assert engine.target.rounds.pending is None or engine.target.rounds.pending.lengths is not None
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_request_near_its_end_queues_nothing(engine, max_batch):
+    """Within 2k + 1 tokens of its max_tokens a request may end this round or draft fewer the
+    next: its round queues nothing ahead (a queued round the next verify does not take still
+    runs on the device first). Requests that all end by length then drop no queued round."""
+    prompts = [p[:40] for p in _prompts(4)]
+    st = engine.target.round_stats
+    before = (st.launched, st.used, st.dropped)
+    _generate(engine, prompts, 3, max_batch, ahead=True)
+    assert st.dropped == before[2] and st.used - before[1] == st.launched - before[0] > 0
 
 
 def test_a_propose_the_queued_round_answers_is_checked_by_that_match(engine):
