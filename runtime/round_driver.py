@@ -399,15 +399,16 @@ def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],
     empty = np.zeros(0, dtype=np.int64)
     # Hidden rows only for the requests the draft holds (its next catch-up): a target-only
     # request's (k = 0, no draft, the draft lost) are not fetched at all.
-    # NOTE: a round queues the next one ahead (runtime/round_ahead.py) only where that one most
-    # likely drafts the same k for the same requests: a queued round the next verify does not take
-    # still runs on the device before it. Not after a probe (adaptive k drafting where k* = 0), nor
-    # where a request may end or draft fewer next round: after a + 1 tokens its k is capped at
-    # remaining - a - 2, so only remaining >= 2k + 2 keeps it whatever it accepts.
+    # NOTE: a round queues the next one ahead (runtime/round_ahead.py; a target-only step:
+    # runtime/decode_ahead.py) only where that one most likely drafts the same k for the same
+    # requests: a queued round the next verify does not take still runs on the device before it.
+    # Not after a probe (adaptive k drafting where k* = 0), nor where a request may end or draft
+    # fewer next round: after a + 1 tokens its k is capped at remaining - a - 2, so only
+    # remaining >= 2k + 2 keeps it whatever it accepts (k = 0: one token left ends it).
     chain = (costs is None or not costs.probing) and all(s.remaining >= 2 * ks[s.request_id] + 2 for s in seqs)
     vreqs = [VerifyRequest(s.request_id, p.drafts, p.draft_probs, hidden=s.drafting, device=p.device, chain=chain)
-             if (p := proposals.get(s.request_id)) is not None else VerifyRequest(s.request_id, empty, None, s.drafting)
-             for s in seqs]
+             if (p := proposals.get(s.request_id)) is not None
+             else VerifyRequest(s.request_id, empty, None, s.drafting, chain=chain) for s in seqs]
     results = target.verify(vreqs)
     ahead_out = _collect_ahead(collect, aheads)
     if watching:

@@ -374,7 +374,7 @@ class TargetEngine:
         tail = [] if on_device is None else [on_device[0]]
         fetch = self.ops.to_numpy_many_async([hidden, best, *extra, *tail] if want_hidden else [best, *extra, *tail],
                                              bf16_bits=True, ring=self._fetch_ring)
-        if replayed and self.decode_ahead and not (drafted or sampled or coupled):
+        if replayed and self.decode_ahead and not (drafted or sampled or coupled) and all(r.chain for r in reqs):
             self.steps.queue(ids, rows, best)
         # With the drafts' source able to queue a propose (the draft in this process), a greedy
         # round of one k queues the next round now (runtime/round_ahead.py), behind these copies.

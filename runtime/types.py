@@ -77,8 +77,8 @@ class VerifyRequest:
     hidden: bool = True                # the result carries the hidden rows (the draft's next catch-up);
                                        # False where the draft holds nothing of the request
     device: DeviceDrafts | None = None  # the drafts are there (``drafts``: k zeros, their count only)
-    chain: bool = True                 # the next round may be queued ahead from this one (runtime/round_ahead.py);
-                                       # False where it is unlikely to draft again (an adaptive k probe)
+    chain: bool = True                 # the next round may be queued ahead from this one (runtime/round_ahead.py,
+                                       # runtime/decode_ahead.py); False where it most likely differs (round_driver)
 
 
 @dataclass(slots=True)                 # built per request per round: see the module doc
