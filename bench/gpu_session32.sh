@@ -6,13 +6,13 @@
 #                                                 # weight floor at contexts 256 and 2,048), bench services at
 #                                                 # batch 8 twice more (the x1.8 goal), then bench adaptive
 #                                                 # (same stack, colocated draft) while time is left
-#   bash bench/gpu_session32.sh OUT_DIR trace ALT # bench services at batch 8 and 1 (colocated draft) on this
-#                                                 # tree and on the checkout ALT (a worktree inside the tree), then
-#                                                 # bench adaptive (same stack, colocated draft) with its rounds
-#                                                 # traced (scripts/round_probe, scripts/round_trace.py --groups)
-#                                                 # on this tree and on ALT, then every one-GPU test file but the
-#                                                 # loop file while time is left (LIMIT=S: the call's
-#                                                 # seconds, where less device time is left than 585)
+#   bash bench/gpu_session32.sh OUT_DIR trace ALT # bench adaptive (same stack, colocated draft) with its rounds
+#                                                 # traced (scripts/round_probe, scripts/round_trace.py --groups),
+#                                                 # bench services at batch 8 and 1 (colocated draft) on this tree
+#                                                 # and on the checkout ALT (a worktree inside the tree), then while
+#                                                 # time is left bench adaptive traced on ALT and every one-GPU
+#                                                 # test file but the loop file (LIMIT=S: the call's seconds,
+#                                                 # where less device time is left than 585)
 #   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
 #                                                 # checkout ALT (a worktree inside the tree), interleaved
 #
@@ -29,17 +29,19 @@ if [ "$mode" = measure ]; then
 elif [ "$mode" = trace ]; then
   alt="${3:?ALT: the other checkout (a directory inside the tree)}"
   [ -e "$alt/models" ] || ln -s ../models "$alt/models"
-  svc services_tree 110 --device cuda:0 --batch 8 1 --variants colocated
-  (cd "$alt" && PYTHONPATH="/tmp/site:$PWD" svc services_alt 110 --device cuda:0 --batch 8 1 --variants colocated)
-  for tree in . "$alt"; do
-    tag=$([ "$tree" = . ] && echo tree || echo alt)
-    [ "$tag" = alt ] && [ "$(left)" -lt 200 ] && break
-    rm -rf "/tmp/rt_$tag" && mkdir -p "/tmp/rt_$tag"
-    (cd "$tree" && ROUND_PROBE_DIR="/tmp/rt_$tag" PYTHONPATH="$ROOT/scripts/round_probe:/tmp/site:$PWD" \
+  adaptive_traced() {  # $1 tree or alt: bench adaptive with its rounds traced, then their summary
+    local tree=$([ "$1" = tree ] && echo . || echo "$alt")
+    rm -rf "/tmp/rt_$1" && mkdir -p "/tmp/rt_$1"
+    (cd "$tree" && ROUND_PROBE_DIR="/tmp/rt_$1" PYTHONPATH="$ROOT/scripts/round_probe:/tmp/site:$PWD" \
       timeout 150 python3 -m specsplit bench adaptive --backend torch --device cuda:0 --same-stack --repeats 2 \
-      --colocated-draft 2>&1 | quiet | tee "$out/adaptive_$tag.txt" | tail -9)
-    python3 scripts/round_trace.py "/tmp/rt_$tag" --groups warm:2,heldout:8,random:8,mix:8 | tee "$out/trace_$tag.txt"
-  done
+      --colocated-draft 2>&1 | quiet | tee "$out/adaptive_$1.txt" | tail -9)
+    python3 scripts/round_trace.py "/tmp/rt_$1" --groups warm:2,heldout:8,random:8,mix:8 | tee "$out/trace_$1.txt"
+  }
+  adaptive_traced tree
+  [ "$(left)" -gt 60 ] && svc services_tree 90 --device cuda:0 --batch 8 1 --variants colocated
+  [ "$(left)" -gt 60 ] && (cd "$alt" && PYTHONPATH="/tmp/site:$PWD" svc services_alt 90 --device cuda:0 --batch 8 1 \
+    --variants colocated)
+  [ "$(left)" -gt 160 ] && adaptive_traced alt
   [ "$(left)" -gt 150 ] && timeout "$(( $(left) - 10 ))" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu \
     --ignore tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -12
 elif [ "$mode" = ab ]; then
