@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 32 on one GPU (issue 10; docs/gpu.md § Session 32): the figures issue 10 asks that session 31's run
-# (bench/gpu_session31.sh all) left out, on the same code.
+# (bench/gpu_session31.sh all) left out, and this session's changes against the code before them.
 #
 #   bash bench/gpu_session32.sh OUT_DIR measure   # bench graphs on the ~1B config (the verify step against the
 #                                                 # weight floor at contexts 256 and 2,048), bench services at
@@ -16,7 +16,9 @@
 #   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
 #                                                 # checkout ALT (a worktree inside the tree), interleaved
 #
-# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"].
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"], and ALT for trace and ab
+# (a git worktree is a nested repository: the device tool copies its files only when carry names it; leave its
+# models/ out, a link to the tree's is made here, to stay under the 64 MiB a call carries).
 source "$(dirname "$0")/gpu_env.sh" "$@"
 mode="${2:-measure}"
 ROOT="$PWD"
