@@ -137,6 +137,16 @@ H100 regime with rounds queued ahead (``scripts/adaptive_sim.py --regime 0.26e-3
 charge 0.95 / 0.96 / 1.01 (the policy before the entry, leave and probe rules of this paragraph
 and the next: 1.00 / 0.81 / 0.95).
 
+A drafting probe after a stretch of target-only rounds pays that price in full: on an H100 with
+the draft in the target's process a probe round took 2.3 ms, about four target-only rounds (its
+catch-up over the skipped pairs runs eagerly). So the periodic probes are spaced to keep their
+measured price within ``PROBE_BUDGET`` of the target-only time between them (``probe_every``), as
+watches are within ``WATCH_BUDGET``; newcomer and follow-up probes are not. In the simulation of
+that H100 (``--regime 0.5e-3 0.93e-3 0.03e-3 0.5e-3 --entry 1.2e-3 --leave 0.3e-3 --watch 0.3e-3
+--random-rate 0.3 0.6 --max-tokens 128 --repeats 2 --seeds 30``, where watches cost too much and
+probes draft) held-out / random / mix went from 0.965 / 0.937 / 0.966 of the best fixed k to
+0.969 / 0.970 / 1.034; the other regimes of docs/performance.md § Session 32 within 0.003.
+
 Probe rounds queue nothing ahead (``AdaptiveLoop.probing``, read by the round driver as
 ``VerifyRequest.chain``): with the draft in the target's process a greedy round queues the next
 one on the device before the host reads it (runtime/round_ahead.py), and after a probe the next
@@ -163,7 +173,8 @@ from runtime.round_costs import RoundCosts, round_cost
 PRIOR_ACCEPTANCE = 0.8       # before a request has drafted anything (a trained MTP head's typical first-position rate)
 EMA_WEIGHT = 0.1             # weight of the newest round in the acceptance estimate
 PROBE_EVERY = 16             # target-only rounds between two probes (module doc)
-PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY
+PROBE_BACKOFF_MAX = 8        # the probe interval grows to at most this many times PROBE_EVERY ...
+PROBE_BUDGET = 0.01          # ... and at least what keeps a probe's measured price to this share of T(0)
 WATCH_EVERY = 4              # target-only rounds between two watch probes (module doc) ...
 WATCH_BACKOFF_MAX = 8        # ... doubling while they keep finding that drafting does not pay, up to this many times,
 WATCH_BUDGET = 0.03          # ... and never more often than keeps their measured cost to this share of T(0)
@@ -372,8 +383,15 @@ class AdaptiveLoop(RoundCosts):
 
     @property
     def probe_every(self) -> int:
-        """Target-only rounds before the next probe (module doc: backoff from the third probe)."""
-        return PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX)
+        """Target-only rounds before the next probe (module doc: backoff from the third probe), and
+        at least as many as keep a probe's measured price (``entry_extra``: its catch-up over the
+        skipped pairs, nothing queued ahead for it) within ``PROBE_BUDGET`` of the target-only
+        decoding between two probes."""
+        backoff = PROBE_EVERY * min(2 ** max(0, self.probes_in_a_row - 1), PROBE_BACKOFF_MAX)
+        price = self.entry_extra
+        if not price:
+            return backoff
+        return max(backoff, math.ceil(price / (PROBE_BUDGET * max(self.cost(0), 1e-9))))
 
 
 def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from core.params import SamplingParams
-from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, SWITCH_HORIZON, WATCH_BACKOFF_MAX,
-                                WATCH_BUDGET, WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k, best_round_k, choose_round_k,
-                                expected_tokens, follow_ups, request_ks, round_k_star, round_plan, _argmax, _rates)
+from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_BUDGET, PROBE_EVERY, SWITCH_HORIZON,
+                                WATCH_BACKOFF_MAX, WATCH_BUDGET, WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k,
+                                best_round_k, choose_round_k, expected_tokens, follow_ups, request_ks, round_k_star,
+                                round_plan, _argmax, _rates)
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
@@ -318,6 +319,22 @@ def test_a_change_of_kind_is_timed_and_charged_over_the_switch_horizon():
     assert round_k_star([pol], costs) == 3                 # drafting: leaving costs 0.1 ms a round more
     rounds((0, 1e-3))
     assert round_k_star([pol], costs) == 0                 # not drafting: entering costs 0.2 ms a round more
+
+
+def test_periodic_probes_keep_their_measured_price_within_the_probe_budget():
+    """A probe after target-only rounds costs its entry price (``entry_extra``); the periodic probes
+    come at most once per entry / (PROBE_BUDGET * T(0)) target-only rounds, however short the backoff."""
+    costs = AdaptiveLoop(t_verify=1e-3, t_draft=1e-4, t_exchange=2e-4)
+    assert costs.probe_every == PROBE_EVERY                         # no price measured yet
+    t = 0.0
+    for k, period in [(3, 2e-3)] * 5 + [(0, 1e-3)] * 5 + [(3, 2e-3 + 1.6e-3)] + [(3, 2e-3)] * 3 + [(0, 1e-3)] * 4:
+        costs.observe(k, 3e-4 if k else 0.0, 1e-3, 1e-4, started=t)
+        t += period
+    assert costs.entry_extra == pytest.approx(1.6e-3) and costs.cost(0) == pytest.approx(1e-3)
+    assert costs.probe_every == math.ceil(1.6e-3 / (PROBE_BUDGET * 1e-3)) > PROBE_EVERY * PROBE_BACKOFF_MAX
+    pol = AdaptiveK(max_k=3, successes=0.0, trials=50.0)               # drafting never pays
+    ks = [choose_round_k([pol], costs) for _ in range(costs.probe_every)]
+    assert ks.count(3) == 1 and ks[-1] == 3
 
 
 def test_probe_rounds_say_so_and_queue_no_round_ahead():
