@@ -124,36 +124,18 @@ most one per ``watch_floor`` target-only rounds (``WATCH_BUDGET``), and
 otherwise probes draft. A request whose last round matched (or accepted) all k
 is watched again as soon as the floor allows, whatever the loop's backoff.
 
-A change of kind has a price of its own (``RoundCosts.entry_extra``, ``leave_extra``): a drafting
-round right after target-only ones has no round queued ahead and a catch-up over the skipped
-pairs; a target-only round right after a drafting one first waits for the round that one queued.
-k* charges it, spread over ``SWITCH_HORIZON`` rounds, to the k that changes kind: from a drafting
-round that queued this one, T(0) + leave / H against T(k); otherwise T(k) + entry / H against
-T(0). A request near the threshold then keeps what it was doing. In the trace simulation of the
-H100 regime with rounds queued ahead (``scripts/adaptive_sim.py --regime 0.26e-3 0.62e-3 0.02e-3
-0.27e-3 --entry 0.35e-3 --leave 0.35e-3 --watch 0.1e-3 --random-rate 0.45 0.6 --decl 0.25
---max-tokens 128 --repeats 2 --seeds 40``), held-out / random / mix over the best fixed k: H = 1
-0.86 / 0.98 / 0.98, 4: 0.96 / 0.96 / 0.97, 8: 0.97 / 0.97 / 1.01, 16: 0.97 / 0.97 / 1.02, no
-charge 0.95 / 0.96 / 1.01 (the policy before the entry, leave and probe rules of this paragraph
-and the next: 1.00 / 0.81 / 0.95).
-
-A drafting probe after a stretch of target-only rounds pays that price in full: on an H100 with
-the draft in the target's process a probe round took 2.3 ms, about four target-only rounds (its
-catch-up over the skipped pairs runs eagerly). So the periodic probes are spaced to keep their
-measured price within ``PROBE_BUDGET`` of the target-only time between them (``probe_every``), as
-watches are within ``WATCH_BUDGET``; newcomer and follow-up probes are not. In the simulation of
-that H100 (``--regime 0.5e-3 0.93e-3 0.03e-3 0.5e-3 --entry 1.2e-3 --leave 0.3e-3 --watch 0.3e-3
---random-rate 0.3 0.6 --max-tokens 128 --repeats 2 --seeds 30``, where watches cost too much and
-probes draft) held-out / random / mix went from 0.965 / 0.937 / 0.966 of the best fixed k to
-0.969 / 0.970 / 1.034; the other regimes of docs/performance.md § Session 32 within 0.003.
-
-Probe rounds queue nothing ahead (``AdaptiveLoop.probing``, read by the round driver as
-``VerifyRequest.chain``): with the draft in the target's process a greedy round queues the next
-one on the device before the host reads it (runtime/round_ahead.py), and after a probe the next
-round most likely does not draft, so the queued round would be dropped after running on the
-device ahead of the target-only step. And after a target-only round that came right after a
-drafting one, k* waits for one more target-only round while T(0) has no steady figure
-(``RoundCosts.target_only_unsteady``).
+A change of kind has a price (``RoundCosts.entry_extra``, ``leave_extra``): a drafting round after
+target-only ones has nothing queued ahead and a catch-up over the skipped pairs (on an H100 a probe
+so took ~4 target-only rounds); a target-only round after a drafting one waits for the round that
+one queued. k* charges it over ``SWITCH_HORIZON`` rounds to the k that changes kind (T(0) + leave/H
+after a round that queued this one, else T(k) + entry/H): a request near the threshold keeps what it
+was doing. Periodic probes keep that price within ``PROBE_BUDGET`` of the target-only time between
+them (``probe_every``), as watches do within ``WATCH_BUDGET``. A probe's round queues nothing ahead
+(``AdaptiveLoop.probing`` -> ``VerifyRequest.chain``: the next round most likely does not draft),
+and after a target-only round right after a drafting one, k* waits one more target-only round while
+T(0) has no steady figure (``RoundCosts.target_only_unsteady``). Simulated (docs/performance.md §
+Session 32), the worst of held-out / random / mix over the best fixed k went from 0.78-0.81 to
+0.96-0.97 on H100 regimes.
 
 What a round costs, T(k), and which rounds feed that estimate:
 ``runtime.round_costs`` (``RoundCosts``). ``AdaptiveLoop`` is a loop's whole
