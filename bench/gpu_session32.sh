@@ -13,10 +13,8 @@
 #                                                 # time is left bench adaptive traced on ALT and every one-GPU
 #                                                 # test file but the loop file (LIMIT=S: the call's seconds,
 #                                                 # where less device time is left than 585)
-#   bash bench/gpu_session32.sh OUT_DIR ab ALT    # bench services at batch 1 and 8 on this tree and on the
-#                                                 # checkout ALT (a worktree inside the tree), interleaved
 #
-# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"], and ALT for trace and ab
+# Set-up: bench/gpu_env.sh (the pinned wheels in .whl/, see docs/gpu.md); carry [".whl"], and ALT for trace
 # (a git worktree is a nested repository: the device tool copies its files only when carry names it; leave its
 # models/ out, a link to the tree's is made here, to stay under the 64 MiB a call carries).
 source "$(dirname "$0")/gpu_env.sh" "$@"
@@ -46,14 +44,6 @@ elif [ "$mode" = trace ]; then
   [ "$(left)" -gt 160 ] && adaptive_traced alt
   [ "$(left)" -gt 150 ] && timeout "$(( $(left) - 10 ))" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu \
     --ignore tests/gpu/test_loop_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error|Error|assert" | tail -12
-elif [ "$mode" = ab ]; then
-  alt="${3:?ALT: the other checkout (a directory inside the tree)}"
-  [ -e "$alt/models" ] || ln -s ../models "$alt/models"
-  for tree in . "$alt" . "$alt"; do
-    tag=$([ "$tree" = . ] && echo tree || echo alt)
-    (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" svc "ab_${tag}_$SECONDS" 130 --device cuda:0 \
-      --batch 8 1 --variants colocated)
-  done
 else
   echo "unknown mode $mode"; exit 2
 fi

@@ -411,13 +411,13 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
     ``costs.probe_every`` rounds that would otherwise not draft."""
     k = round_k_star(policies, costs)
     top = max((p.max_k for p in policies), default=0)
+    costs.probing = False
     if k == 0 and top > 0:
         if costs.probe_rounds_left > 0:
             costs.probe_rounds_left -= 1
             costs.probing = True
             return top
         costs.target_only_rounds += 1
-        costs.probing = False
         if costs.target_only_rounds >= costs.probe_every:
             costs.target_only_rounds = 0
             costs.probes_in_a_row += 1
@@ -431,7 +431,6 @@ def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
             return top
     else:
         costs.probe_rounds_left = 0
-        costs.probing = False
         # NOTE: the backoff ends only when measured acceptance says drafting pays, not when a
         # new request's prior does (the loop's prior, or 0.8 before anything was measured).
         measured = [p for p in policies if p.measured]

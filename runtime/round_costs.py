@@ -136,8 +136,7 @@ class RoundCosts:
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
-        self._prev_steady0 = False                           # the previous round: target-only after target-only
-        self._prev_after = False                             # ... target-only right after a drafting round
+        self._prev_after = False                             # the previous round: target-only right after a drafting one
         self._prev_watched = False
         self._prev_parts = 0.0                              # the previous round's verify + everything else
         self._watched = Window(self.WINDOW)                # what rounds that carried a watch took
@@ -282,9 +281,9 @@ class RoundCosts:
         if same_batch and not prev_watched:
             period = started - prev_start
             if prev_k == 0:
-                if self._prev_steady0:
+                if not self._prev_after:
                     self._period0.append(period)
-                elif self._prev_after and self._periods_measured:
+                elif self._periods_measured:
                     self._leave.append(max(period - self._cost(0), 0.0))
             elif self._prev_steady:
                 self._fixed_spec.append(period - self._prev_draft)
@@ -303,7 +302,6 @@ class RoundCosts:
             self._overhead0_after.append(overhead_s)
         self._prev_after = k_max == 0 and not watched and self._drafted_last
         steady = self._drafted_last        # module doc: neither round right after a change of kind is
-        self._prev_steady0 = k_max == 0 and not steady and not watched
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
         if k_max > 0 and steady:

@@ -22,6 +22,7 @@ Diagnostic only (docs/performance.md § Session 12); nothing imports it.
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import math
@@ -88,11 +89,10 @@ def transitions(rows: list, groups: list[tuple[str, int]]) -> list[str]:
         for name, n in (groups[:1] if not names else cycle):
             names += [name] * n
     pairs: dict[str, dict[str, list[float]]] = {}
-    kinds: dict[str, dict[str, int]] = {}
+    kinds: dict[str, collections.Counter] = {}
     for name, rounds in zip(names, by_req.values()):
         for prev, cur in zip([None] + rounds[:-1], rounds):
-            kinds.setdefault(name, {}).setdefault(_kind(cur), 0)
-            kinds[name][_kind(cur)] += 1
+            kinds.setdefault(name, collections.Counter())[_kind(cur)] += 1
             if prev is not None:
                 period = (cur[0] - prev[0]) / 1e6
                 if period - cur[7] * 1e3 < 2.0:
