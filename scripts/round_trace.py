@@ -35,12 +35,12 @@ def summarize(rows: list) -> list[str]:
     by_req: dict[str, list] = {}
     for r in rows:
         by_req.setdefault(r[1], []).append(r)
-    kinds: dict[tuple[int, bool], list[tuple]] = {}
+    kinds: dict[tuple[int, str], list[tuple]] = {}
     probes: list[float] = []
     for rounds in by_req.values():
         for prev, cur in zip([None] + rounds[:-1], rounds):
             period = (cur[0] - prev[0]) / 1e6 if prev is not None else None
-            kinds.setdefault((cur[2], cur[2] > 0 or bool(cur[9])), []).append((*cur[4:8], period))
+            kinds.setdefault((cur[2], _holds(prev, cur)), []).append((*cur[4:8], period))
             if prev is not None and prev[2] == 0 and prev[9] and cur[2] > 0:
                 probes.append(cur[4] * 1e3)
     out = [f"{'k':>2s} {'draft holds':>11s} {'rounds':>7s}  draft / target / overhead / wall ms   period ms"]
@@ -48,7 +48,7 @@ def summarize(rows: list) -> list[str]:
     for (k, held), xs in sorted(kinds.items()):
         parts = [med([x[i] * 1e3 for x in xs]) for i in range(4)]
         periods = [x[4] for x in xs if x[4] is not None and x[4] - x[3] * 1e3 < 2.0]   # not across a pause
-        out.append(f"{k:2d} {str(held):>11s} {len(xs):7d}  {parts[0]:.3f} / {parts[1]:.3f} / {parts[2]:.3f} / "
+        out.append(f"{k:2d} {held:>11s} {len(xs):7d}  {parts[0]:.3f} / {parts[1]:.3f} / {parts[2]:.3f} / "
                    f"{parts[3]:.3f}   {med(periods):.3f}")
     if probes:
         probes.sort()
@@ -57,8 +57,9 @@ def summarize(rows: list) -> list[str]:
     model = [r for r in rows if len(r) > 10]        # adaptive k: the model's T(0), T(max k), E(max k)
     if model:
         top = max(r[2] for r in rows)
-        periods = {k: [x[4] for x in xs if x[4] is not None and x[4] - x[3] * 1e3 < 2.0]
-                   for (k, _), xs in kinds.items()}
+        periods: dict[int, list[float]] = {}
+        for (k, _), xs in kinds.items():
+            periods.setdefault(k, []).extend(x[4] for x in xs if x[4] is not None and x[4] - x[3] * 1e3 < 2.0)
         realized = [r[3] + 1 for r in rows if r[2] == top]
         out.append(f"model (median over rounds): T(0) {med([r[10] * 1e3 for r in model]):.3f} ms (period at k=0 "
                    f"{med(periods.get(0, [])):.3f}), T({top}) {med([r[11] * 1e3 for r in model]):.3f} ms "
@@ -67,6 +68,15 @@ def summarize(rows: list) -> list[str]:
                    f"{med([r[12] for r in model if r[2] == top]):.2f} (tokens a k={top} round committed, mean "
                    f"{statistics.mean(realized) if realized else float('nan'):.2f})")
     return out
+
+
+def _holds(prev: list | None, row: list) -> str:
+    """Whether the draft holds the request ("True" / "False"); for a target-only round of a request
+    it holds, "watched" where a watch probe ran beside it (the request's count of them grew)."""
+    if row[2] > 0 or not row[9]:
+        return str(row[2] > 0 or bool(row[9]))
+    grew = len(row) > 14 and row[14] > (prev[14] if prev is not None and len(prev) > 14 else 0)
+    return "watched" if grew else "True"
 
 
 def _kind(row: list) -> str:

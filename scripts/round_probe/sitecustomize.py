@@ -5,7 +5,7 @@ records every request-round the scheduler hands to its streams — the end time
 (``time.monotonic_ns``), the request id, drafts proposed and accepted, the round's draft,
 target, overhead and wall seconds, its batch size and whether the draft holds the request, and
 under adaptive k the cost model's T(0) and T(max k), the request's E(max k) after the round and
-whether the round drafted as a probe (``AdaptiveLoop.probing``) —
+whether the round drafted as a probe (``AdaptiveLoop.probing``) and the request's watch probes so far —
 and appends the rows recorded since the last time to ``<folder>/rounds-<pid>.jsonl`` (one JSON list
 a line) every half second. It wraps ``rounds.scheduler.Scheduler._push_tokens`` once that module is imported.
 (Not SPECSPLIT_* variables: the services refuse environment variables of theirs they do not know.)
@@ -34,7 +34,7 @@ def _wrap(log: list) -> bool:
             model = ()
             if costs is not None and policy is not None:     # adaptive k: what the model believed
                 model = (costs.cost(0), costs.cost(policy.max_k), policy.expected(policy.max_k),
-                         bool(getattr(costs, "probing", False)))
+                         bool(getattr(costs, "probing", False)), live.seq.stats.watch_probes)
             log.append((time.monotonic_ns(), live.seq.request_id, drafted, accepted, timing.draft_s,
                         timing.target_s, timing.overhead_s, timing.wall_s, timing.batch, live.seq.drafting,
                         *model))

@@ -35,3 +35,13 @@ def test_rounds_by_kind_and_by_the_kind_before_per_group():
     assert out[0].startswith("    warm: 2 rounds, D 1.00")
     assert out[1].startswith("  random: 4 rounds, P 0.25 T 0.75") and "PT 1 0.400" in out[1] and "TP 1 1.300" in out[1]
     assert out[2].startswith(" heldout: 4 rounds, D 0.50 T 0.50") and "DT 1 0.400" in out[2] and "DD 1 0.900" in out[2]
+
+
+def test_target_only_rounds_beside_a_watch_probe_are_counted_apart():
+    rt = _module()
+    base = [0, "r", 0, 0, 0.0, 4e-4, 1e-4, 5e-4, 1, True, 4e-4, 9e-4, 1.5, False]
+    rows = [[i * 1_000_000, *base[1:], watches] for i, watches in enumerate((0, 1, 1, 1, 2))]
+    rows.append([0, "k0", 0, 0, 0.0, 4e-4, 0.0, 4e-4, 1, False])              # a k = 0 request the draft never held
+    out = rt.summarize(rows)
+    lines = {tuple(line.split()[:2]): int(line.split()[2]) for line in out[1:] if line.split()[0] == "0"}
+    assert lines == {("0", "False"): 1, ("0", "True"): 3, ("0", "watched"): 2}
