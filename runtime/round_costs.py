@@ -261,8 +261,14 @@ class RoundCosts:
         # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
         # 3.9 us with T(k), E(k), the medians and the best drafting k (adaptive_k.round_k_star) kept
         # between changes.
-        drafting_changes = k_max > 0 or self._prev_k > 0 or not self._periods_measured
-        if drafting_changes:
+        # A target-only round after a target-only one moves T(k > 0) only where that reads a
+        # target-only window: before periods were measured while no drafting verify was timed
+        # (t_verify), or when this round completes the periods (``_cost`` changes formula).
+        # Regression: a loop whose probes are watches on text that never drafts times no steady
+        # drafting round, so its periods stay unmeasured, and every round dropped what was kept
+        # (the policy's host time per round 5x a measured loop's, 2-core CPU).
+        measured = self._periods_measured
+        if k_max > 0 or self._prev_k > 0 or (not measured and not len(self._verify)):
             self._costs.clear()
             self.version += 1
         else:
@@ -304,6 +310,9 @@ class RoundCosts:
         steady = self._drafted_last        # module doc: neither round right after a change of kind is
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
+        if self._periods_measured != measured:
+            self._costs.clear()
+            self.version += 1
         if k_max > 0 and steady:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps: kept whole per k
             # (draft_time), and per draft for t_draft (used while a single k has been timed);
