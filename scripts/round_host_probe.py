@@ -18,9 +18,9 @@ draft's kernels too. ``--host-drafts``: its drafts through the host (``colocated
 ``--no-round-ahead``: no greedy round queued ahead (``graphs.round_ahead`` off; ``--round-ahead``: on,
 on any device, e.g. a CPU profile of the GPU's host path). ``--switch-interval
 S``: the interpreter's thread switch interval for the run.
-With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt``: a
-prompt of seeded random byte tokens (where the bundled model's draft rarely matches: adaptive k
-then runs mostly target-only rounds with the draft holding the request).
+With ``--adaptive``: adaptive k on (spec.adaptive_k, its default probes); ``--random-prompt [SEED:LEN]``:
+a prompt of seeded random byte tokens (with ``1:200`` the bundled model's draft rarely matches: adaptive k
+then runs mostly target-only rounds with the draft holding the request; the default ``0:48`` drafts well).
 Prints tokens/s and the scheduler's round wall / draft / target / overhead per round and the
 steps queued ahead (and the gate's pauses); with --profile N, the scheduler thread's cProfile (top N
 by own time); with --torch-profile N, a Torch profiler pass over the run (GPU busy and host gap
@@ -29,7 +29,7 @@ and the threads that used most of it (a thread busy beside the round loop takes 
 from it).
 
 Usage: python scripts/round_host_probe.py MODEL DEVICE BATCH MAX_TOKENS [--outbox | --late] [--draft DEVICE]
-                                          [--adaptive] [--k K] [--random-prompt] [--profile N] [--torch-profile N]
+                                          [--adaptive] [--k K] [--random-prompt [SEED:LEN]] [--profile N] [--torch-profile N]
                                           [--verify-split] [--draft-profile N]
                                           [--colocated [--host-drafts] [--no-round-ahead | --round-ahead]]
                                           [--switch-interval S] [--host-only]
@@ -71,7 +71,11 @@ from target_service.worker import TargetWorker  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
 
 PROMPT = tuple(range(1, 33))
-RANDOM_PROMPT = tuple(int(x) for x in np.random.default_rng(0).integers(32, 256, 48))
+
+
+def random_prompt(seed: int = 0, n: int = 48) -> tuple[int, ...]:
+    """n seeded random byte tokens (32..255)."""
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(32, 256, n))
 WAIT_S = 120.0
 
 
@@ -223,7 +227,9 @@ def main() -> int:
     ap.add_argument("--draft", default="", metavar="DEVICE")
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--k", type=int, default=None, help="the requests' k (default: 3 with --draft, else 0)")
-    ap.add_argument("--random-prompt", action="store_true")
+    ap.add_argument("--random-prompt", nargs="?", const="0:48", default=None, metavar="SEED:LEN",
+                    help="a prompt of LEN seeded random byte tokens (default 0:48; 1:200 is one the bundled "
+                         "model's draft rarely matches)")
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N")
     ap.add_argument("--verify-split", action="store_true",
                     help="time each target verify in parts: before the host copy's wait, the wait, after")
@@ -310,7 +316,7 @@ def probe(a: argparse.Namespace, draft: Child | None) -> int:
     box = EventOutbox() if a.outbox else None
     reader = _OutboxReader(box) if box is not None else None
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-    prompt = RANDOM_PROMPT if a.random_prompt else PROMPT
+    prompt = random_prompt(*map(int, a.random_prompt.split(":"))) if a.random_prompt else PROMPT
     k = a.k if a.k is not None else (3 if draft or local else 0)
 
     def one(rid: str) -> int:
