@@ -82,17 +82,20 @@ def line_fit(points: dict[int, float]) -> tuple[float, float]:
 
 class Window:
     """The last ``n`` observations, and their median, computed again only after a change (a
-    target-only round changes only its own windows; see ``RoundCosts.observe``)."""
+    target-only round changes only its own windows; see ``RoundCosts.observe``). ``n``: how many
+    it holds (an attribute: the cost model asks it many times a round, ``len`` is a call)."""
 
-    __slots__ = ("_items", "_median")
+    __slots__ = ("_items", "_median", "n")
 
     def __init__(self, n: int, items: tuple[float, ...] | list[float] = ()) -> None:
         self._items: collections.deque[float] = collections.deque(items, maxlen=n)
         self._median: float | None = None
+        self.n = len(self._items)
 
     def append(self, x: float) -> None:
         self._items.append(x)
         self._median = None
+        self.n = len(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -148,9 +151,9 @@ class RoundCosts:
     def t_verify(self) -> float:
         """A drafting round's verify; until one was timed, a target-only round's step (never
         more) or, before anything was timed, the constructor's guess."""
-        if len(self._verify):
+        if self._verify.n:
             return self._verify.median
-        return self._verify0.median if len(self._verify0) else self._verify_guess
+        return self._verify0.median if self._verify0.n else self._verify_guess
 
     @property
     def t_verify0(self) -> float:
@@ -158,15 +161,15 @@ class RoundCosts:
         target-only rounds, else of those right after a drafting round, else a drafting round's,
         which is never less, until one was timed."""
         for w in (self._verify0, self._verify0_after):
-            if len(w):
+            if w.n:
                 return w.median
         return self.t_verify
 
     @property
     def t_round0(self) -> float:
         """A target-only round by its parts: the one-position step and the host work around it."""
-        over = self._overhead0 if len(self._overhead0) else self._overhead0_after
-        return self.t_verify0 + (over.median if len(over) else 0.0)
+        over = self._overhead0 if self._overhead0.n else self._overhead0_after
+        return self.t_verify0 + (over.median if over.n else 0.0)
 
     @property
     def t_draft(self) -> float:
@@ -196,7 +199,7 @@ class RoundCosts:
     @property
     def drafting_measured(self) -> bool:
         """Have enough steady drafting rounds been timed for the cost model?"""
-        return len(self._fixed_spec) >= MIN_PERIODS
+        return self._fixed_spec.n >= MIN_PERIODS
 
     @property
     def last_k(self) -> int:
@@ -207,30 +210,30 @@ class RoundCosts:
     def entry_extra(self) -> float:
         """What a drafting round right after one that did not draft costs beyond T(k) (its catch-up
         carries the skipped pairs; nothing was queued ahead for it): the median, 0 before one was timed."""
-        return self._entry.median if len(self._entry) else 0.0
+        return self._entry.median if self._entry.n else 0.0
 
     @property
     def leave_extra(self) -> float:
         """What a target-only round right after a drafting one costs beyond T(0) (it waits for the round
         that one queued ahead): the median, 0 before one was timed."""
-        return self._leave.median if len(self._leave) else 0.0
+        return self._leave.median if self._leave.n else 0.0
 
     @property
     def target_only_unsteady(self) -> bool:
         """Is T(0) only what target-only rounds right after a drafting one took (their time holds
         what that round left on the device), with the last round target-only? Then the next one,
         if target-only too, gives T(0) its first steady figure."""
-        return self._prev_k == 0 and not len(self._verify0) and len(self._verify0_after) > 0
+        return self._prev_k == 0 and not self._verify0.n and self._verify0_after.n > 0
 
     @property
     def watch_extra(self) -> float | None:
         """What a round that carried a watch probe (runtime.adaptive_k) takes beyond a target-only
         round, T(0); None before one was timed."""
-        return max(self._watched.median - self.cost(0), 0.0) if len(self._watched) else None
+        return max(self._watched.median - self.cost(0), 0.0) if self._watched.n else None
 
     @property
     def _periods_measured(self) -> bool:
-        return len(self._period0) >= MIN_PERIODS and len(self._fixed_spec) >= MIN_PERIODS
+        return self._period0.n >= MIN_PERIODS and self._fixed_spec.n >= MIN_PERIODS
 
     def cost(self, k: int) -> float:
         """T(k) in seconds (``_cost``), kept until an ``observe`` changes what it reads."""
@@ -268,7 +271,7 @@ class RoundCosts:
         # drafting round, so its periods stay unmeasured, and every round dropped what was kept
         # (the policy's host time per round 5x a measured loop's, 2-core CPU).
         measured = self._periods_measured
-        if k_max > 0 or self._prev_k > 0 or (not measured and not len(self._verify)):
+        if k_max > 0 or self._prev_k > 0 or (not measured and not self._verify.n):
             self._costs.clear()
             self.version += 1
         else:
