@@ -1,11 +1,12 @@
 """Adaptive speculation length: how many drafts the requests of a round ask for.
 
 Owns: the per-request acceptance estimates, the loop's acceptance prior for
-new requests, the probe schedule and the choice of the round's k that
+new requests, the probe schedule's state and the choice of the round's k that
 maximizes expected committed tokens per second (the round costs it divides by:
 ``runtime.round_costs``). Pure Python, no frameworks: the round driver asks
-``request_ks`` before each round and reports each request's round back with
-``AdaptiveK.observe`` (and the round's times with ``AdaptiveLoop.observe``).
+``runtime.adaptive_plan`` (``request_ks``, ``round_plan``: the probes below, which
+this doc describes with the model) before each round and reports each request's
+round back with ``AdaptiveK.observe`` (and the round's times with ``AdaptiveLoop.observe``).
 
 Must not know: workers, gRPC, tensors.
 
@@ -333,6 +334,9 @@ class AdaptiveLoop(RoundCosts):
         self.loop = LoopAcceptance()   # new requests' prior (module doc)
         self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
         self.probing = False           # the last round planned drafts only as a probe (k* = 0): queue nothing ahead
+        self.target_only_margin = 0.0  # round_k_star's last rate of target-only over the best drafting k's
+        self.held_for: tuple = ()      # a kept target-only plan (runtime/adaptive_plan.py): what it holds for ...
+        self.held_rounds = 0           # ... and for how many more rounds
 
     @property
     def watch_every(self) -> int:
@@ -387,6 +391,7 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
         # NOTE: a target-only round right after a drafting one is timed with what that round left
         # on the device (a round it queued ahead, runtime/round_ahead.py): one more target-only
         # round gives T(0) its first steady figure (RoundCosts.t_round0) before k* may draft again.
+        costs.target_only_margin = 0.0
         return 0
     queued = costs.last_k > 0 and not costs.probing       # the last round queued this one ahead
     enter = 0.0 if queued else costs.entry_extra / SWITCH_HORIZON
@@ -403,109 +408,5 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
         costs._drafting_best = (key, k_pos, rate_pos)
     leave = costs.leave_extra / SWITCH_HORIZON if queued else 0.0
     rate0 = len(policies) / max(costs.cost(0) + leave, 1e-9)
+    costs.target_only_margin = rate0 / rate_pos if k_pos > 0 else math.inf
     return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
-
-
-def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
-    """k* for a round of these requests (module doc), with a full-k probe after
-    ``costs.probe_every`` rounds that would otherwise not draft."""
-    k = round_k_star(policies, costs)
-    top = max((p.max_k for p in policies), default=0)
-    costs.probing = False
-    if k == 0 and top > 0:
-        if costs.probe_rounds_left > 0:
-            costs.probe_rounds_left -= 1
-            costs.probing = True
-            return top
-        costs.target_only_rounds += 1
-        if costs.target_only_rounds >= costs.probe_every:
-            costs.target_only_rounds = 0
-            costs.probes_in_a_row += 1
-            # NOTE: the probe drafts the full k (a k = 1 round's draft time is mostly the
-            # exchange's fixed part, which charged per draft made every k look too dear), and
-            # for two rounds until steady drafting rounds were measured: the first one's wide
-            # eager catch-up is not observed (module doc). After that one round: its acceptance
-            # is what the probe is for, and the next round's choice already sees it.
-            costs.probe_rounds_left = 0 if costs.drafting_measured else 1
-            costs.probing = True
-            return top
-    else:
-        costs.probe_rounds_left = 0
-        # NOTE: the backoff ends only when measured acceptance says drafting pays, not when a
-        # new request's prior does (the loop's prior, or 0.8 before anything was measured).
-        measured = [p for p in policies if p.measured]
-        if k > 0 and (len(measured) == len(policies)
-                      or _argmax(_rates([(p.expected, p.max_k) for p in measured], costs.cost)) > 0):
-            costs.probes_in_a_row = 0
-    return k
-
-
-def follow_ups(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[AdaptiveK]:
-    """The requests whose last round drafted and, as a round of their own, would have paid: at
-    k* = 0 they draft their k again (a follow-up probe, module doc). A round where the requests F
-    draft and the others do not commits, by F's last results, sum_F (a_i + 1) + (n - |F|) tokens
-    in T(max k_F), against n in T(0); F is every request whose last round drafted, and none while
-    that round would not pay."""
-    last = [p for p in policies if p.last_round is not None and p.max_k > 0]
-    if not last:
-        return []
-    top = max(p.max_k for p in last)
-    tokens = sum(p.last_round[1] + 1 for p in last) + len(policies) - len(last)
-    return last if tokens * costs.cost(0) >= len(policies) * costs.cost(top) else []
-
-
-def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
-    """Each request's drafts this round: min(k*, its k); when k* = 0, a request that has never
-    drafted drafts its own k alone (the newcomer probe), and so do the ones whose last drafting
-    round paid (the follow-up probe, ``follow_ups``; module doc)."""
-    k = choose_round_k(policies, costs)
-    new = [p for p in policies if p.newcomer and not p.measured and p.max_k > 0]
-    for p in policies:
-        p.newcomer = False
-    if k > 0:
-        return [min(k, p.max_k) for p in policies]
-    follow = follow_ups(policies, costs)
-    if not (follow or new):
-        return [0] * len(policies)
-    # NOTE: after choose_round_k, which has counted this round as a target-only one: the probe
-    # restarts the probe clock, and a newcomer probe counts in the backoff like any probe (a
-    # follow-up continues a probe that paid: it does not).
-    costs.target_only_rounds = 0
-    costs.probes_in_a_row += 1 if new else 0
-    costs.probing = True
-    probed = {id(p) for p in follow + new}
-    return [p.max_k if id(p) in probed else 0 for p in policies]
-
-
-def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[bool] | None
-               ) -> tuple[list[int], list[int]]:
-    """(each request's drafts this round, each request's drafts in a watch probe this round).
-
-    ``watchable``: None where some request's drafts cannot be watched (sampled drafts): then,
-    as without ``costs.watch``, this is ``request_ks`` and no watch. Else ``watchable[i]`` is
-    False while a watch of request i still waits for the target's tokens. Probes are then
-    watch probes (module doc): a round at k* = 0 watches every watchable request after
-    ``WATCH_EVERY`` target-only rounds, and a watchable request not yet measured at once."""
-    n = len(policies)
-    if not costs.watch or watchable is None or not costs.watching_pays(max((p.max_k for p in policies), default=0)):
-        return request_ks(policies, costs), [0] * n
-    k = round_k_star(policies, costs)
-    costs.probing = False                  # a round here drafts at k* or not at all
-    for p in policies:
-        p.newcomer = False                 # a newcomer is watched, not drafted
-    if k > 0:
-        costs.rounds_unwatched = costs.watches_in_a_row = 0
-        return [min(k, p.max_k) for p in policies], [0] * n
-    costs.rounds_unwatched += 1
-    floor = costs.watch_floor
-    due = costs.rounds_unwatched >= max(costs.watch_backoff, floor)          # watch_every, floor once
-    # NOTE: a request whose last watch (or round) matched all k is watched again as soon as the
-    # budget allows, whatever the backoff: the loop's backoff comes from the requests before it
-    # (a held-out request after random ones), and its estimate rises one watch at a time.
-    again = costs.rounds_unwatched >= floor
-    watch = [p.max_k if ok and p.max_k > 0 and (due or not p.measured or (again and p.all_accepted)) else 0
-             for p, ok in zip(policies, watchable)]
-    if due or any(watch):
-        costs.rounds_unwatched = 0
-        costs.watches_in_a_row += 1 if due else 0
-    return [0] * n, watch

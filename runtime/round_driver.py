@@ -19,7 +19,8 @@ import numpy as np
 
 from runtime import random_stream
 from runtime.acceptance import truncate_at_stop
-from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, request_ks, round_plan
+from runtime.adaptive_k import AdaptiveK, AdaptiveLoop
+from runtime.adaptive_plan import request_ks, round_plan
 from core.params import SamplingParams
 from runtime.types import (DraftPrefillRequest, PrefillRequest, PrefillResult, Proposal, ProposeRequest,
                            VerifyRequest, VerifyResult)
@@ -324,23 +325,31 @@ def plan_round(seqs: list[Sequence], draft: DraftPort | None, costs: AdaptiveLoo
     """(drafts per request this round, drafts per request in a watch probe this round). With
     ``watch`` and a loop that watches (``costs.watch``), probes are watch probes where every
     adaptive request's drafts are greedy or coupled (``round_plan``); else none is watched."""
-    drafting = [s for s in seqs if draft is not None and s.drafting]
-    adaptive = [s for s in drafting if s.adaptive is not None]
-    chosen: dict[str, int] = {}
-    watched: dict[str, int] = {}
-    if adaptive and costs is not None:
-        policies = [s.adaptive for s in adaptive]
-        if watch and costs.watch and not any(s.params.draft_sampling and not s.params.greedy for s in adaptive):
-            ks, wks = round_plan(policies, costs, [s.watched is None for s in adaptive])
-            watched = {s.request_id: min(w, s.remaining - 1) for s, w in zip(adaptive, wks) if w > 0}
+    # One pass (this runs every round): a request the draft does not hold drafts 0, one without a
+    # policy its k, an adaptive one what the policy plans (at most its k); all at most remaining - 1.
+    out: dict[str, int] = {}
+    adaptive: list[Sequence] = []
+    for s in seqs:
+        if draft is None or not s.drafting:
+            out[s.request_id] = 0
+        elif s.adaptive is None or costs is None:
+            out[s.request_id] = max(0, min(s.k, s.remaining - 1))
         else:
-            ks = request_ks(policies, costs)
-        chosen = {s.request_id: min(k, s.k) for s, k in zip(adaptive, ks)}
-    out = {s.request_id: 0 for s in seqs}
-    for s in drafting:
-        k = chosen.get(s.request_id, s.k)
-        out[s.request_id] = max(0, min(k, s.remaining - 1))
-    return out, {rid: w for rid, w in watched.items() if w > 0 and out[rid] == 0}
+            out[s.request_id] = 0
+            adaptive.append(s)
+    if not adaptive:
+        return out, {}
+    policies = [s.adaptive for s in adaptive]
+    watched: dict[str, int] = {}
+    if watch and costs.watch and not any(s.params.draft_sampling and not s.params.greedy for s in adaptive):
+        ks, wks = round_plan(policies, costs, [s.watched is None for s in adaptive])
+    else:
+        ks, wks = request_ks(policies, costs), None
+    for i, s in enumerate(adaptive):
+        k = out[s.request_id] = max(0, min(ks[i], s.k, s.remaining - 1))
+        if wks is not None and wks[i] > 0 and k == 0 and s.remaining > 1:
+            watched[s.request_id] = min(wks[i], s.remaining - 1)
+    return out, watched
 
 
 def run_round(target: TargetPort, draft: DraftPort | None, seqs: list[Sequence],

@@ -13,7 +13,7 @@ for the first draft and (1 - decl) for the third; held-out requests alternate
 easy (0.75-0.92) and hard (0.4-0.6) stretches, random ones sit at
 ``--random-rate`` (default 0.03-0.15).
 
-It drives ``runtime.adaptive_k`` (``--code DIR``: another checkout's, e.g. a
+It drives ``runtime.adaptive_k`` and ``runtime.adaptive_plan`` (``--code DIR``: another checkout's, e.g. a
 ``git worktree`` of the previous commit) exactly as the round driver does:
 ``request_ks`` (or ``choose_round_k`` where a checkout has no
 ``request_ks``), ``AdaptiveLoop.observe`` (``RoundCosts`` before it) and ``AdaptiveK.observe``. No
@@ -38,6 +38,7 @@ import importlib
 import os
 import statistics
 import sys
+import types
 
 import numpy as np
 
@@ -48,7 +49,12 @@ def load(code: str):
     """The checkout's ``runtime.adaptive_k`` (and whatever of its ``runtime`` it imports): the
     checkout first on the path, before anything of ``runtime`` was imported."""
     sys.path.insert(0, os.path.abspath(code))
-    return importlib.import_module("runtime.adaptive_k")
+    mod = importlib.import_module("runtime.adaptive_k")
+    try:                                      # the round's plan in a module of its own since session 33
+        plan = importlib.import_module("runtime.adaptive_plan")
+    except ModuleNotFoundError:
+        return mod
+    return types.SimpleNamespace(**{**vars(mod), **vars(plan)})
 
 
 def draws(rng, a: float, k: int, decl: float) -> int:

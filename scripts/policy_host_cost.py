@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.adaptive_k import AdaptiveLoop, round_plan  # noqa: E402
+from runtime.adaptive_k import AdaptiveLoop  # noqa: E402
+from runtime.adaptive_plan import round_plan  # noqa: E402
 
 ROUNDS, WARM = 20_000, 2_000
 

@@ -12,7 +12,8 @@ import pytest
 
 from core.params import SamplingParams
 from runtime.adaptive_k import (PROBE_BACKOFF_MAX, PROBE_BUDGET, PROBE_EVERY, SWITCH_HORIZON, AdaptiveK,
-                                AdaptiveLoop, choose_round_k, request_ks, round_k_star)
+                                AdaptiveLoop, round_k_star)
+from runtime.adaptive_plan import choose_round_k, request_ks
 
 
 def test_a_target_only_round_right_after_a_drafting_one_is_not_steady_time():

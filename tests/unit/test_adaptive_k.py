@@ -11,8 +11,8 @@ import pytest
 from core.params import SamplingParams
 from runtime.adaptive_k import (PRIOR_ACCEPTANCE, PROBE_BACKOFF_MAX, PROBE_EVERY, SWITCH_HORIZON,
                                 WATCH_BACKOFF_MAX, WATCH_BUDGET, WATCH_EVERY, AdaptiveK, AdaptiveLoop, best_k,
-                                best_round_k, choose_round_k, expected_tokens, follow_ups, request_ks, round_k_star,
-                                round_plan, _argmax, _rates)
+                                best_round_k, expected_tokens, round_k_star, _argmax, _rates)
+from runtime.adaptive_plan import choose_round_k, follow_ups, request_ks, round_plan
 from runtime.round_costs import RoundCosts, line_fit, round_cost
 from runtime.round_driver import Sequence, judge_watch, plan_round, round_ks
 
