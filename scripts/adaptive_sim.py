@@ -50,10 +50,11 @@ def load(code: str):
     checkout first on the path, before anything of ``runtime`` was imported."""
     sys.path.insert(0, os.path.abspath(code))
     mod = importlib.import_module("runtime.adaptive_k")
-    try:                                      # the round's plan in a module of its own since session 33
-        plan = importlib.import_module("runtime.adaptive_plan")
-    except ModuleNotFoundError:
+    # The round's plan is a module of its own since session 33 (looked for in the checkout itself:
+    # ``runtime`` is a namespace package, which would find this tree's too).
+    if not os.path.exists(os.path.join(code, "runtime", "adaptive_plan.py")):
         return mod
+    plan = importlib.import_module("runtime.adaptive_plan")
     return types.SimpleNamespace(**{**vars(mod), **vars(plan)})
 
 
