@@ -13,7 +13,8 @@ up at once, each prompt sent through every column in turn (``--repeats``
 times). It prints each cell's median tokens/s (its requests' tokens over their
 summed time), the acceptance, each adaptive column over the best fixed k and
 over target-only, each adaptive column over the best fixed k paired prompt by prompt
-(``paired_ratio``), whether every output equals target-only, and per cell the
+(``paired_ratio``, with a 90 % bootstrap interval over the prompts: ``paired_interval``),
+whether every output equals target-only, and per cell the
 round split and each adaptive column's share of rounds at each k.
 
 Issue 10's goal: on the mix, adaptive >= the best fixed k; on prompts where
@@ -81,14 +82,33 @@ def _request(address: str, metrics_port: int, prompt: str, max_tokens: int, k: i
             "output": result.tokens, "counters": {key: m1[key] - m0.get(key, 0.0) for key in m1}}
 
 
+def _paired_logs(cells: list[dict], best: list[dict]) -> np.ndarray:
+    """log(best's tokens/s / the column's) per prompt of every repeat (``paired_ratio``)."""
+    return np.asarray([np.log((tb / sb) / (ta / sa)) for cell, ref in zip(cells, best)
+                       for (ta, sa), (tb, sb) in zip(cell["requests"], ref["requests"])
+                       if sa > 0 and sb > 0 and ta and tb], dtype=np.float64)
+
+
 def paired_ratio(cells: list[dict], best: list[dict]) -> float:
     """Geometric mean, over every prompt of every repeat, of a column's tokens/s over the best
     fixed k's on the same prompt (its request ran next to it in time): ``cells`` and ``best``
     are one set's cells of the two columns, a cell per repeat (``_cell``). What a shared host's
     slow stretches move little, where the cells' medians of summed times move with them."""
-    logs = [np.log((tb / sb) / (ta / sa)) for cell, ref in zip(cells, best)
-            for (ta, sa), (tb, sb) in zip(cell["requests"], ref["requests"]) if sa > 0 and sb > 0 and ta and tb]
-    return float(np.exp(-np.mean(logs))) if logs else 0.0
+    logs = _paired_logs(cells, best)
+    return float(np.exp(-np.mean(logs))) if len(logs) else 0.0
+
+
+def paired_interval(cells: list[dict], best: list[dict], level: float = 0.9, draws: int = 4000) -> tuple[float, float]:
+    """A ``level`` bootstrap interval of ``paired_ratio``: its prompts resampled with replacement
+    (seeded: the same cells give the same interval). Whether a run's ratio tells 0.96 from 1.0:
+    prompts differ in how adaptive k fares on them, and timings move from run to run (on an
+    H100, the same code's ratio moved by 0.04-0.07 between two runs). (0, 0) without prompts."""
+    logs = _paired_logs(cells, best)
+    if not len(logs):
+        return 0.0, 0.0
+    means = np.random.default_rng(0).choice(logs, size=(draws, len(logs)), replace=True).mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(np.exp(-hi)), float(np.exp(-lo))
 
 
 def _cell(requests: list[dict]) -> dict:
@@ -171,6 +191,8 @@ def main(args) -> int:
                         for c in adaptive_cols for ref, col in (("best_fixed", best), ("target_only", "k=0"))},
                      **{f"{c}_paired_over_best_fixed": round(paired_ratio(by_col[c], by_col[best]), 3)
                         for c in adaptive_cols},
+                     **{f"{c}_paired_interval_90": [round(x, 3) for x in paired_interval(by_col[c], by_col[best])]
+                        for c in adaptive_cols},
                      "identical": ref is not None and all(v["outputs"] == ref for v in row.values()),
                      "round_ms": {c: v["round_ms"] for c, v in row.items()},
                      **{f"{c}_ks": row[c]["ks"] for c in adaptive_cols}})
@@ -185,11 +207,12 @@ def main(args) -> int:
           f"prompts x {args.max_tokens} tokens per set, median tokens/s of {repeats} interleaved repeats"
           f"{' (fresh stacks each)' if fresh else ''} (acceptance)")
     cols = columns
-    ratios = " ".join(f"{c + '/best':>15s} {'paired':>6s} {c + '/k=0':>14s}" for c in adaptive_cols)
+    ratios = " ".join(f"{c + '/best':>15s} {'paired (90 %)':>18s} {c + '/k=0':>14s}" for c in adaptive_cols)
     print(f"{'prompts':>8s} " + " ".join(f"{c:>15s}" for c in cols) + f" {ratios} identical")
     for r in rows:
         vals = " ".join(f"{r[c]:8.1f} ({r.get(f'accept {c}', 0):.2f})" if c != "k=0" else f"{r[c]:15.1f}" for c in cols)
         rs = " ".join(f"{r[f'{c}_over_best_fixed']:15.2f} {r[f'{c}_paired_over_best_fixed']:6.2f} "
+                      f"({r[f'{c}_paired_interval_90'][0]:.2f}-{r[f'{c}_paired_interval_90'][1]:.2f}) "
                       f"{r[f'{c}_over_target_only']:14.2f}" for c in adaptive_cols)
         print(f"{r['prompts']:>8s} {vals} {rs} {str(r['identical']):>9s}   (best fixed: {r['best_fixed']})")
     print("per round, ms (draft / target / overhead = total), and each adaptive column's share of rounds at each k:")

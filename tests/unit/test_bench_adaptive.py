@@ -1,11 +1,13 @@
 """bench adaptive's pure functions: the share of rounds at each k from the orchestrator's counters,
-and a column over the best fixed k paired prompt by prompt."""
+and a column over the best fixed k paired prompt by prompt, with its interval."""
 
 from __future__ import annotations
 
 import math
 
-from bench.adaptive import paired_ratio, round_mix
+import pytest
+
+from bench.adaptive import paired_interval, paired_ratio, round_mix
 
 
 def test_round_mix_counts_rounds_at_each_k_from_position_counters():
@@ -25,3 +27,14 @@ def test_paired_ratio_is_the_geometric_mean_of_the_prompts_ratios():
     faster = [{"requests": [(100, s / 2) for _, s in c["requests"]]} for c in best]
     assert math.isclose(paired_ratio(faster, best), 2.0)
     assert paired_ratio([], []) == 0.0
+
+
+def test_paired_interval_holds_the_ratio_and_narrows_with_agreeing_prompts():
+    best = [{"requests": [(100, 0.10)] * 8}]
+    spread = [{"requests": [(100, 0.10 * f) for f in (0.9, 1.0, 1.1, 1.2, 0.95, 1.05, 1.15, 1.0)]}]
+    lo, hi = paired_interval(spread, best)
+    assert lo < paired_ratio(spread, best) < hi and lo < 1.0 < hi          # 0.96: not told from 1.0
+    steady = [{"requests": [(100, 0.10 / 0.9)] * 8}]                       # every prompt 0.9
+    assert paired_interval(steady, best) == pytest.approx((0.9, 0.9))
+    assert paired_interval(spread, best) == (lo, hi)                       # seeded: the same cells, the same interval
+    assert paired_interval([], []) == (0.0, 0.0)
