@@ -332,10 +332,10 @@ class AdaptiveLoop(RoundCosts):
         self.probe_rounds_left = 0     # full-k rounds still owed to the probe under way
         self.probes_in_a_row = 0       # probes since measured acceptance last said drafting pays
         self.loop = LoopAcceptance()   # new requests' prior (module doc)
-        self._drafting_best: tuple[tuple, int, float] | None = None    # (key, k, rate): round_k_star
+        self._drafting_best: tuple[tuple, int, float, float] | None = None  # (key, k, rate, next best rate)
         self.probing = False           # the last round planned drafts only as a probe (k* = 0): queue nothing ahead
-        self.target_only_margin = 0.0  # round_k_star's last rate of target-only over the best drafting k's
-        self.held_for: tuple = ()      # a kept target-only plan (runtime/adaptive_plan.py): what it holds for ...
+        self.k_star_margin = 0.0       # round_k_star's last: the chosen k's rate over the best other k's
+        self.held_for: tuple = ()      # a kept plan (runtime/adaptive_plan.py): what it holds for ...
         self.held_rounds = 0           # ... and for how many more rounds
 
     @property
@@ -391,22 +391,26 @@ def round_k_star(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
         # NOTE: a target-only round right after a drafting one is timed with what that round left
         # on the device (a round it queued ahead, runtime/round_ahead.py): one more target-only
         # round gives T(0) its first steady figure (RoundCosts.t_round0) before k* may draft again.
-        costs.target_only_margin = 0.0
+        costs.k_star_margin = 0.0
         return 0
     queued = costs.last_k > 0 and not costs.probing       # the last round queued this one ahead
     enter = 0.0 if queued else costs.entry_extra / SWITCH_HORIZON
     key = (costs.version, queued, tuple(p._stamp for p in policies))
     cached = costs._drafting_best
     if cached is not None and cached[0] == key:
-        k_pos, rate_pos = cached[1], cached[2]
+        k_pos, rate_pos, rate_next = cached[1], cached[2], cached[3]
     else:
         rates = _rates([(p.expected, p.max_k) for p in policies], lambda k: costs.cost(k) + enter)
         k_pos, rate_pos = 0, -1.0
         for k in range(1, len(rates)):                # _argmax's rule, among k >= 1
             if rates[k] > rate_pos * (1 + 1e-9):
                 k_pos, rate_pos = k, rates[k]
-        costs._drafting_best = (key, k_pos, rate_pos)
+        rate_next = max((rates[k] for k in range(1, len(rates)) if k != k_pos), default=0.0)
+        costs._drafting_best = (key, k_pos, rate_pos, rate_next)
     leave = costs.leave_extra / SWITCH_HORIZON if queued else 0.0
     rate0 = len(policies) / max(costs.cost(0) + leave, 1e-9)
-    costs.target_only_margin = rate0 / rate_pos if k_pos > 0 else math.inf
-    return k_pos if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9) else 0
+    if k_pos > 0 and rate_pos > rate0 * (1 + 1e-9):
+        costs.k_star_margin = rate_pos / max(rate_next, rate0)
+        return k_pos
+    costs.k_star_margin = rate0 / rate_pos if k_pos > 0 else math.inf
+    return 0

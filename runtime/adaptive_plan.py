@@ -3,21 +3,32 @@
 Owns: the per-round decisions on top of the model of ``runtime.adaptive_k`` (k*, its
 estimates and the loop's schedule state live there, with the whole model in its module doc):
 the periodic probe (``choose_round_k``), newcomer and follow-up probes (``request_ks``,
-``follow_ups``), watch probes (``round_plan``), and the hold of a target-only plan.
+``follow_ups``), watch probes (``round_plan``), and the hold of a plan.
 
 Must not know: workers, gRPC, tensors.
 
-The hold (``HOLD_ROUNDS``): a plan of target-only rounds is kept for up to ``HOLD_ROUNDS``
-more rounds of the same requests while nothing it was made of changes — no request's
-estimates (their stamps), no drafting cost (``costs.version``; a target-only round changes
-only T(0)) — when target-only won by ``HOLD_MARGIN`` or more (``target_only_margin``) and no
-probe or watch is due before it ends. A kept round only advances the probe clock (or the
-watch clock) as the full plan would. What it skips is the plan's host work: on the 2-core CPU
-a target-only round's planning took ~50 us in the served loop against ~5 for a k = 0 request
-(docs/performance.md § Session 33), and on a GPU host that is a share of a target-only round
-(~0.45 ms on an H100) where drafting never pays. What it gives up: T(0) moving by more than the
-margin, or a probe or watch interval shrinking with it, is seen up to ``HOLD_ROUNDS`` rounds
-later; a request's tokens never depend on its k.
+The hold: a plan made by k* (not a probe) is kept for the next rounds of the same requests
+where those rounds' full plans would most likely be the same, and a kept round does to the
+loop's clocks what its plan's round did. What it skips is the plan's host work: on the 2-core
+CPU a target-only round's planning took ~50 us in the served loop against ~5 for a k = 0
+request, and an adaptive drafting round's scheduler and round driver ~80 us more than a fixed-k
+one's (docs/performance.md § Session 33); on an H100 host that is a share of a 0.45 ms
+target-only or 0.8 ms drafting round.
+- Target-only (``HOLD_ROUNDS``): kept while nothing it was made of changes — no request's
+  estimates (their stamps), no drafting cost (``costs.version``; a target-only round changes only
+  T(0)) — where target-only won by ``HOLD_MARGIN`` (``k_star_margin``) and no probe or watch
+  falls due before it ends. What it gives up: T(0) moving by more than the margin, or a probe or
+  watch interval shrinking with it, is seen up to ``HOLD_ROUNDS`` rounds later.
+- Drafting (``DRAFT_HOLD_ROUNDS``): every drafting round moves the estimates, so this one holds
+  on a margin instead: k* beat every other k by ``DRAFT_HOLD_MARGIN``, every request's first
+  position has ``HOLD_TRIALS`` (weighted) trials, and each kept round's request accepted at
+  least one draft (a round that accepts none, which moves E(k) most, ends the hold). A round
+  that accepts some moves a steady request's E(k) by a few per cent (one c_j falls by a tenth
+  at most), so two rounds cannot undo a 15 % lead on their own; round times moving by more can.
+In seeded tests of 400 rounds (acceptance 0 to 0.95, round times moving by ±10 %, drafting and
+watch probes) every round's k and watch were the same with the hold as without
+(``tests/unit/test_adaptive_plan.py``).
+A request's tokens never depend on its k.
 """
 
 from __future__ import annotations
@@ -26,33 +37,56 @@ from runtime.adaptive_k import AdaptiveK, AdaptiveLoop, _argmax, _rates, round_k
 
 HOLD_ROUNDS = 4              # target-only rounds a target-only plan is kept for, at most (module doc) ...
 HOLD_MARGIN = 0.05           # ... when target-only beat the best drafting k by this share or more
+DRAFT_HOLD_ROUNDS = 2        # drafting rounds a drafting plan is kept for, at most (module doc) ...
+DRAFT_HOLD_MARGIN = 0.15     # ... when its k beat every other k by this share or more ...
+HOLD_TRIALS = 8.0            # ... and every request's first draft position was tested this much (weighted)
 
 
-def _held(policies: list[AdaptiveK], costs: AdaptiveLoop) -> bool:
-    """Whether this round keeps the last target-only plan (module doc); a kept round advances the
-    clock its plan would have: the watch clock where watches were the probes, else the probe clock."""
+def _held(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int] | None:
+    """This round's drafts where it keeps the last plan (module doc), else None. A kept round does
+    to the loop's clocks what its plan's round did: a target-only one advances the watch clock
+    (watches were the probes) or the probe clock; a drafting one restarts them."""
     if costs.held_rounds <= 0:
-        return False
-    if costs.held_for[:2] != (costs.version, tuple(p._stamp for p in policies)):
+        return None
+    drafting, key, watches, ks = costs.held_for
+    if drafting:
+        same = key == tuple(id(p) for p in policies) and all(
+            not p.newcomer and p.last_round is not None and p.last_round[1] > 0 for p in policies)
+    else:
+        same = key == (costs.version, tuple(p._stamp for p in policies))
+    if not same:
         costs.held_rounds = 0
-        return False
+        return None
     costs.held_rounds -= 1
     costs.probing = False
-    if costs.held_for[2]:
+    if drafting and watches:
+        costs.rounds_unwatched = costs.watches_in_a_row = 0
+    elif drafting:
+        costs.probe_rounds_left = costs.probes_in_a_row = 0
+    elif watches:
         costs.rounds_unwatched += 1
     else:
         costs.target_only_rounds += 1
-    return True
+    return ks
 
 
-def _hold(policies: list[AdaptiveK], costs: AdaptiveLoop, before_due: int, watches: bool) -> None:
-    """Keep this round's target-only plan for the next rounds (module doc): at most ``HOLD_ROUNDS``
-    and ``before_due`` (rounds before a probe or watch would be due), where target-only won by
-    ``HOLD_MARGIN``. ``watches``: the plan's probes are watches (``round_plan``)."""
-    rounds = min(HOLD_ROUNDS, before_due) if costs.target_only_margin >= 1.0 + HOLD_MARGIN else 0
+def _hold(policies: list[AdaptiveK], costs: AdaptiveLoop, ks: list[int], before_due: int, watches: bool) -> None:
+    """Keep this round's plan ``ks`` (made by k*, not a probe) for the next rounds (module doc):
+    target-only for at most ``HOLD_ROUNDS`` and ``before_due`` (rounds before a probe or watch
+    would be due) where it won by ``HOLD_MARGIN``; drafting for at most ``DRAFT_HOLD_ROUNDS`` where
+    it won by ``DRAFT_HOLD_MARGIN`` and every estimate has ``HOLD_TRIALS``. ``watches``: the plan's
+    probes are watches (``round_plan``)."""
+    drafting = any(ks)
+    if drafting:
+        steady = all(not p.newcomer and p.pos_trials and p.pos_trials[0] >= HOLD_TRIALS for p in policies)
+        rounds = DRAFT_HOLD_ROUNDS if steady and costs.k_star_margin >= 1.0 + DRAFT_HOLD_MARGIN else 0
+        key: tuple = tuple(id(p) for p in policies)
+    else:
+        rounds = min(HOLD_ROUNDS, before_due) if costs.k_star_margin >= 1.0 + HOLD_MARGIN else 0
+        key = (costs.version, tuple(p._stamp for p in policies))
     costs.held_rounds = rounds
     if rounds > 0:
-        costs.held_for = (costs.version, tuple(p._stamp for p in policies), watches)
+        costs.held_for = (drafting, key, watches, ks)
 
 
 def choose_round_k(policies: list[AdaptiveK], costs: AdaptiveLoop) -> int:
@@ -107,19 +141,24 @@ def request_ks(policies: list[AdaptiveK], costs: AdaptiveLoop) -> list[int]:
     """Each request's drafts this round: min(k*, its k); when k* = 0, a request that has never
     drafted drafts its own k alone (the newcomer probe), and so do the ones whose last drafting
     round paid (the follow-up probe, ``follow_ups``; module doc)."""
-    if _held(policies, costs):
-        return [0] * len(policies)
+    kept = _held(policies, costs)
+    if kept is not None:
+        return kept
     k = choose_round_k(policies, costs)
     new = [p for p in policies if p.newcomer and not p.measured and p.max_k > 0]
     for p in policies:
         p.newcomer = False
     if k > 0:
-        return [min(k, p.max_k) for p in policies]
+        ks = [min(k, p.max_k) for p in policies]
+        if not costs.probing:
+            _hold(policies, costs, ks, DRAFT_HOLD_ROUNDS, watches=False)
+        return ks
     follow = follow_ups(policies, costs)
     if not (follow or new):
         # choose_round_k probes once the probe clock (counted up this round) reaches probe_every
-        _hold(policies, costs, costs.probe_every - costs.target_only_rounds - 1, watches=False)
-        return [0] * len(policies)
+        ks = [0] * len(policies)
+        _hold(policies, costs, ks, costs.probe_every - costs.target_only_rounds - 1, watches=False)
+        return ks
     # NOTE: after choose_round_k, which has counted this round as a target-only one: the probe
     # restarts the probe clock, and a newcomer probe counts in the backoff like any probe (a
     # follow-up continues a probe that paid: it does not).
@@ -140,8 +179,9 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
     watch probes (module doc): a round at k* = 0 watches every watchable request after
     ``WATCH_EVERY`` target-only rounds, and a watchable request not yet measured at once."""
     n = len(policies)
-    if costs.held_rounds > 0 and _held(policies, costs):
-        return [0] * n, [0] * n
+    kept = _held(policies, costs) if costs.held_rounds > 0 else None
+    if kept is not None:
+        return kept, [0] * n
     if not costs.watch or watchable is None or not costs.watching_pays(max((p.max_k for p in policies), default=0)):
         return request_ks(policies, costs), [0] * n
     k = round_k_star(policies, costs)
@@ -150,7 +190,9 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
         p.newcomer = False                 # a newcomer is watched, not drafted
     if k > 0:
         costs.rounds_unwatched = costs.watches_in_a_row = 0
-        return [min(k, p.max_k) for p in policies], [0] * n
+        ks = [min(k, p.max_k) for p in policies]
+        _hold(policies, costs, ks, DRAFT_HOLD_ROUNDS, watches=True)
+        return ks, [0] * n
     costs.rounds_unwatched += 1
     floor = costs.watch_floor
     due = costs.rounds_unwatched >= max(costs.watch_backoff, floor)          # watch_every, floor once
@@ -169,5 +211,5 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
         at = max(costs.watch_backoff, floor)
         if any(ok and p.all_accepted and p.max_k > 0 for p, ok in zip(policies, watchable)):
             at = floor
-        _hold(policies, costs, at - costs.rounds_unwatched - 1, watches=True)
+        _hold(policies, costs, [0] * n, at - costs.rounds_unwatched - 1, watches=True)
     return [0] * n, watch

@@ -369,7 +369,7 @@ def test_kept_costs_and_expectations_equal_fresh_ones():
         assert round_k_star(pols, costs) == want, i
         if len(fresh_rates) > 1 and not costs.target_only_unsteady:     # the kept best drafting k and its rate
             best = max(range(1, len(fresh_rates)), key=lambda k: (fresh_rates[k], -k))
-            assert costs._drafting_best[1:] == (best, fresh_rates[best]), i
+            assert costs._drafting_best[1:3] == (best, fresh_rates[best]), i
         k = max(ks)
         rate = 0.9 if (i // 50) % 2 == 0 else 0.1
         for p, kp in zip(pols, ks):
