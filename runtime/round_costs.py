@@ -139,7 +139,7 @@ class RoundCosts:
         self._last_start: float | None = None
         self._last_batch: frozenset[str] | None = None
         self._prev_k, self._prev_steady, self._prev_draft = 0, False, 0.0
-        self._prev_after = False                             # the previous round: target-only right after a drafting one
+        self._prev_after = False          # the previous round: target-only right after a drafting one
         self._prev_watched = False
         self._prev_parts = 0.0                              # the previous round's verify + everything else
         self._watched = Window(self.WINDOW)                # what rounds that carried a watch took
