@@ -66,15 +66,33 @@ def draws(rng, a: float, k: int, decl: float) -> int:
     return acc
 
 
+PLANS = [0]        # full plans so far (round_k_star calls, counted by ``count_plans``)
+
+
+def count_plans() -> None:
+    """Count the checkout's full plans: its ``round_k_star`` as its round's plan calls it (in
+    ``runtime.adaptive_plan`` where the checkout has one, else in ``runtime.adaptive_k``)."""
+    owner = sys.modules.get("runtime.adaptive_plan") or sys.modules["runtime.adaptive_k"]
+    k_star = owner.round_k_star
+
+    def counted(*args, **kwargs):
+        PLANS[0] += 1
+        return k_star(*args, **kwargs)
+
+    owner.round_k_star = counted
+
+
 def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int = 64, k_req: int = 3,
         regime: tuple[float, float, float, float] = (T0, FIXED, TD, VERIFY), watch: float | None = None,
-        entry: float = 0.0, leave: float = 0.0) -> dict:
+        entry: float = 0.0, leave: float = 0.0, plan_host: float = 0.0) -> dict:
     """tokens/s per set for one policy (an int: fixed k; "adaptive": mod's). ``watch``: watch probes
     on (``round_plan``), each costing its target-only round that many seconds more; ``entry``: what a
     drafting round right after one that did not draft costs more (nothing queued ahead for it);
     ``leave``: what a target-only round right after a drafting one costs more (the round that one
     queued ahead still runs on the device first); a probe's round (``AdaptiveLoop.probing``) queues
-    none, so the round after it pays no ``leave`` and, if it drafts, the ``entry``."""
+    none, so the round after it pays no ``leave`` and, if it drafts, the ``entry``; ``plan_host``:
+    what a round whose plan ran in full (``count_plans``) costs more on the host than one that
+    kept the last plan (runtime/adaptive_plan.py's holds) or a fixed k's."""
     t0, fixed, td, verify = regime
     rng = np.random.default_rng(seed)
     costs = getattr(mod, "AdaptiveLoop", getattr(mod, "RoundCosts", None))() if policy == "adaptive" else None
@@ -89,7 +107,7 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
             out, pending, hard, watched = 1, 1, False, None    # watched: [k, accepted, tokens until known]
             queued = False               # did the request's last round queue the next one ahead (it drafted, no probe)?
             while out < max_tokens:
-                wk = 0
+                wk, plans = 0, PLANS[0]
                 if costs is None:
                     k = policy
                 elif watch is not None:
@@ -117,6 +135,8 @@ def run(policy, mod, sets, seed: int, wide: float, decl: float, max_tokens: int 
                     draft_s = (td * k + (wide if pending > CAPTURED else 0.0)) * noise
                     dur = fixed * noise + draft_s + (entry if not queued else 0.0)
                     verify_s, over, pending = verify, dur - draft_s - verify, 0
+                if PLANS[0] > plans:                # the plan ran in full: its host time is the round's
+                    dur, over = dur + plan_host, over + plan_host
                 if costs is not None:
                     if wk > 0:
                         costs.observe(k, draft_s, verify_s, over, started=t, watched=True)
@@ -162,8 +182,12 @@ def main() -> int:
                          "ahead for the drafting loop still runs on the device first)")
     ap.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                     help="watch probes on (runtime.adaptive_k.round_plan), each adding SECONDS to its round")
+    ap.add_argument("--plan-host", type=float, default=0.0, metavar="SECONDS",
+                    help="a round whose plan ran in full (not kept: runtime/adaptive_plan.py) costs this much "
+                         "more on the host")
     args = ap.parse_args()
     mod = load(args.code)
+    count_plans()
     rates: dict[str, dict[str, list[float]]] = {}
     for seed in range(args.seeds):
         rng = np.random.default_rng(1000 + seed)
@@ -175,7 +199,7 @@ def main() -> int:
         for p in (0, 1, 2, 3, "adaptive"):
             for name, r in run(p, mod, sets, seed, args.wide, args.decl, max_tokens=args.max_tokens,
                                regime=tuple(args.regime), watch=args.watch, entry=args.entry,
-                               leave=args.leave).items():
+                               leave=args.leave, plan_host=args.plan_host).items():
                 rates.setdefault(name.split("#")[0], {}).setdefault(f"k={p}" if p != "adaptive" else p, []).append(r)
     print(f"adaptive_sim: {args.code}, {args.seeds} seeds, wide={args.wide}, decl={args.decl}; tokens/s")
     for name in ("heldout", "random", "mix"):
