@@ -179,7 +179,7 @@ def round_plan(policies: list[AdaptiveK], costs: AdaptiveLoop, watchable: list[b
     watch probes (module doc): a round at k* = 0 watches every watchable request after
     ``WATCH_EVERY`` target-only rounds, and a watchable request not yet measured at once."""
     n = len(policies)
-    kept = _held(policies, costs) if costs.held_rounds > 0 else None
+    kept = _held(policies, costs)
     if kept is not None:
         return kept, [0] * n
     if not costs.watch or watchable is None or not costs.watching_pays(max((p.max_k for p in policies), default=0)):

@@ -256,26 +256,7 @@ class RoundCosts:
         when it started (perf_counter seconds), for the start-to-start period of the round before;
         ``batch``: its requests' ids; ``watched``: a target-only round that carried a watch probe
         (runtime.adaptive_k), whose time is neither kind's and feeds no estimate."""
-        # NOTE: what ``cost`` keeps, dropped before anything it reads changes: a target-only
-        # round between target-only rounds changes only T(0) once periods are measured (its
-        # verify goes to the target-only window, which T(0) alone reads). Why keep anything: on the
-        # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
-        # rounds' in one run, ~8 % of a target-only round; the policy's host time per
-        # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
-        # 3.9 us with T(k), E(k), the medians and the best drafting k (adaptive_k.round_k_star) kept
-        # between changes.
-        # A target-only round after a target-only one moves T(k > 0) only where that reads a
-        # target-only window: before periods were measured while no drafting verify was timed
-        # (t_verify), or when this round completes the periods (``_cost`` changes formula).
-        # Regression: a loop whose probes are watches on text that never drafts times no steady
-        # drafting round, so its periods stay unmeasured, and every round dropped what was kept
-        # (the policy's host time per round 5x a measured loop's, 2-core CPU).
-        measured = self._periods_measured
-        if k_max > 0 or self._prev_k > 0 or (not measured and not self._verify.n):
-            self._costs.clear()
-            self.version += 1
-        else:
-            self._costs.pop(0, None)
+        measured = self._periods_measured           # before this round (the kept costs, below)
         prev_start, prev_k, self._last_start = self._last_start, self._prev_k, started
         prev_batch, self._last_batch = self._last_batch, batch
         prev_watched, self._prev_watched = self._prev_watched, watched
@@ -313,9 +294,6 @@ class RoundCosts:
         steady = self._drafted_last        # module doc: neither round right after a change of kind is
         self._drafted_last = k_max > 0
         self._prev_steady, self._prev_draft = k_max > 0 and steady, draft_s
-        if self._periods_measured != measured:
-            self._costs.clear()
-            self.version += 1
         if k_max > 0 and steady:
             # NOTE: a round's draft time is one catch-up pass plus k-1 substeps: kept whole per k
             # (draft_time), and per draft for t_draft (used while a single k has been timed);
@@ -327,6 +305,25 @@ class RoundCosts:
                 self._draft_median[k_max] = statistics.median(by_k)
                 self._line = None
             self._exchange.append(overhead_s)
+        # NOTE: what ``cost`` keeps, dropped once anything it reads changed: a target-only
+        # round between target-only rounds changes only T(0) once periods are measured (its
+        # verify goes to the target-only window, which T(0) alone reads). Why keep anything: on the
+        # H200 host, adaptive rounds' overhead (k = 0 and k = 3 alike) was ~60 us above fixed-k
+        # rounds' in one run, ~8 % of a target-only round; the policy's host time per
+        # target-only round (request_ks + observe, 2-core CPU, hot loop) went from 19.3 to
+        # 3.9 us with T(k), E(k), the medians and the best drafting k (adaptive_k.round_k_star) kept
+        # between changes.
+        # A target-only round after a target-only one moves T(k > 0) only where that reads a
+        # target-only window: before periods were measured while no drafting verify was timed
+        # (t_verify), or when this round completed the periods (``_cost`` changes formula).
+        # Regression: a loop whose probes are watches on text that never drafts times no steady
+        # drafting round, so its periods stay unmeasured, and every round dropped what was kept
+        # (the policy's host time per round 5x a measured loop's, 2-core CPU).
+        if k_max > 0 or prev_k > 0 or self._periods_measured != measured or not (measured or self._verify.n):
+            self._costs.clear()
+            self.version += 1
+        else:
+            self._costs.pop(0, None)
 
     def __repr__(self) -> str:
         return (f"RoundCosts(t_verify={self.t_verify:.6f}, t_verify0={self.t_verify0:.6f}, "
